@@ -1,0 +1,116 @@
+"""The attention function registered as ``attn_implementation="paged"``, and its mask function."""
+
+from __future__ import annotations
+
+import torch
+
+from .cache.paged_cache import PagedCache
+from .kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from .kernels.torch_ops import dense_attention
+
+# Keyword arguments some models pass for attention features the paged kernels do not implement.
+_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
+def padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask function for ``"paged"``: the 2-D padding mask ``[batch, kv_length]``, or None when nothing is padding.
+
+    Causality, sliding windows and sequence boundaries are handled by the kernels, so no 4-D mask is ever built.
+    """
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def _check_supported(module: torch.nn.Module, attention_mask, dropout: float, kwargs: dict) -> None:
+    for name, feature in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"the paged attention backend does not support {feature} ({type(module).__name__})")
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"the paged attention backend supports causal attention only ({type(module).__name__})")
+    if dropout and module.training:
+        raise NotImplementedError("the paged attention backend is for inference: attention dropout is not supported")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError(
+            f"the paged attention backend takes a 2-D padding mask, got a {attention_mask.dim()}-D attention mask"
+        )
+
+
+def _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap):
+    """Attention without a PagedCache (a plain forward, or `generate(use_cache=False)`)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    last_key = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
+    key_pos = torch.arange(kv_len, device=query.device).unsqueeze(0)
+    mask = key_pos <= last_key
+    if sliding_window is not None:
+        mask = mask & (key_pos > last_key - sliding_window)
+    mask = mask[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, -kv_len:]
+    mask = mask | ~mask.any(dim=-1, keepdim=True)  # padding queries see nothing; keep them finite
+    out = dense_attention(query, key, value, mask, scale, softcap)
+    return out.transpose(1, 2).contiguous()
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    paged_cache: PagedCache | None = None,
+    paged_layer_idx: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Write the new keys/values into their blocks and attend through the block tables.
+
+    ``query`` is ``[B, Hq, S, D]`` and ``key``/``value`` ``[B, Hkv, S, D]`` (the new tokens only); returns
+    ``[B, S, Hq, D]`` as Transformers' attention functions do.
+    """
+    _check_supported(module, attention_mask, dropout, kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if paged_cache is None:
+        return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
+
+    batch, num_heads, q_len, head_dim = query.shape
+    valid = None if attention_mask is None else attention_mask[:, -q_len:]
+    meta = paged_cache.step_metadata(batch, q_len, valid)
+    k_cache, v_cache = paged_cache.layer(paged_layer_idx, key)
+
+    num_tokens = batch * q_len
+    q = query.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
+    k = key.transpose(1, 2).reshape(num_tokens, key.shape[1], head_dim)
+    v = value.transpose(1, 2).reshape(num_tokens, value.shape[1], head_dim)
+    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    nd = meta.num_decodes
+    if nd == num_tokens:
+        out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, softcap)
+    else:
+        prefill = paged_prefill_attention(
+            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:] - nd,
+            meta.max_query_len, scale, sliding_window, softcap,
+        )
+        if nd == 0:
+            out = prefill
+        else:
+            decode = paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window, softcap
+            )
+            out = torch.cat([decode, prefill])
+    return out.view(batch, q_len, num_heads, head_dim), None

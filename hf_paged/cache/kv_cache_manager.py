@@ -1,0 +1,145 @@
+"""Per-sequence block tables over a :class:`BlockPool`: allocation, sharing with copy-on-write, prefix caching."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from .block_pool import BlockPool, NoFreeBlocksError
+
+BlockCopy = tuple[int, int]
+
+
+class KVCacheManager:
+    """Maps sequence ids to the blocks that hold their KV.
+
+    A full block is identified by a hash chained to its parent block's hash and its own token ids, so two sequences
+    that start with the same tokens can share those blocks (prefix caching). Blocks are shared by reference counts;
+    a shared block that is only partly filled is copied before a sequence writes into it (copy-on-write).
+    """
+
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.tables: dict[Hashable, list[int]] = {}
+        self._hashes: dict[Hashable, list[int]] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self.tables.get(seq_id, [])
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _needs_copy(self, table: list[int], num_computed: int) -> bool:
+        """Whether the block that the next token goes into is shared and partly filled."""
+        if num_computed % self.block_size == 0 or not table:
+            return False
+        return self.pool.ref_counts[table[num_computed // self.block_size]] > 1
+
+    def num_blocks_needed(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> int:
+        """New blocks that :meth:`allocate` would take to hold ``num_tokens`` tokens."""
+        table = self.block_table(seq_id)
+        return max(0, self._blocks_for(num_tokens) - len(table)) + self._needs_copy(table, num_computed)
+
+    def allocate(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> list[BlockCopy]:
+        """Make room for tokens ``[num_computed, num_tokens)`` of ``seq_id``.
+
+        Returns the ``(src, dst)`` block copies the caller must perform on the KV tensors before writing (copy-on-
+        write of a shared, partly filled block). Raises :class:`NoFreeBlocksError` and changes nothing if the pool
+        is short.
+        """
+        table = self.tables.setdefault(seq_id, [])
+        needed = self.num_blocks_needed(seq_id, num_computed, num_tokens)
+        if needed > self.pool.num_free_blocks:
+            raise NoFreeBlocksError(needed, self.pool.num_free_blocks)
+        copies = []
+        if self._needs_copy(table, num_computed):
+            index = num_computed // self.block_size
+            (new,) = self.pool.allocate(1)
+            copies.append((table[index], new))
+            self.pool.free([table[index]])
+            table[index] = new
+        missing = self._blocks_for(num_tokens) - len(table)
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
+        return copies
+
+    def slots(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Flat cache slots of token positions ``[start, end)``."""
+        table, bs = self.tables[seq_id], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Attach the longest cached prefix of ``token_ids`` to the new sequence ``seq_id``.
+
+        Returns the number of tokens whose KV is already cached. At least one token is always left to compute, so the
+        model still produces logits for the last prompt token.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        blocks, hashes, parent = [], [], None
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            block_hash = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(block_hash)
+            parent = block_hash
+        self.pool.incref(blocks)
+        self.tables[seq_id] = blocks
+        self._hashes[seq_id] = hashes
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += len(blocks) * bs
+        return len(blocks) * bs
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Index the blocks of ``seq_id`` that are full once ``num_computed`` tokens are in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes.setdefault(seq_id, [])
+        table, bs = self.tables[seq_id], self.block_size
+        for i in range(len(hashes), num_computed // bs):
+            parent = hashes[-1] if hashes else None
+            block_hash = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(block_hash)
+            self.pool.cache(table[i], block_hash)
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """Let ``child`` share every block of ``parent``."""
+        table = list(self.tables[parent])
+        self.pool.incref(table)
+        self.tables[child] = table
+        self._hashes[child] = list(self._hashes.get(parent, []))
+
+    def select(self, sources: Sequence[Hashable]) -> None:
+        """Renumber: sequence ``i`` becomes a sharer of the blocks of old sequence ``sources[i]``."""
+        tables = [list(self.tables[source]) for source in sources]
+        for table in tables:
+            self.pool.incref(table)
+        self.free_all()
+        self.tables = dict(enumerate(tables))
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep only the blocks that hold the first ``num_tokens`` tokens."""
+        table = self.tables[seq_id]
+        keep = self._blocks_for(num_tokens)
+        self.pool.free(table[keep:])
+        del table[keep:]
+        hashes = self._hashes.get(seq_id)
+        if hashes is not None:
+            del hashes[num_tokens // self.block_size :]
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release every block of ``seq_id`` (cached full blocks stay revivable until evicted)."""
+        table = self.tables.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        if table:
+            self.pool.free(table)
+
+    def free_all(self) -> None:
+        for seq_id in list(self.tables):
+            self.free(seq_id)

@@ -1,0 +1,132 @@
+"""Plain-torch paged attention: the CPU path and the reference the Triton kernels are tested against.
+
+Layout shared by every implementation:
+
+* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``i`` of a sequence lives at
+  block ``block_tables[s, i // block_size]``, row ``i % block_size``.
+* Queries are packed without padding: ``query[query_start_loc[s]:query_start_loc[s + 1]]`` belong to sequence ``s``.
+* ``seq_lens[s]`` counts the keys of sequence ``s`` after this step's tokens were written. Query ``j`` of a sequence
+  with ``q`` queries sees keys ``[lo, hi)`` with ``hi = seq_lens[s] - q + j + 1`` and ``lo = hi - sliding_window``
+  (or 0). A query with ``hi <= 0`` (a left-padding position) sees nothing and returns zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into the flat slots ``slot_mapping`` (``-1`` = skip)."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention over contiguous tensors: q ``[B, Hq, Q, D]``, k/v ``[B, Hkv, K, D]``, bool mask broadcastable to
+    ``[B, Hq, Q, K]`` (True = attend). Softmax in fp32; float64 stays float64 (the reference path)."""
+    if softcap is None and q.dtype != torch.float64:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    if scores.dtype != torch.float64:
+        scores = scores.float()
+    scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One query token per sequence: ``query [S, Hq, D]`` -> ``[S, Hq, D]``.
+
+    The batch reads only its own pages: ``k_cache[block_tables]`` touches the blocks listed in the tables and
+    nothing else, so the cost follows each sequence's own context.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = block_tables.shape[1] * block_size
+    keys = k_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    pos = torch.arange(max_len, device=query.device)
+    lens = seq_lens.to(torch.long).unsqueeze(1)
+    mask = pos < lens
+    if sliding_window is not None:
+        mask &= pos >= lens - sliding_window
+    out = dense_attention(query.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap)
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Several query tokens per sequence, causal over the sequence's cached pages plus themselves.
+
+    ``query [T, Hq, D]`` packed by ``query_start_loc [S + 1]`` -> ``[T, Hq, D]``. Each sequence is attended on its
+    own, reading its own blocks only.
+    """
+    out = torch.zeros_like(query)
+    block_size = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q0, q1 = starts[s], starts[s + 1]
+        if q1 == q0 or seq_len == 0:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[s, :num_blocks]
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        last_key = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device).unsqueeze(1)
+        key_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+        mask = key_pos <= last_key
+        if sliding_window is not None:
+            mask &= key_pos > last_key - sliding_window
+        sees_nothing = ~mask.any(dim=1)
+        if bool(sees_nothing.all()):
+            continue
+        mask[sees_nothing, 0] = True
+        q = query[q0:q1].transpose(0, 1).unsqueeze(0)
+        seq_out = dense_attention(q, keys, values, mask[None, None], scale, softcap)[0].transpose(0, 1)
+        seq_out[sees_nothing] = 0
+        out[q0:q1] = seq_out
+    return out
