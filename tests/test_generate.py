@@ -1,0 +1,163 @@
+"""`model.generate` with attn_implementation="paged" gives the same tokens as Transformers' own attention."""
+
+import pytest
+import torch
+from transformers import TextStreamer, pipeline
+
+from hf_paged import PagedCache
+from tiny_models import ARCHITECTURES, tiny_model
+
+
+def _left_padded_batch(seed=0, lengths=(5, 17, 11, 24)):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = torch.randint(3, 256, (n,), generator=gen)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def _generate(model, impl, **kwargs):
+    model.set_attn_implementation(impl)
+    try:
+        return model.generate(**kwargs)
+    finally:
+        model.set_attn_implementation("paged")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tiny_architectures_greedy_match_reference(arch):
+    model, reference = tiny_model(arch)
+    ids, mask = _left_padded_batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = _generate(model, reference, **kwargs)
+    got = model.generate(**kwargs)
+    assert torch.equal(got, expected)
+    # One by one as well (no padding at all).
+    for row in range(ids.shape[0]):
+        single = ids[row : row + 1, mask[row].bool()]
+        one = dict(input_ids=single, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(**one), _generate(model, reference, **one))
+
+
+def test_sliding_window_is_shorter_than_the_sequence():
+    model, _ = tiny_model("mistral")
+    ids, _ = _left_padded_batch(lengths=(30,))
+    assert model.config.sliding_window < ids.shape[1]
+    kwargs = dict(input_ids=ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**kwargs), _generate(model, "sdpa", **kwargs))
+
+
+def test_smollm2_chat_prompts_one_by_one_and_batched(smollm2, chat_prompts):
+    model, tokenizer = smollm2
+    prompts = chat_prompts[:8]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert len(set(batch.attention_mask.sum(1).tolist())) > 1, "prompts must have mixed lengths"
+    kwargs = dict(**batch, max_new_tokens=16, do_sample=False)
+    assert torch.equal(model.generate(**kwargs), _generate(model, "sdpa", **kwargs))
+    for prompt in prompts:
+        one = dict(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=16, do_sample=False)
+        assert torch.equal(model.generate(**one), _generate(model, "sdpa", **one))
+
+
+def test_smollm2_answers_a_question(smollm2, chat_prompts):
+    model, tokenizer = smollm2
+    inputs = tokenizer(chat_prompts[0], return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, inputs.input_ids.shape[1] :])
+
+
+def test_seeded_sampling_matches_reference():
+    model, _ = tiny_model("llama")
+    ids, mask = _left_padded_batch(seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=20, temperature=0.8,
+                  pad_token_id=0)
+    torch.manual_seed(1234)
+    expected = _generate(model, "sdpa", **kwargs)
+    torch.manual_seed(1234)
+    assert torch.equal(model.generate(**kwargs), expected)
+
+
+def test_beam_search_matches_reference_and_frees_blocks():
+    model, _ = tiny_model("qwen2")
+    ids, mask = _left_padded_batch(seed=5, lengths=(7, 19))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, num_beams=3, do_sample=False, pad_token_id=0)
+    expected = _generate(model, "sdpa", **kwargs)
+    cache = PagedCache(model.config, num_blocks=64, block_size=8)
+    assert torch.equal(model.generate(**kwargs, cache=cache), expected)
+    cache.reset()
+    assert cache.pool.num_used_blocks == 0
+    assert all(count == 0 for count in cache.pool.ref_counts)
+
+
+def test_explicit_cache_block_accounting():
+    model, _ = tiny_model("llama")
+    ids, mask = _left_padded_batch(seed=7)
+    cache = PagedCache(model.config, num_blocks=40, block_size=8)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                         cache=cache)
+    # Every row holds exactly its real tokens (prompt without padding + generated, but the last token is not yet
+    # written): ceil(len / block_size) blocks each, nothing more.
+    lengths = [int(m.sum()) + 10 - 1 for m in mask]
+    assert cache.pool.num_used_blocks == sum(-(-n // 8) for n in lengths)
+    assert [len(cache.rows.block_table(r)) for r in range(len(lengths))] == [-(-n // 8) for n in lengths]
+    assert out.shape[1] == ids.shape[1] + 10
+    cache.reset()
+    assert cache.pool.num_used_blocks == 0 and cache.pool.num_free_blocks == 40
+
+
+def test_cache_too_small_raises_no_free_blocks():
+    from hf_paged import NoFreeBlocksError
+
+    model, _ = tiny_model("llama")
+    ids, mask = _left_padded_batch()
+    cache = PagedCache(model.config, num_blocks=3, block_size=8)
+    with pytest.raises(NoFreeBlocksError):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, cache=cache)
+
+
+def test_text_streamer_streams_the_same_text(smollm2, chat_prompts, capsys):
+    model, tokenizer = smollm2
+    inputs = tokenizer(chat_prompts[2], return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=12, do_sample=False,
+                         streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True))
+    printed = capsys.readouterr().out
+    assert printed.strip() == tokenizer.decode(out[0, inputs.input_ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_pipeline_batched(smollm2):
+    model, tokenizer = smollm2
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    messages = [[{"role": "user", "content": "What is the capital of France?"}],
+                [{"role": "user", "content": "Name the largest planet in the solar system."}],
+                [{"role": "user", "content": "Who wrote Romeo and Juliet?"}]]
+    outputs = pipe(messages, max_new_tokens=16, do_sample=False, batch_size=3)
+    answers = [o[0]["generated_text"][-1]["content"] for o in outputs]
+    assert "Paris" in answers[0]
+    model.set_attn_implementation("sdpa")
+    try:
+        reference = pipe(messages, max_new_tokens=16, do_sample=False, batch_size=3)
+    finally:
+        model.set_attn_implementation("paged")
+    assert answers == [o[0]["generated_text"][-1]["content"] for o in reference]
+
+
+def test_forward_without_cache_matches_reference():
+    model, _ = tiny_model("gemma2")
+    ids, mask = _left_padded_batch()
+    paged = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    model.set_attn_implementation("eager")
+    reference = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(paged[real], reference[real], rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_feature_is_named():
+    from hf_paged.attention import paged_attention_forward
+
+    module = torch.nn.Module()
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        paged_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))

@@ -1,0 +1,41 @@
+"""Tiny random-weight causal LMs of several architectures, built from configs (nothing downloaded)."""
+
+import torch
+from transformers import AutoModelForCausalLM
+
+COMMON = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, initializer_range=0.2)
+
+
+def _configs():
+    from transformers import (
+        Gemma2Config, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+    )
+
+    llama_like = dict(hidden_size=64, intermediate_size=128, **COMMON)
+    return {
+        # name: (config, reference attention implementation)
+        "llama": (LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **llama_like), "sdpa"),
+        "qwen2": (Qwen2Config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, intermediate_size=128,
+                              **COMMON), "sdpa"),
+        "qwen3": (Qwen3Config(num_attention_heads=4, num_key_value_heads=1, head_dim=32, **llama_like), "sdpa"),
+        "mistral": (MistralConfig(num_attention_heads=8, num_key_value_heads=2, sliding_window=8, **llama_like), "sdpa"),
+        "phi3": (Phi3Config(num_attention_heads=4, num_key_value_heads=4, **llama_like), "sdpa"),
+        "gpt2": (GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=256, bos_token_id=1,
+                            eos_token_id=2, pad_token_id=0, initializer_range=0.2), "sdpa"),
+        "gemma": (GemmaConfig(num_attention_heads=4, num_key_value_heads=1, head_dim=16, **llama_like), "sdpa"),
+        "gemma2": (Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                attn_logit_softcapping=5.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+                                **llama_like), "eager"),
+    }
+
+
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma", "gemma2"]
+
+
+def tiny_model(name: str, attn_implementation: str = "paged"):
+    """Returns ``(model, reference_attn_implementation)``, weights seeded so every call builds the same model."""
+    config, reference = _configs()[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval(), reference
