@@ -1,0 +1,125 @@
+"""Block pool and KV cache manager: accounting, sharing, copy-on-write, prefix caching, eviction."""
+
+import pytest
+
+from hf_paged.cache import BlockPool, KVCacheManager, NoFreeBlocksError
+
+
+def test_allocate_free_and_counts():
+    pool = BlockPool(8, block_size=4)
+    a = pool.allocate(3)
+    assert len(set(a)) == 3 and pool.num_used_blocks == 3 and pool.num_free_blocks == 5
+    pool.free(a)
+    assert pool.num_used_blocks == 0 and pool.num_free_blocks == 8
+
+
+def test_over_allocation_raises_and_leaves_state_unchanged():
+    pool = BlockPool(4, block_size=4)
+    held = pool.allocate(3)
+    with pytest.raises(NoFreeBlocksError) as err:
+        pool.allocate(2)
+    assert err.value.requested == 2 and err.value.free == 1
+    assert pool.num_free_blocks == 1 and pool.ref_counts == [1 if b in held else 0 for b in range(4)]
+
+
+def test_double_free_is_detected():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(RuntimeError):
+        pool.free([b])
+
+
+def test_refcounts_keep_shared_blocks_alive():
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.incref(blocks)
+    pool.free(blocks)
+    assert pool.num_used_blocks == 2
+    pool.free(blocks)
+    assert pool.num_used_blocks == 0
+
+
+def test_cached_blocks_are_evicted_last_and_least_recently_used_first():
+    pool = BlockPool(4, block_size=2)
+    a, b, c, d = pool.allocate(4)
+    pool.cache(a, 111)
+    pool.cache(b, 222)
+    pool.free([a])
+    pool.free([b])
+    pool.free([c, d])  # uncached: allocated before any cached block
+    assert set(pool.allocate(2)) == {c, d}
+    assert pool.lookup(111) == a and pool.lookup(222) == b
+    assert pool.allocate(1) == [a]  # least recently released cached block goes first
+    assert pool.lookup(111) is None and pool.lookup(222) == b
+    assert pool.num_cached_blocks == 1
+
+
+def test_manager_slots_cover_exactly_the_tokens():
+    manager = KVCacheManager(BlockPool(16, block_size=4))
+    manager.allocate("s", 0, 10)
+    table = manager.block_table("s")
+    assert len(table) == 3
+    assert manager.slots("s", 8, 10) == [table[2] * 4, table[2] * 4 + 1]
+    manager.allocate("s", 10, 12)
+    assert len(manager.block_table("s")) == 3
+    manager.allocate("s", 12, 13)
+    assert len(manager.block_table("s")) == 4
+    manager.free("s")
+    assert manager.pool.num_used_blocks == 0
+
+
+def test_allocate_failure_changes_nothing():
+    manager = KVCacheManager(BlockPool(3, block_size=4))
+    manager.allocate("a", 0, 8)
+    with pytest.raises(NoFreeBlocksError):
+        manager.allocate("b", 0, 9)
+    assert manager.block_table("b") == [] and manager.pool.num_used_blocks == 2
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
+    manager = KVCacheManager(BlockPool(8, block_size=4))
+    manager.allocate("p", 0, 6)
+    manager.fork("p", "c")
+    p_table = list(manager.block_table("p"))
+    assert manager.block_table("c") == p_table
+    assert manager.num_blocks_needed("c", 6, 7) == 1
+    copies = manager.allocate("c", 6, 7)
+    assert copies == [(p_table[1], manager.block_table("c")[1])]
+    assert manager.block_table("c")[0] == p_table[0] != manager.block_table("c")[1]
+    assert manager.allocate("p", 6, 7) == []  # the parent now owns its block alone
+    manager.free_all()
+    assert manager.pool.num_used_blocks == 0
+
+
+def test_prefix_matching_chains_hashes_and_counts_hits():
+    manager = KVCacheManager(BlockPool(16, block_size=4))
+    tokens = list(range(14))
+    manager.allocate("a", 0, 14)
+    manager.commit("a", tokens, 14)
+    assert manager.pool.num_cached_blocks == 3
+    # Same first 8 tokens, different third block.
+    other = tokens[:8] + [99] * 6
+    assert manager.match_prefix("b", other) == 8
+    assert manager.block_table("b") == manager.block_table("a")[:2]
+    # A different first block breaks the chain even if later blocks are equal.
+    assert manager.match_prefix("c", [99] * 4 + tokens[4:]) == 0
+    # The whole prompt is never served from cache: the last token must be computed.
+    assert manager.match_prefix("d", tokens[:12]) == 8
+    assert manager.prefix_hits == 16 and manager.prefix_queries == 14 + 14 + 12
+    manager.free_all()
+    assert manager.pool.num_used_blocks == 0
+    # Cached blocks survive their sequences until evicted.
+    assert manager.match_prefix("e", tokens) == 12
+
+
+def test_truncate_and_select():
+    manager = KVCacheManager(BlockPool(8, block_size=4), enable_prefix_caching=False)
+    manager.allocate(0, 0, 9)
+    manager.allocate(1, 0, 3)
+    manager.truncate(0, 5)
+    assert len(manager.block_table(0)) == 2 and manager.pool.num_used_blocks == 3
+    manager.select([0, 0, 1])
+    assert manager.block_table(0) == manager.block_table(1) and manager.pool.num_used_blocks == 3
+    manager.free_all()
+    assert manager.pool.num_used_blocks == 0

@@ -1,0 +1,57 @@
+"""The torch paged kernels (CPU path and reference) against a token-by-token float64 computation."""
+
+import pytest
+import torch
+
+from hf_paged.kernels import torch_ops
+from kernel_cases import make_case, naive_attention
+
+CASES = [
+    # seq_lens, q_lens (for prefill), kv heads, GQA groups, head dim, block size
+    ([1, 17, 32, 40], [1, 5, 32, 3], 2, 1, 64, 8),
+    ([9, 16, 33], [9, 2, 1], 1, 3, 80, 16),
+    ([50, 7], [4, 7], 2, 4, 96, 32),
+    ([20, 3, 64], [6, 3, 1], 1, 8, 128, 16),
+]
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
+@pytest.mark.parametrize("case_args", CASES)
+def test_decode_matches_naive(case_args, window, softcap):
+    seq_lens, _, kv_heads, groups, dim, bs = case_args
+    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs)
+    scale = dim**-0.5
+    got = torch_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                           case["seq_lens"], scale, window, softcap)
+    torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
+@pytest.mark.parametrize("case_args", CASES)
+def test_prefill_matches_naive(case_args, window, softcap):
+    seq_lens, q_lens, kv_heads, groups, dim, bs = case_args
+    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs)
+    scale = dim**-0.5
+    got = torch_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                            case["seq_lens"], case["query_start_loc"], case["max_query_len"], scale,
+                                            window, softcap)
+    torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_left_padding_queries_return_zeros():
+    # 6 query slots but only 4 real tokens: the first two queries see no key.
+    case = make_case([4], [6], 1, 2, 64, 8)
+    got = torch_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                            case["seq_lens"], case["query_start_loc"], 6, 0.125)
+    assert torch.count_nonzero(got[:2]) == 0
+    torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_reshape_and_cache_skips_negative_slots():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    torch_ops.reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([5, -1, 14]))
+    assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(k_cache[3, 2], key[2])
+    assert torch.equal(v_cache[3, 2], value[2])
+    assert torch.count_nonzero(k_cache) == 2 * 2 * 8
