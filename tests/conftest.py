@@ -5,6 +5,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels run interpreted on CPU; must precede any triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import hf_paged  # noqa: F401  (registers "paged")
 
 

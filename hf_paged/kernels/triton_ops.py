@@ -1,0 +1,294 @@
+"""Triton paged attention: the GPU path, with the same signatures and semantics as :mod:`.torch_ops`.
+
+The cache layout and the masking rule are described in :mod:`hf_paged.kernels.torch_ops`. In short: token ``i`` of
+sequence ``s`` lives at row ``i % block_size`` of block ``block_tables[s, i // block_size]`` of a
+``[num_blocks, block_size, num_kv_heads, head_dim]`` cache, and query ``j`` of a sequence with ``q`` new tokens sees
+keys ``[lo, hi)`` with ``hi = seq_len - q + j + 1`` and ``lo = max(0, hi - sliding_window)``.
+
+Both attention kernels walk the keys in tiles of ``BLOCK_N`` positions and look every position up in the block
+table, so a tile may span several (small) cache blocks and the block size need not match the tile. Scores, the
+online softmax and the accumulator are fp32; the output is cast back to the query dtype. A query that sees no key
+returns zeros. The kernels run under ``TRITON_INTERPRET=1`` on CPU as well (the tests rely on that).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention"]
+
+# Keys per tile. tl.dot needs every dimension >= 16, so the query-head and query-row tiles are >= 16 as well.
+_BLOCK_N = 64
+
+
+@triton.jit
+def _tanh(x):
+    """tanh through exp (no libdevice), stable for large ``|x|``."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_b, stride_kc_t, stride_kc_h, stride_vc_b, stride_vc_t, stride_vc_h,
+    num_kv_heads, head_dim, block_size,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (token, block of kv heads): copy the token's keys/values into its cache slot."""
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim) & (slot >= 0)
+    block = slot // block_size
+    row = slot % block_size
+
+    k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    k_dst = k_cache_ptr + block * stride_kc_b + row * stride_kc_t + heads[:, None] * stride_kc_h + dims[None, :]
+    v_dst = v_cache_ptr + block * stride_vc_b + row * stride_vc_t + heads[:, None] * stride_vc_h + dims[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, row_lo, row_hi, start,
+    k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+    stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
+    block_size, head_dim, scale, softcap,
+    USE_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Fold keys ``[start, start + BLOCK_N)`` into the online softmax of ``q`` (one row per query or head).
+
+    ``row_lo``/``row_hi`` give each row's visible key range; ``table_ptr`` points at the sequence's block table.
+    """
+    pos = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    in_range = pos < tl.max(row_hi, 0)
+    block = tl.load(table_ptr + pos // block_size, mask=in_range, other=0).to(tl.int64)
+    row = (pos % block_size).to(tl.int64)
+    dim_ok = dims < head_dim
+    k_t = tl.load(  # [BLOCK_D, BLOCK_N]: keys loaded transposed
+        k_cache_ptr + block[None, :] * stride_c_b + row[None, :] * stride_c_t + kv_head * stride_c_h + dims[:, None],
+        mask=in_range[None, :] & dim_ok[:, None], other=0.0,
+    )
+    v = tl.load(  # [BLOCK_N, BLOCK_D]
+        v_cache_ptr + block[:, None] * stride_vc_b + row[:, None] * stride_vc_t + kv_head * stride_vc_h
+        + dims[None, :],
+        mask=in_range[:, None] & dim_ok[None, :], other=0.0,
+    )
+
+    k_t = k_t.to(q.dtype)
+    if UPCAST_DOT:
+        q, k_t = q.to(tl.float32), k_t.to(tl.float32)
+    scores = tl.dot(q, k_t, input_precision="ieee") * scale
+    if USE_SOFTCAP:
+        scores = softcap * _tanh(scores / softcap)
+    visible = (pos[None, :] >= row_lo[:, None]) & (pos[None, :] < row_hi[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v.dtype)
+    if UPCAST_DOT:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, out_ptr,
+    stride_qs, stride_qh, stride_os, stride_oh, stride_table,
+    stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
+    group_size, head_dim, block_size, scale, window, softcap,
+    USE_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, kv head): the group's query heads attend together to the sequence's keys."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    heads = kv_head * group_size + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    io_mask = (tl.arange(0, BLOCK_H)[:, None] < group_size) & (dims[None, :] < head_dim)
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
+
+    hi = tl.load(seq_lens_ptr + seq)
+    lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
+    row_lo = tl.zeros([BLOCK_H], dtype=tl.int32) + lo
+    row_hi = tl.zeros([BLOCK_H], dtype=tl.int32) + hi
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, row_lo, row_hi, start,
+            k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_table, kv_head,
+            stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
+            block_size, head_dim, scale, softcap, USE_SOFTCAP, UPCAST_DOT, BLOCK_N, BLOCK_D,
+        )
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, out_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+    stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
+    group_size, head_dim, block_size, scale, window, softcap,
+    USE_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, query head, tile of BLOCK_M queries), causal over the sequence's pages."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q0 = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - q0
+    m0 = tl.program_id(2) * BLOCK_M
+    if m0 < q_len:
+        kv_head = head // group_size
+        rows = m0 + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        io_mask = (rows[:, None] < q_len) & (dims[None, :] < head_dim)
+        q_off = (q0 + rows[:, None]).to(tl.int64) * stride_qt + head * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+
+        seq_len = tl.load(seq_lens_ptr + seq)
+        row_hi = seq_len - q_len + rows + 1
+        row_hi = tl.where(rows < q_len, row_hi, 0)  # padding rows of the tile see nothing
+        row_lo = tl.where(window > 0, tl.maximum(row_hi - window, 0), 0)
+        # Keys any row of this tile can see: from the first row's lo to the last valid row's hi.
+        kv_lo = tl.where(window > 0, tl.maximum(seq_len - q_len + m0 + 1 - window, 0), 0)
+        kv_hi = seq_len - q_len + tl.minimum(m0 + BLOCK_M, q_len)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, row_lo, row_hi, start,
+                k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_table, kv_head,
+                stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
+                block_size, head_dim, scale, softcap, USE_SOFTCAP, UPCAST_DOT, BLOCK_N, BLOCK_D,
+            )
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = (q0 + rows[:, None]).to(tl.int64) * stride_ot + head * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _check_inner(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError("the head dimension must be contiguous")
+
+
+def _upcast_dot(query: torch.Tensor) -> bool:
+    """CPU tensors mean the interpreter, whose half-precision ``tl.dot`` is unreliable (bf16 multiplies raw bits).
+
+    The operands are rounded to the input dtype first and only then widened, so the numerics match the GPU path.
+    """
+    return query.device.type == "cpu"
+
+
+def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into the flat slots ``slot_mapping`` (``-1`` = skip)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_inner(key, value, k_cache, v_cache)
+    block_h = min(triton.next_power_of_2(num_kv_heads), 8)
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _reshape_and_cache_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *_cache_strides(k_cache, v_cache),
+        num_kv_heads, head_dim, k_cache.shape[1],
+        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One query token per sequence: ``query [S, Hq, D]`` -> ``[S, Hq, D]``."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    _check_inner(query, k_cache, v_cache)
+    _decode_kernel[(num_seqs, num_kv_heads)](
+        query, k_cache, v_cache, block_tables, seq_lens, out,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        group_size, head_dim, k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
+        USE_SOFTCAP=softcap is not None, UPCAST_DOT=_upcast_dot(query),
+        BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Several query tokens per sequence: ``query [T, Hq, D]`` packed by ``query_start_loc [S + 1]`` -> ``[T, Hq, D]``.
+
+    ``max_query_len`` must be at least the longest sequence's query count (it sizes the grid).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.zeros_like(query)
+    if num_tokens == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+    _check_inner(query, k_cache, v_cache)
+    block_m = min(64, max(16, triton.next_power_of_2(max_query_len)))
+    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *_cache_strides(k_cache, v_cache),
+        num_heads // num_kv_heads, head_dim, k_cache.shape[1], float(scale), int(sliding_window or 0),
+        float(softcap or 0.0),
+        USE_SOFTCAP=softcap is not None, UPCAST_DOT=_upcast_dot(query),
+        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out
