@@ -8,11 +8,24 @@ from .integration import ATTN_IMPLEMENTATION, register, uses_paged_attention
 
 register()
 
+from .generation import (  # noqa: E402  (after registration: the generator relies on it)
+    CompletionOutput,
+    ContinuousBatchGenerator,
+    EngineStats,
+    RequestOutput,
+    SamplingParams,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "BlockPool",
+    "CompletionOutput",
+    "ContinuousBatchGenerator",
+    "EngineStats",
+    "RequestOutput",
+    "SamplingParams",
     "KVCacheManager",
     "NoFreeBlocksError",
     "PagedCache",

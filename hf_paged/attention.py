@@ -99,8 +99,9 @@ def paged_attention_forward(
     reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
     nd = meta.num_decodes
+    decode_tables = meta.block_tables[:nd, : meta.decode_width]
     if nd == num_tokens:
-        out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, softcap)
+        out = paged_decode_attention(q, k_cache, v_cache, decode_tables, meta.seq_lens, scale, sliding_window, softcap)
     else:
         prefill = paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:] - nd,
@@ -110,7 +111,7 @@ def paged_attention_forward(
             out = prefill
         else:
             decode = paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, sliding_window, softcap
+                q[:nd], k_cache, v_cache, decode_tables, meta.seq_lens[:nd], scale, sliding_window, softcap
             )
             out = torch.cat([decode, prefill])
     return out.view(batch, q_len, num_heads, head_dim), None

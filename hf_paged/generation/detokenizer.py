@@ -1,0 +1,51 @@
+"""Incremental detokenization and stop-string matching."""
+
+from __future__ import annotations
+
+from .sequence import Sequence
+
+
+class Detokenizer:
+    """Turns each sequence's newest tokens into text, one step at a time."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special_ids = set(tokenizer.all_special_ids)
+
+    def step(self, seq: Sequence, skip_special_tokens: bool) -> str:
+        """Append the text of ``seq``'s newest tokens to ``seq.text`` and return what was added.
+
+        Tokens are decoded with a few tokens of left context, and text is released only once it no longer ends in
+        an incomplete UTF-8 character (U+FFFD), so multi-byte characters split over several tokens come out whole.
+        """
+        tokens = seq.token_ids
+        if skip_special_tokens and tokens[-1] in self.special_ids:
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens)
+        full = decode(tokens[seq.prefix_offset :], skip_special_tokens=skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        new_text = full[len(prefix) :]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
+        seq.text += new_text
+        return new_text
+
+
+def find_stop_string(seq: Sequence, new_text: str, stops: list[str], include_stop: bool) -> str | None:
+    """If a stop string appears in the text that ``new_text`` completed, cut ``seq.text`` there and return it."""
+    if not new_text or not stops:
+        return None
+    longest = max(len(s) for s in stops)
+    search_from = max(0, len(seq.text) - len(new_text) - longest + 1)
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = seq.text.find(stop, search_from)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    if best is None:
+        return None
+    pos, stop = best
+    seq.text = seq.text[: pos + len(stop) if include_stop else pos]
+    return stop

@@ -1,0 +1,402 @@
+"""`ContinuousBatchGenerator`: the public serving loop over any Transformers causal LM."""
+
+from __future__ import annotations
+
+import queue
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+from ..cache import KVCacheManager, KVCacheSpec, PagedCache
+from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
+from .detokenizer import Detokenizer, find_stop_string
+from .model_runner import ModelRunner
+from .sampler import SamplingBatch, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Request, RequestMetrics, RequestOutput, Sequence
+
+Prompt = str | list[int] | list[dict]
+DEFAULT_CPU_KV_MEMORY = 2 << 30
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class ContinuousBatchGenerator:
+    """Serves many requests at once over one model: requests join the running batch at every step and leave when done.
+
+    Args:
+        model: a Transformers causal LM; its attention is switched to ``"paged"``.
+        tokenizer: the model's tokenizer.
+        block_size: tokens per KV block.
+        num_blocks / kv_cache_memory: size the KV cache by blocks or bytes (default: 2 GiB on CPU, half the free
+            memory on GPU).
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens computed in one step; longer prompts are prefilled in chunks.
+        max_model_len: longest prompt + output (default: the model's context, capped by the cache size).
+        enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+    ):
+        if not getattr(model, "_supports_attention_backend", False):
+            raise ValueError(
+                f"{type(model).__name__} does not run its attention through Transformers' attention interface, "
+                "so the paged backend cannot serve it"
+            )
+        if not uses_paged_attention(model):
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        spec = KVCacheSpec.from_config(model.config)
+        if num_blocks is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = self._default_kv_memory(model.device)
+            num_blocks = kv_cache_memory // spec.bytes_per_block(block_size, model.dtype)
+        self.cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size, dtype=model.dtype,
+                                device=model.device)
+        self.cache.allocate(model.dtype, model.device)
+        self.kv = KVCacheManager(self.cache.pool, enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.kv)
+        self.runner = ModelRunner(model, self.cache, self.kv)
+        self.detokenizer = Detokenizer(tokenizer)
+        text_config = model.config.get_text_config(decoder=True)
+        limits = [num_blocks * block_size, getattr(text_config, "max_position_embeddings", None), max_model_len]
+        self.max_model_len = min(limit for limit in limits if limit)
+        self.eos_token_ids = self._eos_token_ids(model, tokenizer)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.requests: dict[str, Request] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._check_model_runs()
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    @staticmethod
+    def _default_kv_memory(device: torch.device) -> int:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return free // 2
+        return DEFAULT_CPU_KV_MEMORY
+
+    @staticmethod
+    def _eos_token_ids(model, tokenizer) -> set[int]:
+        ids = set()
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return ids
+
+    def _check_model_runs(self) -> None:
+        """One tiny real step, so a model the paged backend cannot drive is refused here, not mid-serving."""
+        probe = self.add_request([self.tokenizer.eos_token_id or 0], SamplingParams(max_tokens=1, temperature=0))
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+        except TypeError as err:
+            raise ValueError(f"{type(self.model).__name__} cannot run with the paged backend: {err}") from err
+        assert probe not in self.requests and self.kv.pool.num_used_blocks == 0
+        self.kv.pool.reset()
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        self._prompt_tokens = self._generation_tokens = 0
+
+    # ------------------------------------------------------------------------------------------- requests
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}")
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; it joins the batch at the next step. Raises ``ValueError`` for bad input."""
+        params = self._params(sampling_params)
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long but this engine's context (max_model_len) is "
+                f"{self.max_model_len} tokens, prompt and output together"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        self._inbox.put(("add", Request(request_id, text, token_ids, params, seed)))
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed at the next step, which reports it with ``finish_reason="abort"``."""
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or not self._inbox.empty()
+
+    @staticmethod
+    def _params(params: SamplingParams | GenerationConfig | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, GenerationConfig):
+            return SamplingParams.from_generation_config(params)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams or GenerationConfig, got {type(params)}")
+        return params
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        aborted = []
+        while not self._inbox.empty():
+            action, item = self._inbox.get()
+            if action == "add":
+                self.requests[item.request_id] = item
+                self.scheduler.add(item.seqs[0])
+                self._prompt_tokens += item.num_prompt_tokens
+            elif item in self.requests:
+                request = self.requests.pop(item)
+                for seq in request.seqs:
+                    if not seq.is_finished:
+                        seq.finish_reason = "abort"
+                        self.scheduler.finish(seq)
+                request.metrics.finished_time = time.monotonic()
+                output = request.to_output()
+                output.finished = True
+                aborted.append(output)
+        return aborted
+
+    # ----------------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that changed (new tokens, finished or aborted)."""
+        outputs = self._drain_inbox()
+        if not self.scheduler.has_work():
+            return outputs
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+        logits, sampled = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if not sampled:
+            return outputs
+        rows, draws = self._expand_forks(sampled)
+        if len(rows) != len(sampled):
+            logits = logits[rows]
+        result = sample(logits, self._sampling_batch(draws))
+        now = time.monotonic()
+        changed: dict[str, Request] = {}
+        for i, (seq, sample_index) in enumerate(draws):
+            if sample_index > 0:
+                seq = self._fork(seq, sample_index)
+            self._append(seq, result.token_ids[i], result, i, now)
+            changed[seq.request.request_id] = seq.request
+        for request in changed.values():
+            if request.is_finished:
+                request.metrics.finished_time = now
+                del self.requests[request.request_id]
+            outputs.append(request.to_output())
+        return outputs
+
+    def _expand_forks(self, sampled: list[Sequence]) -> tuple[list[int], list[tuple[Sequence, int]]]:
+        """A request with ``n > 1`` draws ``n`` first tokens from its prompt's logits; its samples then diverge."""
+        rows, draws = [], []
+        for row, seq in enumerate(sampled):
+            request = seq.request
+            count = request.params.n if len(request.seqs) == 1 and seq.num_output_tokens == 0 else 1
+            for k in range(count):
+                rows.append(row)
+                draws.append((seq, k))
+        return rows, draws
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        child = parent.fork(index)
+        parent.request.seqs.append(child)
+        self.kv.fork(parent.seq_id, child.seq_id)
+        self.scheduler.add_running(child)
+        return child
+
+    def _sampling_batch(self, draws: list[tuple[Sequence, int]]) -> SamplingBatch:
+        device = self.model.device
+        params = [seq.request.params for seq, _ in draws]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        sampling = [p for p in params if not p.greedy]
+        batch = SamplingBatch(
+            temperature=column([p.temperature for p in params], torch.float32),
+            top_k=column([p.top_k for p in params], torch.long),
+            top_p=column([p.top_p for p in params], torch.float32),
+            min_p=column([p.min_p for p in params], torch.float32),
+            seeds=column([seq.request.seed for seq, _ in draws], torch.long),
+            counters=column([seq.num_output_tokens * p.n + seq.index + k for (seq, k), p in zip(draws, params)], torch.long),
+            all_greedy=not sampling,
+            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampling),
+            needs_min_p=any(p.min_p > 0 for p in sampling),
+        )
+        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+            batch.repetition_penalty = column([p.repetition_penalty for p in params], torch.float32)
+            batch.presence_penalty = column([p.presence_penalty for p in params], torch.float32)
+            batch.frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
+            batch.prompt_tokens = self._padded([seq.request.prompt_token_ids for seq, _ in draws])
+            batch.output_tokens = self._padded([seq.output_token_ids for seq, _ in draws])
+        banned_rows, banned_tokens = [], []
+        for row, ((seq, _), p) in enumerate(zip(draws, params)):
+            if seq.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                banned_rows += [row] * len(stops)
+                banned_tokens += sorted(stops)
+        if banned_rows:
+            batch.banned = (column(banned_rows, torch.long), column(banned_tokens, torch.long))
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        if wanted:
+            batch.max_logprobs = max(1, *wanted)
+        return batch
+
+    def _padded(self, lists: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(x) for x in lists))
+        return torch.tensor([x + [-1] * (width - len(x)) for x in lists], dtype=torch.long, device=self.model.device)
+
+    def _append(self, seq: Sequence, token: int, result, row: int, now: float) -> None:
+        request, params = seq.request, seq.request.params
+        seq.token_ids.append(token)
+        self._generation_tokens += 1
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if seq.logprobs is not None:
+            top = dict(zip(result.top_ids[row][: params.logprobs], result.top_logprobs[row][: params.logprobs]))
+            top[token] = result.sampled_logprobs[row]
+            seq.logprobs.append(top)
+            seq.cumulative_logprob += result.sampled_logprobs[row]
+        new_text = self.detokenizer.step(seq, params.skip_special_tokens)
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+            else:
+                stop = find_stop_string(seq, new_text, params.stop, params.include_stop_str_in_output)
+                if stop is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+        if seq.finish_reason is None and (
+            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+            or seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    # ------------------------------------------------------------------------------------- batch interfaces
+    def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            per_prompt = sampling_params
+        else:
+            per_prompt = [sampling_params] * len(prompts)
+        submitted = []
+        for prompt, params in zip(prompts, per_prompt):
+            try:
+                submitted.append((self.add_request(prompt, params), None))
+            except ValueError as err:
+                failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [], True,
+                                       RequestMetrics(time.monotonic()), error=str(err))
+                submitted.append((None, failed))
+        return submitted
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield each request's output every time it grows; refused prompts come first with ``error`` set."""
+        submitted = self._submit(prompts, sampling_params)
+        pending = {rid for rid, _ in submitted if rid is not None}
+        for _, failed in submitted:
+            if failed is not None:
+                yield failed
+        while pending:
+            for output in self.step():
+                if output.request_id in pending:
+                    if output.finished:
+                        pending.discard(output.request_id)
+                    yield output
+
+    def run(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for all ``prompts`` together; outputs come back in input order.
+
+        ``sampling_params`` is one `SamplingParams` (or `GenerationConfig`) for all, a list with one per prompt, or
+        None for the defaults. A prompt that cannot be served (empty, too long) gets an output with ``error`` set.
+        """
+        submitted = self._submit(prompts, sampling_params)
+        results = {rid: None for rid, _ in submitted if rid is not None}
+        with tqdm(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:
+            bar.update(len(submitted) - len(results))
+            for output in self.stream_ids(set(results)):
+                results[output.request_id] = output
+                bar.update(1)
+        return [failed if rid is None else results[rid] for rid, failed in submitted]
+
+    def stream_ids(self, request_ids: set[str]) -> Iterator[RequestOutput]:
+        """Step until the given requests finish, yielding each one's final output."""
+        pending = set(request_ids)
+        while pending:
+            for output in self.step():
+                if output.finished and output.request_id in pending:
+                    pending.discard(output.request_id)
+                    yield output
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=pool.num_used_blocks / pool.num_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_blocks=pool.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )

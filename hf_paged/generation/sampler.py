@@ -1,0 +1,124 @@
+"""Batched sampling: penalties, temperature, top-k/top-p/min-p and seeded draws for all rows at once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK31 = (1 << 31) - 1
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash (xor-shift-multiply rounds); products stay below 2**63."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK31
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK31
+    return x ^ (x >> 16)
+
+
+def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform number in (0, 1) per row, a pure function of (seed, counter).
+
+    A counter-based draw makes each request's samples depend only on its own seed and position, never on which
+    other requests share the batch, and needs no per-request generator object or Python loop.
+    """
+    h = _mix((seeds & _MASK31) ^ _mix((seeds >> 31) & _MASK31))
+    h = _mix(h ^ (counters & _MASK31))
+    h = _mix(h ^ 0x2545F491)
+    return (h.double() + 0.5) / float(1 << 31)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [R] float, 0 = greedy
+    top_k: torch.Tensor  # [R] long, 0 = off
+    top_p: torch.Tensor  # [R] float
+    min_p: torch.Tensor  # [R] float
+    seeds: torch.Tensor  # [R] long
+    counters: torch.Tensor  # [R] long: distinct for every draw of a request
+    all_greedy: bool
+    needs_sort: bool
+    needs_min_p: bool
+    # Penalties (None when no row uses any).
+    repetition_penalty: torch.Tensor | None = None  # [R]
+    presence_penalty: torch.Tensor | None = None  # [R]
+    frequency_penalty: torch.Tensor | None = None  # [R]
+    prompt_tokens: torch.Tensor | None = None  # [R, P] padded with -1
+    output_tokens: torch.Tensor | None = None  # [R, O] padded with -1
+    # Tokens forbidden for a row this step (min_tokens not reached): (row indices, token ids).
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    max_logprobs: int = 0
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # When logprobs were asked for: the sampled token's logprob and the top-k (ids, logprobs) per row.
+    sampled_logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.float32, device=tokens.device)
+    index = torch.where(tokens < 0, vocab_size, tokens)
+    counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[1]
+    output_counts = _token_counts(batch.output_tokens, vocab)
+    seen = (output_counts > 0) | (_token_counts(batch.prompt_tokens, vocab) > 0)
+    rep = batch.repetition_penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * output_counts
+    return logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0).float()
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Pick one token per row of ``logits [R, vocab]``."""
+    logits = logits.float()
+    raw = logits
+    if batch.repetition_penalty is not None:
+        logits = apply_penalties(logits, batch)
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+        scaled = logits / temperature.unsqueeze(1)
+        if batch.needs_sort:
+            scaled, order = scaled.sort(dim=-1, descending=True)
+            vocab = scaled.shape[1]
+            k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab))
+            positions = torch.arange(vocab, device=scaled.device)
+            scaled = scaled.masked_fill(positions >= k.unsqueeze(1), float("-inf"))
+            probs = scaled.softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs
+            probs = probs.masked_fill(before > batch.top_p.unsqueeze(1), 0.0)
+        else:
+            probs = scaled.softmax(dim=-1)
+        if batch.needs_min_p:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
+        cdf = probs.double().cumsum(dim=-1)
+        threshold = uniform_from_counter(batch.seeds, batch.counters) * cdf[:, -1]
+        picked = torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        if batch.needs_sort:
+            picked = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+        tokens = torch.where(batch.temperature > 0, picked, greedy_tokens)
+    token_list = tokens.tolist()
+    if not batch.max_logprobs:
+        return SamplerOutput(token_list)
+    logprobs = raw.log_softmax(dim=-1)
+    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top = logprobs.topk(batch.max_logprobs, dim=-1)
+    return SamplerOutput(token_list, sampled.tolist(), top.indices.tolist(), top.values.tolist())

@@ -1,0 +1,106 @@
+"""`SamplingParams`: how one request is decoded, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from transformers import GenerationConfig
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters of one request, with vLLM's names and meanings.
+
+    ``temperature=0`` is greedy. Penalties follow vLLM: ``repetition_penalty`` (> 1 discourages every token seen in
+    the prompt or output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, on output tokens). ``seed`` makes
+    a request's samples reproducible whatever else is in the batch. ``stop`` strings are matched on the detokenized
+    text and cut out unless ``include_stop_str_in_output``. ``logprobs=k`` returns the ``k`` most likely tokens'
+    log-probabilities (and the sampled one's) at each step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check(self.n >= 1, "n", self.n, "an integer >= 1")
+        self._check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
+        self._check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        self._check(self.top_k >= 0 or self.top_k == -1, "top_k", self.top_k, "0 or -1 (off) or a positive integer")
+        self._check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        self._check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        self._check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
+        self._check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        self._check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
+        self._check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None:
+            self._check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens")
+        self._check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
+        self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @staticmethod
+    def _check(ok: bool, name: str, value, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_generation_config(cls, config: GenerationConfig) -> "SamplingParams":
+        """Map a Transformers `GenerationConfig` onto `SamplingParams`; anything that cannot be mapped is an error."""
+        defaults = GenerationConfig()
+        supported = {
+            "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
+            "min_new_tokens", "num_return_sequences", "stop_strings", "eos_token_id", "pad_token_id", "bos_token_id",
+            "use_cache", "output_logits", "return_dict_in_generate", "max_length", "cache_implementation",
+            "transformers_version", "_from_model_config",
+        }
+        unmapped = [
+            key for key, value in config.to_diff_dict().items()
+            if key not in supported and value != getattr(defaults, key, None)
+        ]
+        if unmapped:
+            raise ValueError(f"GenerationConfig options with no SamplingParams equivalent: {sorted(unmapped)}")
+        if config.max_new_tokens is None and config.max_length != defaults.max_length:
+            raise ValueError("GenerationConfig.max_length cannot be mapped (prompts differ in length): use max_new_tokens")
+        sample = bool(config.do_sample)
+        return cls(
+            n=config.num_return_sequences or 1,
+            temperature=(config.temperature if config.temperature is not None else 1.0) if sample else 0.0,
+            top_p=(config.top_p if config.top_p is not None else 1.0) if sample else 1.0,
+            top_k=(config.top_k or 0) if sample else 0,
+            min_p=(config.min_p or 0.0) if sample else 0.0,
+            repetition_penalty=config.repetition_penalty or 1.0,
+            max_tokens=config.max_new_tokens if config.max_new_tokens is not None else 16,
+            min_tokens=config.min_new_tokens or 0,
+            stop=config.stop_strings,
+            stop_token_ids=[config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id,
+        )
+
+    def replace(self, **changes) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)
+
