@@ -34,6 +34,7 @@ class EngineStats:
     num_used_blocks: int
     num_blocks: int
     num_preemptions: int
+    num_partial_prefills: int
     prefix_cache_queries: int
     prefix_cache_hits: int
     prompt_tokens: int
@@ -395,6 +396,7 @@ class ContinuousBatchGenerator:
             num_used_blocks=pool.num_used_blocks,
             num_blocks=pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_partial_prefills=self.scheduler.num_partial_prefills,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             prompt_tokens=self._prompt_tokens,

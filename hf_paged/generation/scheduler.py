@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_partial_prefills = 0  # steps in which a prompt was computed only in part (chunked prefill)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,6 +99,7 @@ class Scheduler:
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
+        self.num_partial_prefills += sum(n < s.num_tokens - s.num_computed_tokens for s, n in picked)
         picked.sort(key=lambda item: item[1] != 1)
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], copies)
 

@@ -1,0 +1,237 @@
+"""ContinuousBatchGenerator on the real SmolLM2: exactness against `generate`, caching, preemption, sampling, errors."""
+
+import pytest
+import torch
+
+from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged.generation.sequence import SequenceStatus
+
+MAX_TOKENS = [8, 24, 16, 32, 12, 20, 28, 10, 18, 26, 14, 30, 9, 22, 17, 25]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2, chat_prompts):
+    _, tokenizer = smollm2
+    return [tokenizer(p).input_ids for p in chat_prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, prompt_ids):
+    """Transformers' own `generate` (sdpa), each prompt alone."""
+    model, _ = smollm2
+    model.set_attn_implementation("sdpa")
+    try:
+        outs = []
+        for ids, max_tokens in zip(prompt_ids, MAX_TOKENS):
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+            outs.append(out[0, len(ids) :].tolist())
+        return outs
+    finally:
+        model.set_attn_implementation("paged")
+
+
+def make_generator(smollm2, **kwargs):
+    model, tokenizer = smollm2
+    kwargs.setdefault("num_blocks", 256)
+    return ContinuousBatchGenerator(model, tokenizer, **kwargs)
+
+
+def assert_no_leak(gen):
+    assert not gen.has_unfinished_requests()
+    assert gen.kv.pool.num_used_blocks == 0
+    assert all(count == 0 for count in gen.kv.pool.ref_counts)
+
+
+def run_greedy(gen, prompt_ids):
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS]
+    return [o.outputs[0].token_ids for o in gen.run(prompt_ids, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(enable_prefix_caching=False),
+        dict(num_blocks=24, block_size=8),
+        dict(max_num_batched_tokens=16),
+    ],
+    ids=["default", "no-prefix-caching", "preemption", "chunked-prefill"],
+)
+def test_batch_is_token_identical_to_generate_alone(smollm2, prompt_ids, reference, options):
+    gen = make_generator(smollm2, **options)
+    assert run_greedy(gen, prompt_ids) == reference
+    stats = gen.stats()
+    if "num_blocks" in options:
+        assert stats.num_preemptions > 0
+    if "max_num_batched_tokens" in options:
+        assert stats.num_partial_prefills > 0
+    assert_no_leak(gen)
+
+
+def test_prefix_caching_hits_on_a_shared_system_prompt(smollm2):
+    model, tokenizer = smollm2
+    system = ("You are a helpful assistant for a small bakery. Answer briefly, politely and only about bread, cakes, "
+              "opening hours (eight to six) and prices, which you can look up in the price list.")
+    questions = ["Do you sell rye bread?", "When do you open?", "How much is a croissant?", "Do you bake cakes?"]
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    cold = make_generator(smollm2, enable_prefix_caching=False).run(prompts, params, use_tqdm=False)
+    gen = make_generator(smollm2)
+    gen.run(prompts[:1], params, use_tqdm=False)
+    warm = gen.run(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
+    stats = gen.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
+    assert all(o.num_cached_tokens >= 32 for o in warm)
+    assert_no_leak(gen)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16)
+    alone = gen.run([chat_prompts[1]], params, use_tqdm=False)[0].outputs[0].text
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=8 + i) for i in range(15)]
+    batch = gen.run([chat_prompts[1]] + chat_prompts[:15], [params] + others, use_tqdm=False)
+    assert batch[0].outputs[0].text == alone
+    assert len({o.outputs[0].text for o in batch}) > 5
+    assert_no_leak(gen)
+
+
+def test_stop_strings_cut_exactly(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    free = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    text = free.outputs[0].text
+    stop = text[10:14]
+    assert stop.strip() and text.find(stop) == 10
+    cut = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=30, stop=[stop]), use_tqdm=False)[0]
+    assert cut.outputs[0].text == text[:10]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    kept = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=30, stop=[stop],
+                                                     include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == text[:14]
+    assert_no_leak(gen)
+
+
+def test_n_samples_share_prompt_blocks(smollm2, chat_prompts):
+    gen = make_generator(smollm2, block_size=8)
+    rid = gen.add_request(chat_prompts[6], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12))
+    while rid not in gen.requests or len(gen.requests[rid].seqs) < 4:
+        gen.step()
+    seqs = gen.requests[rid].seqs
+    tables = [gen.kv.block_table(s.seq_id) for s in seqs]
+    prompt_blocks = len(seqs[0].request.prompt_token_ids) // 8
+    assert prompt_blocks >= 2
+    assert all(t[:prompt_blocks] == tables[0][:prompt_blocks] for t in tables)
+    assert all(gen.kv.pool.ref_counts[b] == 4 for b in tables[0][:prompt_blocks])
+    final = None
+    while gen.has_unfinished_requests():
+        for out in gen.step():
+            final = out
+    assert len(final.outputs) == 4 and [o.index for o in final.outputs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in final.outputs}) > 1
+    assert_no_leak(gen)
+
+
+def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    keep = gen.add_request(chat_prompts[0], SamplingParams(temperature=0, max_tokens=6))
+    drop = gen.add_request(chat_prompts[6], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        gen.step()
+    used_with_both = gen.kv.pool.num_used_blocks
+    gen.abort_request(drop)
+    outputs = {o.request_id: o for o in gen.step()}
+    assert outputs[drop].finished and outputs[drop].outputs[0].finish_reason == "abort"
+    assert gen.kv.pool.num_used_blocks < used_with_both
+    while gen.has_unfinished_requests():
+        for out in gen.step():
+            outputs[out.request_id] = out
+    assert outputs[keep].outputs[0].finish_reason in ("stop", "length")
+    assert_no_leak(gen)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(params=lambda: SamplingParams(temperature=-1)), "temperature"),
+        (dict(params=lambda: SamplingParams(top_p=0)), "top_p"),
+        (dict(params=lambda: SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(prompt="word " * 3000), "max_model_len"),
+    ],
+    ids=["empty", "temperature", "top_p", "max_tokens", "too-long"],
+)
+def test_bad_input_fails_alone(smollm2, chat_prompts, bad, message):
+    gen = make_generator(smollm2, max_model_len=2048)
+    if "params" in bad:
+        with pytest.raises(ValueError, match=message):
+            bad["params"]()
+        return
+    outputs = gen.run([chat_prompts[0], bad["prompt"], chat_prompts[3]], SamplingParams(temperature=0, max_tokens=8),
+                      use_tqdm=False)
+    assert message in outputs[1].error and outputs[1].finished and not outputs[1].outputs
+    assert outputs[0].error is None and "Paris" in outputs[0].outputs[0].text
+    assert outputs[2].outputs[0].token_ids
+    with pytest.raises(ValueError, match=message):
+        gen.add_request(bad["prompt"])
+    assert_no_leak(gen)
+
+
+def test_logprobs_and_timings(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    out = gen.run([chat_prompts[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3), use_tqdm=False)[0]
+    steps = out.outputs[0].logprobs
+    assert len(steps) == len(out.outputs[0].token_ids)
+    for token, top in zip(out.outputs[0].token_ids, steps):
+        assert token in top and top[token] == max(top.values()) and len(top) == 3
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_stream_yields_growing_text(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    texts = [o.outputs[0].text for o in gen.stream([chat_prompts[2]], SamplingParams(temperature=0, max_tokens=12))]
+    assert len(texts) == 12 and all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert_no_leak(gen)
+
+
+def test_multibyte_characters_detokenize_whole(smollm2):
+    _, tokenizer = smollm2
+    gen = make_generator(smollm2)
+    text = "Café 東京 🍣 naïve"
+    ids = tokenizer(text).input_ids
+    # Feed the tokens one at a time through the detokenizer as if they were being generated.
+    from hf_paged.generation.detokenizer import Detokenizer
+    from hf_paged.generation.sequence import Request
+
+    request = Request("x", None, ids[:1], SamplingParams(), seed=0)
+    seq = request.seqs[0]
+    pieces = []
+    for token in ids[1:]:
+        seq.token_ids.append(token)
+        pieces.append(Detokenizer(tokenizer).step(seq, True))
+    assert all("\ufffd" not in p for p in pieces)
+    assert tokenizer.decode(ids[:1]) + "".join(pieces) == text
+    assert seq.status is SequenceStatus.WAITING and gen.kv.pool.num_used_blocks == 0
+
+
+def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
+    from transformers import GenerationConfig
+
+    params = SamplingParams.from_generation_config(GenerationConfig(max_new_tokens=7, do_sample=False))
+    assert params.greedy and params.max_tokens == 7
+    with pytest.raises(ValueError, match="num_beams"):
+        SamplingParams.from_generation_config(GenerationConfig(num_beams=4))
+    gen = make_generator(smollm2)
+    out = gen.run([chat_prompts[0]], GenerationConfig(max_new_tokens=5, do_sample=False), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_model_outside_the_attention_interface_is_refused(smollm2):
+    _, tokenizer = smollm2
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=49152, hidden_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=64))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
+        ContinuousBatchGenerator(model, tokenizer, num_blocks=16)
