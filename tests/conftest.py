@@ -1,6 +1,7 @@
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 
 import pytest
 import torch
