@@ -1,0 +1,78 @@
+"""The batched sampler: filters, penalties and seeded draws."""
+
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from hf_paged.generation.sampler import SamplingBatch, sample, uniform_from_counter
+
+
+def batch_for(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None, **extra):
+    full = lambda v, dtype: torch.full((rows,), v, dtype=dtype)  # noqa: E731
+    return SamplingBatch(
+        temperature=full(temperature, torch.float32), top_k=full(top_k, torch.long), top_p=full(top_p, torch.float32),
+        min_p=full(min_p, torch.float32),
+        seeds=torch.tensor(seeds if seeds is not None else list(range(rows))),
+        counters=torch.tensor(counters if counters is not None else [0] * rows),
+        all_greedy=temperature == 0, needs_sort=top_k > 0 or top_p < 1, needs_min_p=min_p > 0, **extra,
+    )
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, batch_for(32, top_k=1)).token_ids == logits.argmax(-1).tolist()
+    assert sample(logits, batch_for(32, top_p=1e-6)).token_ids == logits.argmax(-1).tolist()
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(20000, 4)
+    tokens = torch.tensor(sample(logits, batch_for(20000, seeds=list(range(20000)))).token_ids)
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_top_p_and_min_p_remove_the_tail():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(4000, 4)
+    top_p = set(sample(logits, batch_for(4000, top_p=0.7, seeds=list(range(4000)))).token_ids)
+    assert top_p == {0, 1}
+    min_p = set(sample(logits, batch_for(4000, min_p=0.2, seeds=list(range(4000)))).token_ids)
+    assert min_p == {0, 1, 2}
+
+
+def test_uniform_is_a_function_of_seed_and_counter():
+    seeds, counters = torch.tensor([1, 2, 1, 1]), torch.tensor([0, 0, 0, 1])
+    u = uniform_from_counter(seeds, counters)
+    assert u[0] == u[2] and u[0] != u[1] and u[0] != u[3]
+    many = uniform_from_counter(torch.full((50000,), 42), torch.arange(50000))
+    assert 0 < many.min() and many.max() < 1 and abs(many.mean().item() - 0.5) < 0.01
+
+
+def test_repetition_penalty_matches_transformers():
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    prompt = torch.tensor([[3, 4, -1], [7, 8, 9]])
+    output = torch.tensor([[5, -1], [9, 10]])
+    batch = batch_for(2, temperature=0, repetition_penalty=torch.tensor([1.3, 1.3]),
+                      presence_penalty=torch.zeros(2), frequency_penalty=torch.zeros(2), prompt_tokens=prompt,
+                      output_tokens=output)
+    from hf_paged.generation.sampler import apply_penalties
+
+    seen = torch.tensor([[3, 4, 5, 5], [7, 8, 9, 10]])
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone())
+    torch.testing.assert_close(apply_penalties(logits, batch), expected)
+
+
+def test_frequency_and_presence_penalties():
+    logits = torch.zeros(1, 10)
+    batch = batch_for(1, temperature=0, repetition_penalty=torch.ones(1), presence_penalty=torch.tensor([0.5]),
+                      frequency_penalty=torch.tensor([0.25]), prompt_tokens=torch.tensor([[1]]),
+                      output_tokens=torch.tensor([[2, 2, 3]]))
+    from hf_paged.generation.sampler import apply_penalties
+
+    out = apply_penalties(logits, batch)
+    assert out[0, 2].item() == -1.0 and out[0, 3].item() == -0.75 and out[0, 1].item() == 0.0
+
+
+def test_banned_tokens_are_never_drawn():
+    logits = torch.tensor([[10.0, 0.0, 0.0]]).expand(100, 3)
+    banned = (torch.arange(100), torch.zeros(100, dtype=torch.long))
+    assert 0 not in sample(logits, batch_for(100, banned=banned)).token_ids
