@@ -3,8 +3,12 @@
 import torch
 
 
-def make_case(seq_lens, q_lens, num_kv_heads, groups, head_dim, block_size, dtype=torch.float32, seed=0):
-    """KV caches with shuffled (non-contiguous, out of order) block tables, plus packed queries."""
+def make_case(seq_lens, q_lens, num_kv_heads, groups, head_dim, block_size, dtype=torch.float32, seed=0,
+              head_major=False):
+    """KV caches with shuffled (non-contiguous, out of order) block tables, plus packed queries.
+
+    ``head_major`` stores the caches as PagedCache does (heads outermost in memory, permuted views).
+    """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
@@ -18,6 +22,9 @@ def make_case(seq_lens, q_lens, num_kv_heads, groups, head_dim, block_size, dtyp
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
+    if head_major:
+        k_cache = k_cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+        v_cache = v_cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     num_heads = num_kv_heads * groups
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)

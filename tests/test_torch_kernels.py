@@ -15,22 +15,24 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["contiguous", "head-major"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
 @pytest.mark.parametrize("case_args", CASES)
-def test_decode_matches_naive(case_args, window, softcap):
+def test_decode_matches_naive(case_args, window, softcap, head_major):
     seq_lens, _, kv_heads, groups, dim, bs = case_args
-    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs)
+    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs, head_major=head_major)
     scale = dim**-0.5
     got = torch_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                            case["seq_lens"], scale, window, softcap)
     torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["contiguous", "head-major"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
 @pytest.mark.parametrize("case_args", CASES)
-def test_prefill_matches_naive(case_args, window, softcap):
+def test_prefill_matches_naive(case_args, window, softcap, head_major):
     seq_lens, q_lens, kv_heads, groups, dim, bs = case_args
-    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs)
+    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, head_major=head_major)
     scale = dim**-0.5
     got = torch_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                             case["seq_lens"], case["query_start_loc"], case["max_query_len"], scale,
@@ -45,6 +47,14 @@ def test_prefill_left_padding_queries_return_zeros():
                                             case["seq_lens"], case["query_start_loc"], 6, 0.125)
     assert torch.count_nonzero(got[:2]) == 0
     torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_reshape_and_cache_writes_head_major_caches_in_place():
+    physical = torch.zeros(2, 4, 4, 8)  # [heads, blocks, block_size, dim]
+    k_cache = physical.permute(1, 2, 0, 3)
+    key = torch.randn(2, 2, 8)
+    torch_ops.reshape_and_cache(key, key, k_cache, torch.zeros(4, 4, 2, 8), torch.tensor([6, 9]))
+    assert torch.equal(physical[:, 1, 2], key[0]) and torch.equal(physical[:, 2, 1], key[1])
 
 
 def test_reshape_and_cache_skips_negative_slots():

@@ -2,8 +2,10 @@
 
 Layout shared by every implementation:
 
-* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``; token ``i`` of a sequence lives at
-  block ``block_tables[s, i // block_size]``, row ``i % block_size``.
+* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); token ``i`` of a
+  sequence lives at block ``block_tables[s, i // block_size]``, row ``i % block_size``. `PagedCache` stores them
+  head-major (``[num_kv_heads, num_blocks, block_size, head_dim]`` in memory, permuted), so that gathering a batch's
+  blocks gives each head's keys as one contiguous matrix per sequence, ready for a plain matmul.
 * Queries are packed without padding: ``query[query_start_loc[s]:query_start_loc[s + 1]]`` belong to sequence ``s``.
 * ``seq_lens[s]`` counts the keys of sequence ``s`` after this step's tokens were written. Query ``j`` of a sequence
   with ``q`` queries sees keys ``[lo, hi)`` with ``hi = seq_lens[s] - q + j + 1`` and ``lo = hi - sliding_window``
@@ -27,8 +29,9 @@ def reshape_and_cache(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    # (num_blocks, block_size) flatten to one slot axis as a view in both the contiguous and head-major layouts.
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def dense_attention(
@@ -76,15 +79,26 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = block_tables.shape[1] * block_size
-    keys = k_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[block_tables].view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    blocks = block_tables.flatten().long()
+    # [Hkv, S, L, D]: one contiguous key matrix per (head, sequence), read from that sequence's blocks only.
+    keys = k_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(num_kv_heads, num_seqs, max_len, head_dim)
+    values = v_cache.permute(2, 0, 1, 3).index_select(1, blocks).view(num_kv_heads, num_seqs, max_len, head_dim)
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(q, keys.transpose(-1, -2))
+    if scores.dtype not in (torch.float32, torch.float64):
+        scores = scores.float()
+    scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     pos = torch.arange(max_len, device=query.device)
     lens = seq_lens.to(torch.long).unsqueeze(1)
-    mask = pos < lens
+    hidden = pos >= lens
     if sliding_window is not None:
-        mask &= pos >= lens - sliding_window
-    out = dense_attention(query.unsqueeze(2), keys, values, mask[:, None, None, :], scale, softcap)
-    return out.squeeze(2)
+        hidden |= pos < lens - sliding_window
+    scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(values.dtype)
+    out = torch.matmul(probs, values)  # [Hkv, S, G, D]
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention(
@@ -112,10 +126,9 @@ def paged_prefill_attention(
         q0, q1 = starts[s], starts[s + 1]
         if q1 == q0 or seq_len == 0:
             continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[s, :num_blocks]
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-        values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        blocks = block_tables[s, : -(-seq_len // block_size)].long()
+        keys = k_cache.permute(2, 0, 1, 3).index_select(1, blocks).flatten(1, 2)[:, :seq_len].unsqueeze(0)
+        values = v_cache.permute(2, 0, 1, 3).index_select(1, blocks).flatten(1, 2)[:, :seq_len].unsqueeze(0)
         last_key = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device).unsqueeze(1)
         key_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         mask = key_pos <= last_key

@@ -1,0 +1,167 @@
+"""``hf-paged``: serve a model over an OpenAI-compatible HTTP API, or generate from the command line.
+
+    hf-paged serve [MODEL] [--port 8000] [--api-key KEY] ...
+    hf-paged generate [MODEL] "prompt" [--max-tokens 128] ...
+
+MODEL is a local model directory; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_memory(text: str) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain byte count, as bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB, 1GB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _engine_options() -> argparse.ArgumentParser:
+    """Options shared by both commands: which model, and how the engine is sized."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", choices=_DTYPES, default="auto",
+                        help="weights and KV cache dtype (default: auto, the checkpoint's own)")
+    engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default: 256)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)")
+    size = engine.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
+    size.add_argument("--kv-cache-memory", type=parse_memory, default=None,
+                      help="KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, half the free memory "
+                           "on GPU)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse the KV of prompt prefixes shared between requests")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-paged`` argument parser with its ``serve`` and ``generate`` commands."""
+    parser = argparse.ArgumentParser(
+        prog="hf-paged",
+        description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    engine = _engine_options()
+
+    serve = commands.add_parser("serve", parents=[engine], help="serve the model over an OpenAI-compatible API",
+                                description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
+                                            "/health and /metrics.")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
+                            "default model's name)")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="server log level (default: info)")
+
+    generate = commands.add_parser("generate", parents=[engine], help="generate from one prompt, streamed to stdout",
+                                   description="Generate a continuation of PROMPT and stream it to stdout.")
+    generate.add_argument("prompt", help="the prompt (a user message when the chat template is applied)")
+    generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    generate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default: 1)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1, off)")
+    generate.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                          help="apply the chat template (default: when the tokenizer has one)")
+    serve.set_defaults(run=run_serve, command_parser=serve)
+    generate.set_defaults(run=run_generate, command_parser=generate)
+    return parser
+
+
+def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The model, its tokenizer and a `ContinuousBatchGenerator` as the options say; bad input exits with code 2."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import ContinuousBatchGenerator
+
+    from .default_model import resolve_model
+
+    try:
+        path = resolve_model(args.model)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=dtype)
+        return ContinuousBatchGenerator(
+            model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+    except (OSError, ValueError) as err:
+        parser.error(f"cannot load {path}: {err}")
+
+
+def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``hf-paged serve``: run the HTTP server until interrupted."""
+    import uvicorn
+
+    from .default_model import DEFAULT_MODEL_NAME
+    from .server import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    generator = load_generator(parser, args)
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    app = create_app(generator, name, api_key=args.api_key)
+    logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
+                                       args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``hf-paged generate``: stream one completion to stdout."""
+    from . import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+    except ValueError as err:
+        parser.error(str(err))
+    generator = load_generator(parser, args)
+    chat = args.chat if args.chat is not None else generator.tokenizer.chat_template is not None
+    prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
+    sent = 0
+    for output in generator.stream(prompt, params):
+        if output.error is not None:
+            print(f"hf-paged: error: {output.error}", file=sys.stderr)
+            return 1
+        text = output.outputs[0].text if output.outputs else ""
+        sys.stdout.write(text[sent:])
+        sys.stdout.flush()
+        sent = max(sent, len(text))
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hf-paged`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args.command_parser, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

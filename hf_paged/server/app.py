@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP server: `create_app` builds a FastAPI app over a `ContinuousBatchGenerator`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and
+``GET /metrics`` (Prometheus). Choices made where OpenAI leaves room:
+
+* ``temperature`` defaults to 1.0, as OpenAI's does; 0 is greedy.
+* ``max_tokens`` defaults to 16 on ``/v1/completions`` (OpenAI's legacy default) and, on ``/v1/chat/completions``,
+  to the rest of the context (``max_model_len`` minus the prompt), as chat models generate until they stop.
+  ``max_completion_tokens`` takes precedence over ``max_tokens``. A limit beyond the context is not an error:
+  generation stops at the context's end with ``finish_reason="length"``.
+* ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
+* ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
+* With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
+* Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or body
+  (FastAPI's 422 included), 401 for a missing or wrong key, 404 for an unknown model, 500 when the engine failed.
+  A stream that fails after it began sends one ``data: {"error": ...}`` event, then ``data: [DONE]``.
+* While a stream uses stop strings, the last ``len(longest stop) - 1`` characters are held back until they cannot
+  be the start of a stop string, so no text is ever sent that the stop would have cut.
+* A client that disconnects aborts its requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..generation import ContinuousBatchGenerator, SamplingParams
+from .engine import EngineError, EngineLoop, RequestStream
+from .metrics import ServerMetrics
+from .protocol import (
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    error_body,
+    token_decoder,
+    usage,
+)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _bad_request(err: Exception, param: str | None) -> APIError:
+    """A 400 for a ValueError, naming the SamplingParams field it came from when there is one."""
+    message = str(err)
+    field = re.match(r"SamplingParams\.(\w+) ", message)
+    if field:
+        param, message = field.group(1), message[len("SamplingParams."):]
+    return APIError(400, message, param=param)
+
+
+def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """An app serving ``generator`` under the model name ``served_model_name``.
+
+    The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
+    stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
+    """
+    metrics = ServerMetrics()
+    engine = EngineLoop(generator, metrics)
+    decode = token_decoder(generator.tokenizer)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="hf_paged", lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    _install_error_handlers(app)
+
+    def check_api_key(authorization: Annotated[str | None, Header()] = None) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def serve(body, prompts: list, fmt: CompletionFormat, params: SamplingParams, prefix: str,
+                    prompt_param: str, request: Request) -> Response:
+        call_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
+        try:
+            stream = engine.submit(prompts, params, request_ids)
+        except (ValueError, TypeError, TemplateError) as err:
+            raise _bad_request(err, prompt_param) from err
+        header = {"id": call_id, "created": int(time.time()), "model": served_model_name}
+        if body.stream:
+            holdback = max((len(s) for s in params.stop), default=1) - 1
+            events = _sse(stream, fmt, header, params.n, holdback, body.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        finals = {}
+        try:
+            async for output in stream.outputs(request.is_disconnected):
+                if output.finished:
+                    finals[output.request_id] = output
+        except EngineError as err:
+            raise APIError(500, str(err), "server_error", code=500) from err
+        finally:
+            stream.close()
+        if len(finals) < len(request_ids):
+            return Response(status_code=499)  # the client has gone: nobody reads this
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, request_id in enumerate(request_ids):
+            output = finals[request_id]
+            prompt_tokens += len(output.prompt_token_ids)
+            for choice in output.outputs:
+                completion_tokens += len(choice.token_ids)
+                choices.append(fmt.choice(i * params.n + choice.index, choice))
+        return JSONResponse({**header, "object": fmt.object, "choices": choices,
+                             "usage": usage(prompt_tokens, completion_tokens)})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models() -> dict:
+        card = {"id": served_model_name, "object": "model", "created": started, "owned_by": "hf_paged",
+                "max_model_len": generator.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        try:
+            params = body.to_sampling_params()
+        except ValueError as err:
+            raise _bad_request(err, None) from err
+        fmt = CompletionFormat(decode, body.logprobs)
+        return await serve(body, prompts, fmt, params, "cmpl", "prompt", request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            messages = [message.to_template_dict() for message in body.messages]
+        except ValueError as err:
+            raise _bad_request(err, "messages") from err
+        fmt = ChatFormat(decode, (body.top_logprobs or 0) if body.logprobs else None)
+        return await serve(body, [messages], fmt, params, "chatcmpl", "messages", request)
+
+    app.include_router(v1)
+    return app
+
+
+async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int, holdback: int,
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of a streamed call: text deltas per choice, then usage if asked, then ``[DONE]``."""
+    chunk = {**header, "object": fmt.chunk_object}
+
+    def event(choices: list[dict], **extra) -> str:
+        return f"data: {json.dumps({**chunk, 'choices': choices, **extra}, separators=(',', ':'))}\n\n"
+
+    first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
+    sent_chars: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    prompt_tokens: dict[str, int] = {}
+    completion_tokens = 0
+    try:
+        for index in range(len(first_index) * n):
+            opening = fmt.opening_choice(index)
+            if opening is not None:
+                yield event([opening])
+        async for output in stream:
+            prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+            for choice in output.outputs:
+                index = first_index[output.request_id] + choice.index
+                start, finished = sent_chars.get(index, 0), choice.finish_reason is not None
+                if start < 0:
+                    continue  # this choice has already sent its finish_reason
+                end = len(choice.text) if finished else len(choice.text) - holdback
+                if end <= start and not finished:
+                    continue
+                first_token = sent_tokens.get(index, 0)
+                logprobs = choice.logprobs[first_token:] if choice.logprobs is not None else None
+                yield event([fmt.chunk_choice(index, choice.text[start:end], choice.token_ids[first_token:],
+                                              logprobs, start, choice.finish_reason)])
+                sent_chars[index] = -1 if finished else max(start, end)
+                sent_tokens[index] = len(choice.token_ids)
+                if finished:
+                    completion_tokens += len(choice.token_ids)
+        if include_usage:
+            yield event([], usage=usage(sum(prompt_tokens.values()), completion_tokens))
+        yield "data: [DONE]\n\n"
+    except EngineError as err:
+        yield f"data: {json.dumps(error_body(str(err), 'server_error', code=500))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems, param = [], None
+        for error in exc.errors():
+            location = [str(part) for part in error.get("loc", ()) if part != "body"]
+            param = param or (location[0] if location else None)
+            problems.append(f"{'.'.join(location) or 'body'}: {error.get('msg', 'invalid')}")
+        message = "invalid request body: " + "; ".join(problems)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal server error: {exc!r}", "server_error", code=500), status_code=500)

@@ -1,0 +1,189 @@
+"""`EngineLoop`: the one thread that steps the generator, and hands each output to the HTTP handler waiting for it.
+
+HTTP handlers run on an asyncio loop; the engine runs on its own thread. A handler registers its requests with
+`EngineLoop.submit`, which returns a `RequestStream`; after every step the engine thread posts the outputs to the
+handlers' loops with one ``call_soon_threadsafe`` per loop, and each stream's `asyncio.Queue` wakes its handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
+from ..generation.generator import Prompt
+from .metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while it was serving this request."""
+
+
+class RequestStream:
+    """The outputs of the requests of one HTTP call, as the engine thread delivers them.
+
+    Iterating yields each request's newest `RequestOutput` (outputs are cumulative, so when several are queued only
+    the latest of each request is yielded) until all have finished; it raises `EngineError` if the engine failed.
+    """
+
+    def __init__(self, engine: "EngineLoop", request_ids: list[str]):
+        self.engine = engine
+        self.request_ids = request_ids
+        self.pending = set(request_ids)
+        self.queue: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self.outputs()
+
+    async def outputs(
+        self, is_disconnected: Callable[[], Awaitable[bool]] | None = None, poll_s: float = 1.0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until all requests finish; with ``is_disconnected``, stop (and abort) once it says so."""
+        while self.pending:
+            getter = asyncio.ensure_future(self.queue.get())
+            try:
+                while is_disconnected is not None and not getter.done():
+                    await asyncio.wait({getter}, timeout=poll_s)
+                    if not getter.done() and await is_disconnected():
+                        self.close()
+                        return
+                items = [await getter]
+            finally:
+                getter.cancel()
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            latest: dict[str, RequestOutput] = {}
+            for item in items:
+                if isinstance(item, EngineError):
+                    self.pending.clear()
+                    raise item
+                latest[item.request_id] = item
+            for output in latest.values():
+                if output.finished:
+                    self.pending.discard(output.request_id)
+                yield output
+
+    def close(self) -> None:
+        """Abort whatever has not finished (the client left, or the handler failed)."""
+        if self.pending:
+            self.engine.abort(list(self.pending))
+            self.pending.clear()
+
+
+class EngineLoop:
+    """Drives ``generator.step()`` on one background thread while there is work, sleeping when there is none.
+
+    A step that raises does not stop the thread: the error is logged, every request in flight fails with
+    `EngineError` (a step gives no way to tell which request broke it) and is aborted, and serving goes on.
+    """
+
+    def __init__(self, generator: ContinuousBatchGenerator, metrics: ServerMetrics | None = None):
+        self.generator = generator
+        self.metrics = metrics
+        self._routes: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; requests still in flight fail."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._fail_in_flight(EngineError("the server is shutting down"))
+
+    def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]) -> RequestStream:
+        """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input."""
+        self.start()
+        stream = RequestStream(self, request_ids)
+        with self._lock:
+            for request_id in request_ids:
+                self._routes[request_id] = stream
+        try:
+            for prompt, request_id in zip(prompts, request_ids):
+                self.generator.add_request(prompt, params, request_id)
+        except BaseException:
+            self.abort(request_ids)
+            raise
+        self._wake.set()
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop routing these requests and abort them in the generator (their blocks are freed at the next step)."""
+        with self._lock:
+            for request_id in request_ids:
+                if self._routes.pop(request_id, None) is not None:
+                    self.generator.abort_request(request_id)
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        generator = self.generator
+        while not self._stopping:
+            if not generator.has_unfinished_requests():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = generator.step()
+            except Exception as err:
+                logger.exception("engine step failed; failing the requests in flight")
+                if self.metrics is not None:
+                    self.metrics.step_failures.inc()
+                self._fail_in_flight(EngineError(f"the engine failed while serving this request: {err!r}"))
+                continue
+            try:
+                if self.metrics is not None:
+                    self.metrics.observe_step(generator.stats(), outputs)
+                self._dispatch(outputs)
+            except Exception:
+                logger.exception("could not deliver the outputs of a step")
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | EngineError]]] = {}
+        with self._lock:
+            for output in outputs:
+                stream = self._routes.pop(output.request_id, None) if output.finished else \
+                    self._routes.get(output.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop has closed: nobody is waiting any more
+                pass
+
+    def _fail_in_flight(self, error: EngineError) -> None:
+        with self._lock:
+            routes, self._routes = self._routes, {}
+        for request_id in set(routes) | set(self.generator.requests):
+            self.generator.abort_request(request_id)
+        self._dispatch_errors({id(s): s for s in routes.values()}.values(), error)
+
+    def _dispatch_errors(self, streams, error: EngineError) -> None:
+        for stream in streams:
+            try:
+                stream.loop.call_soon_threadsafe(_deliver, [(stream, error)])
+            except RuntimeError:
+                pass
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput | EngineError]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)

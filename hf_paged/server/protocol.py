@@ -1,0 +1,215 @@
+"""OpenAI's wire format: request bodies, their mapping onto `SamplingParams`, and response and chunk builders.
+
+Fields that OpenAI marks optional may also be sent as ``null``; either way the documented default applies. Besides
+OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output`` and ``skip_special_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..generation import CompletionOutput, SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(BaseModel):
+    """The fields shared by both endpoints."""
+
+    model: str | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request as `SamplingParams`; raises ``ValueError`` naming the bad field."""
+        given = {
+            "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
+            "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        values = {name: value for name, value in given.items() if value is not None}
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(p, int) for p in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it, with text parts joined into one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(part.type != "text" for part in self.content):
+                raise ValueError("only text content parts are supported")
+            message["content"] = "\n".join(part.text or "" for part in self.content)
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("SamplingParams.logprobs must be true when top_logprobs is given")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+# --------------------------------------------------------------------------------------------------- responses
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def token_decoder(tokenizer) -> Callable[[int], str]:
+    """``id -> text`` of a single token, cached: logprobs name every token they report."""
+
+    @lru_cache(maxsize=1 << 16)
+    def decode(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return decode
+
+
+def _ranked(top: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(top.items(), key=lambda item: -item[1])[:k]
+
+
+class CompletionFormat:
+    """Choices of ``/v1/completions`` (``text_completion`` objects)."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, decode: Callable[[int], str], top_k: int | None):
+        self.decode, self.top_k = decode, top_k
+
+    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
+        if logprobs is None or self.top_k is None:
+            return None
+        tokens = [self.decode(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
+            "top_logprobs": [{self.decode(t): lp for t, lp in _ranked(top, self.top_k)} for top in logprobs],
+            "text_offset": offsets,
+        }
+
+    def choice(self, index: int, output: CompletionOutput) -> dict:
+        return {"index": index, "text": output.text, "logprobs": self.logprobs(output.token_ids, output.logprobs, 0),
+                "finish_reason": output.finish_reason}
+
+    def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                     text_offset: int, finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": self.logprobs(token_ids, logprobs, text_offset),
+                "finish_reason": finish_reason}
+
+    def opening_choice(self, index: int) -> dict | None:
+        return None
+
+
+class ChatFormat(CompletionFormat):
+    """Choices of ``/v1/chat/completions`` (``chat.completion`` objects)."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
+        if logprobs is None or self.top_k is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.decode(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = [
+            {**entry(t, top[t]), "top_logprobs": [entry(i, lp) for i, lp in _ranked(top, self.top_k)]}
+            for t, top in zip(token_ids, logprobs)
+        ]
+        return {"content": content}
+
+    def choice(self, index: int, output: CompletionOutput) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": output.text},
+                "logprobs": self.logprobs(output.token_ids, output.logprobs, 0), "finish_reason": output.finish_reason}
+
+    def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                     text_offset: int, finish_reason: str | None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {},
+                "logprobs": self.logprobs(token_ids, logprobs, text_offset), "finish_reason": finish_reason}
+
+    def opening_choice(self, index: int) -> dict | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
