@@ -12,10 +12,17 @@ import argparse
 import logging
 import re
 import sys
+from typing import TYPE_CHECKING
+
+from .loading import DTYPES
+
+if TYPE_CHECKING:
+    from .generation import ContinuousBatchGenerator
+
+_DTYPES = list(DTYPES)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def parse_memory(text: str) -> int:
@@ -77,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Generate a continuation of PROMPT and stream it to stdout.")
     generate.add_argument("prompt", help="the prompt (a user message when the chat template is applied)")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
-    generate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, 0 = greedy (default: 1)")
+    generate.add_argument("--temperature", type=float, default=1.0,
+                          help="sampling temperature, 0 = greedy (default: 1, as OpenAI's)")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1, off)")
     generate.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
@@ -87,23 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """The model, its tokenizer and a `ContinuousBatchGenerator` as the options say; bad input exits with code 2."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ContinuousBatchGenerator:
+    """A `ContinuousBatchGenerator` over the model the options name; a bad model exits with code 2 (no traceback)."""
     from . import ContinuousBatchGenerator
-
     from .default_model import resolve_model
+    from .loading import load_model
 
     try:
         path = resolve_model(args.model)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=dtype)
+        model, tokenizer = load_model(path, dtype=args.dtype)
         return ContinuousBatchGenerator(
             model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,

@@ -11,6 +11,8 @@ if not torch.cuda.is_available():  # Triton kernels run interpreted on CPU; must
 
 import hf_paged  # noqa: F401  (registers "paged")
 
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:

@@ -45,6 +45,7 @@ from .protocol import (
     ChatFormat,
     CompletionFormat,
     CompletionRequest,
+    GenerationRequest,
     error_body,
     token_decoder,
     usage,
@@ -105,8 +106,9 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
 
-    async def serve(body, prompts: list, fmt: CompletionFormat, params: SamplingParams, prefix: str,
-                    prompt_param: str, request: Request) -> Response:
+    async def serve(body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
+                    prefix: str, prompt_param: str, request: Request) -> Response:
+        """Run one call's requests; answer with a JSON body, or an event stream when ``body.stream``."""
         call_id = f"{prefix}-{uuid.uuid4().hex}"
         request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
         try:

@@ -106,7 +106,8 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._fail_in_flight(EngineError("the server is shutting down"))
+        stepping = self._thread is not None and self._thread.is_alive()
+        self._fail_in_flight(EngineError("the server is shutting down"), abort_unrouted=not stepping)
 
     def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]) -> RequestStream:
         """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input."""
@@ -159,8 +160,8 @@ class EngineLoop:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | EngineError]]] = {}
         with self._lock:
             for output in outputs:
-                stream = self._routes.pop(output.request_id, None) if output.finished else \
-                    self._routes.get(output.request_id)
+                route = self._routes.pop if output.finished else self._routes.get
+                stream = route(output.request_id, None)
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
@@ -169,15 +170,14 @@ class EngineLoop:
             except RuntimeError:  # the loop has closed: nobody is waiting any more
                 pass
 
-    def _fail_in_flight(self, error: EngineError) -> None:
+    def _fail_in_flight(self, error: EngineError, abort_unrouted: bool = True) -> None:
+        """Fail every routed request; with ``abort_unrouted`` (only safe while no step runs) abort all others too."""
         with self._lock:
             routes, self._routes = self._routes, {}
-        for request_id in set(routes) | set(self.generator.requests):
+        unrouted = set(self.generator.requests) if abort_unrouted else set()
+        for request_id in set(routes) | unrouted:
             self.generator.abort_request(request_id)
-        self._dispatch_errors({id(s): s for s in routes.values()}.values(), error)
-
-    def _dispatch_errors(self, streams, error: EngineError) -> None:
-        for stream in streams:
+        for stream in {id(s): s for s in routes.values()}.values():
             try:
                 stream.loop.call_soon_threadsafe(_deliver, [(stream, error)])
             except RuntimeError:

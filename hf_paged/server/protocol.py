@@ -19,10 +19,12 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+
     include_usage: bool | None = False
 
 
-class _GenerationRequest(BaseModel):
+class GenerationRequest(BaseModel):
     """The fields shared by both endpoints."""
 
     model: str | None = None
@@ -65,7 +67,7 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -86,12 +88,16 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text"}`` parts can be served."""
+
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
+    """A chat message; fields beyond ``role`` and ``content`` are passed on to the chat template."""
+
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
@@ -106,7 +112,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationRequest):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -123,6 +129,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
 # --------------------------------------------------------------------------------------------------- responses
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    """An error in OpenAI's shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -137,6 +144,7 @@ def token_decoder(tokenizer) -> Callable[[int], str]:
 
 
 def _ranked(top: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely of a step's tokens; the generator reports the top ``logprobs`` and the sampled one."""
     return sorted(top.items(), key=lambda item: -item[1])[:k]
 
 
@@ -160,7 +168,8 @@ class CompletionFormat:
         return {
             "tokens": tokens,
             "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
-            "top_logprobs": [{self.decode(t): lp for t, lp in _ranked(top, self.top_k)} for top in logprobs],
+            # As OpenAI's: the k most likely tokens, plus the sampled one when it is not among them.
+            "top_logprobs": [{self.decode(t): lp for t, lp in _ranked(top, self.top_k + 1)} for top in logprobs],
             "text_offset": offsets,
         }
 
@@ -211,5 +220,6 @@ class ChatFormat(CompletionFormat):
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The ``usage`` object of a response."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,264 @@
+"""The OpenAI-compatible server, run for real with uvicorn on a local port and driven by the `openai` client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from conftest import CHAT_PROMPTS
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from hf_paged import ContinuousBatchGenerator, SamplingParams  # noqa: E402
+from hf_paged.server import create_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key"
+MODEL = "smollm2-test"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The three primary colors are"
+GREEDY_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    """The real server on a free port, with greedy reference outputs computed by its own generator beforehand."""
+    model, tokenizer = smollm2
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=512)
+    greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS)
+    chat_ref, prompt_ref = generator.run([CHAT, PROMPT], greedy, use_tqdm=False)
+    app = create_app(generator, MODEL, api_key=API_KEY)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.05)
+    yield SimpleNamespace(base=base, generator=generator, app=app, chat_ref=chat_ref.outputs[0],
+                          prompt_ref=prompt_ref.outputs[0])
+    uv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def post(server, path: str, body, key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{server.base}{path}", content=content, headers=headers, timeout=60)
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """One sample of /metrics (0 when absent)."""
+    text = httpx.get(f"{server.base}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def wait_until_idle(generator, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while generator.stats().num_used_blocks or generator.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"still busy: {generator.stats()}"
+        time.sleep(0.05)
+
+
+def test_health_models_and_open_routes(server, client):
+    assert httpx.get(f"{server.base}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_and_completion_match_the_generator(server, client):
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=GREEDY_TOKENS)
+    assert chat.choices[0].message.content == server.chat_ref.text
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == server.chat_ref.finish_reason
+    assert chat.usage.completion_tokens == len(server.chat_ref.token_ids)
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+    done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS)
+    assert done.choices[0].text == server.prompt_ref.text
+    assert done.usage.completion_tokens == len(server.prompt_ref.token_ids)
+
+
+def test_streaming_sends_deltas_that_add_up(server, client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=GREEDY_TOKENS, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == server.chat_ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == server.chat_ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(server.chat_ref.token_ids)
+
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS, stream=True)]
+    assert len(pieces) > 2 and "".join(pieces) == server.prompt_ref.text
+
+
+def test_stop_strings_streamed_and_not(server, client):
+    words = server.prompt_ref.text.split()
+    stop = words[2]
+    expected = server.prompt_ref.text[: server.prompt_ref.text.index(stop)]
+    done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS,
+                                     stop=[stop, "never-seen-stop"])
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, "stop")
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_n_max_tokens_and_prompt_lists(server, client):
+    done = client.completions.create(model=MODEL, prompt=PROMPT, n=2, temperature=1.0, seed=3, max_tokens=5)
+    assert sorted(c.index for c in done.choices) == [0, 1]
+    assert all(c.finish_reason in ("length", "stop") for c in done.choices)
+    assert done.usage.completion_tokens <= 10
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, n=2, seed=1, max_completion_tokens=4,
+                                                 stream=True, stream_options={"include_usage": True}))
+    finish = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices}
+    assert set(finish) == {0, 1} and all(finish.values())
+    assert chunks[-1].usage.completion_tokens <= 8
+
+    both = client.completions.create(model=MODEL, prompt=[PROMPT, "Paris is"], temperature=0, max_tokens=GREEDY_TOKENS)
+    assert [c.index for c in sorted(both.choices, key=lambda c: c.index)] == [0, 1]
+    assert sorted(both.choices, key=lambda c: c.index)[0].text == server.prompt_ref.text
+
+
+def test_logprobs(server, client):
+    done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and logprob <= 0
+        assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    assert "".join(lp.tokens) == done.choices[0].text
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=6, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+
+
+def test_concurrent_streams_batch_together(server, client):
+    def one(question: str) -> tuple[str, str | None]:
+        text, reason = "", None
+        for c in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                                temperature=0, max_tokens=16, stream=True):
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                reason = c.choices[0].finish_reason or reason
+        return text, reason
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, CHAT_PROMPTS[:16]))
+    assert all(text and reason in ("stop", "length") for text, reason in results)
+    steps = metric(server, "hf_paged:num_running_per_step_count")
+    single = metric(server, "hf_paged:num_running_per_step_bucket", le="1.0")
+    assert steps > single, "no step ever decoded more than one sequence"
+    assert metric(server, "hf_paged:generation_tokens_total") > 0
+    finished = sum(metric(server, "hf_paged:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    assert finished >= 16
+    assert metric(server, "hf_paged:time_to_first_token_seconds_count") >= 16
+    wait_until_idle(server.generator)
+    assert metric(server, "hf_paged:kv_cache_usage_perc") == 0
+    assert metric(server, "hf_paged:num_requests_running") == 0
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, words: str = "") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words.lower() in error["message"].lower()
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_errors_have_openai_shape(server):
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+    assert_error(post(server, "/v1/chat/completions", {**chat, "temperature": -1}), 400, "temperature", "temperature")
+    too_long = [1] * server.generator.max_model_len
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": too_long}), 400, "prompt", "max_model_len")
+    assert_error(post(server, "/v1/chat/completions", "{not json"), 400)
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": "hi"}), 400, "messages")
+    assert_error(post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
+    assert_error(post(server, "/v1/chat/completions", chat, key=None), 401)["code"] == "invalid_api_key"
+    assert_error(post(server, "/v1/chat/completions", chat, key="wrong"), 401)
+    assert httpx.get(f"{server.base}/v1/models").status_code == 401
+    error = assert_error(post(server, "/v1/chat/completions", {**chat, "model": "gpt-9"}), 404, "model", "gpt-9")
+    assert error["code"] == "model_not_found"
+    assert post(server, "/v1/chat/completions", {k: v for k, v in chat.items() if k != "model"}).status_code == 200
+    wait_until_idle(server.generator)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    aborted_before = metric(server, "hf_paged:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 2:
+                break
+        assert server.generator.stats().num_used_blocks > 0  # still generating when the client leaves
+    wait_until_idle(server.generator, timeout=15)
+    assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+def test_a_failing_step_fails_its_requests_but_not_the_server(server, client, monkeypatch):
+    runner = server.generator.runner
+    real_execute = runner.execute
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(runner, "execute", real_execute)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(runner, "execute", fail_once)
+    response = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    assert_error(response, 500, words="injected failure")
+    wait_until_idle(server.generator)
+    assert metric(server, "hf_paged:engine_step_failures_total") == 1
+    done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS)
+    assert done.choices[0].text == server.prompt_ref.text
+
+
+def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):
+    from hf_paged.cli import main, parse_memory
+
+    assert parse_memory("2GiB") == 2 << 30 and parse_memory("512MB") == 512 * 10**6 and parse_memory("4096") == 4096
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/no/such/model"])
+    assert exit_info.value.code == 2
+    assert "unknown model '/no/such/model'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--kv-cache-memory", "lots"])
+    assert exit_info.value.code == 2 and "is not a size" in capsys.readouterr().err
