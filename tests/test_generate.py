@@ -161,3 +161,18 @@ def test_unsupported_feature_is_named():
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(NotImplementedError, match="attention sinks"):
         paged_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+
+
+def test_assisted_decoding_crops_the_cache():
+    """Prompt-lookup decoding proposes tokens, then rolls the cache back with `crop` when they are rejected."""
+    model, _ = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6, 7]])
+    kwargs = dict(input_ids=ids, max_new_tokens=20, do_sample=False, pad_token_id=0, prompt_lookup_num_tokens=3)
+    cache = PagedCache(model.config, num_blocks=16, block_size=4)
+    crops = []
+    original_crop = cache.crop
+    cache.crop = lambda n: (crops.append(n), original_crop(n))
+    got = model.generate(**kwargs, cache=cache)
+    assert torch.equal(got, _generate(model, "sdpa", **kwargs))
+    assert any(n < 0 for n in crops), "no candidate was rejected: the test does not exercise crop"
+    assert cache.pool.num_used_blocks == -(-(got.shape[1] - 1) // 4)
