@@ -10,10 +10,14 @@ from .quantization import quantized_load_kwargs
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(name_or_path: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+def load_model(
+    name_or_path: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
+    quant_backend: str | None = None,
+):
     """``(model, tokenizer)`` with ``attn_implementation="paged"``; None loads the embedded SmolLM2-135M-Instruct.
 
-    GPTQ/AWQ checkpoints keep the dtype their kernels need.
+    ``dtype`` is that of activations and the KV cache; GPTQ/AWQ weights stay 4-bit whatever it is, computed by the
+    gptqmodel kernel ``quant_backend`` (see :mod:`hf_paged.quantization` for the default).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -22,9 +26,7 @@ def load_model(name_or_path: str | None = None, dtype: str | torch.dtype = "floa
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
-    kwargs = quantized_load_kwargs(path, device)
-    if kwargs:
-        dtype = "auto"
+    kwargs = quantized_load_kwargs(path, device, quant_backend)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=dtype, device_map=device,
                                                  **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path)
