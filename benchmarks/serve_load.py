@@ -22,6 +22,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# This folder must not be on sys.path: benchmarks/kernels.py would shadow the `kernels` package that Transformers
+# imports when it loads a model.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import httpx
 

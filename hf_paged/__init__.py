@@ -3,6 +3,11 @@
 ``import hf_paged`` registers ``attn_implementation="paged"`` with Transformers.
 """
 
+import logging
+
+# torchao (pulled in by the quantization extra) warns about enum registration on every import; not actionable here.
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
 from .cache import BlockPool, KVCacheManager, NoFreeBlocksError, PagedCache
 from .integration import ATTN_IMPLEMENTATION, register, uses_paged_attention
 

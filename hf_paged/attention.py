@@ -98,20 +98,16 @@ def paged_attention_forward(
     v = value.transpose(1, 2).reshape(num_tokens, value.shape[1], head_dim)
     reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
+    outputs = [
+        paged_decode_attention(q[start:end], k_cache, v_cache, meta.block_tables[start:end, :width],
+                               meta.seq_lens[start:end], scale, sliding_window, softcap)
+        for start, end, width in meta.decode_groups
+    ]
     nd = meta.num_decodes
-    decode_tables = meta.block_tables[:nd, : meta.decode_width]
-    if nd == num_tokens:
-        out = paged_decode_attention(q, k_cache, v_cache, decode_tables, meta.seq_lens, scale, sliding_window, softcap)
-    else:
-        prefill = paged_prefill_attention(
+    if nd < num_tokens:
+        outputs.append(paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:] - nd,
             meta.max_query_len, scale, sliding_window, softcap,
-        )
-        if nd == 0:
-            out = prefill
-        else:
-            decode = paged_decode_attention(
-                q[:nd], k_cache, v_cache, decode_tables, meta.seq_lens[:nd], scale, sliding_window, softcap
-            )
-            out = torch.cat([decode, prefill])
+        ))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.view(batch, q_len, num_heads, head_dim), None

@@ -88,7 +88,10 @@ class Scheduler:
                 if seq.index == 0 and seq.request.num_cached_tokens == 0:
                     seq.request.num_cached_tokens = seq.num_computed_tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            needed = self.kv.num_blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             try:
+                if self.running and self.kv.pool.num_free_blocks - needed < self._headroom():
+                    raise NoFreeBlocksError(needed, self.kv.pool.num_free_blocks)
                 copies += self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             except NoFreeBlocksError:
                 self.kv.free(seq.seq_id)
@@ -102,6 +105,10 @@ class Scheduler:
         self.num_partial_prefills += sum(n < s.num_tokens - s.num_computed_tokens for s, n in picked)
         picked.sort(key=lambda item: item[1] != 1)
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], copies)
+
+    def _headroom(self) -> int:
+        """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""
+        return len(self.running) // 2 + self.kv.pool.num_blocks // 100
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

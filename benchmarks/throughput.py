@@ -1,0 +1,633 @@
+"""Offline throughput of hf_paged's ContinuousBatchGenerator against Transformers' own engines, on one workload.
+
+Every engine serves the same seeded workload (all requests arrive at once, greedy decoding, every request produces
+exactly its requested number of tokens), each in a fresh subprocess after a short warm-up, so peak RSS is per engine
+and no warm state leaks from one engine to the next:
+
+* ``static``  -- ``model.generate`` (sdpa), left-padded batches of ``--static-batch-size`` in arrival order; a batch
+  runs until its longest request is done and only the requested tokens count as output.
+* ``hf_cb``   -- Transformers' continuous batching (``init_continuous_batching`` + ``add_request``, sdpa).
+* ``ours``    -- hf_paged's ``ContinuousBatchGenerator``.
+* ``ceiling`` -- the model's bare forward (``use_cache=False``, input ``[B, 1]``) timed at the decode batch sizes
+  ``ours`` actually ran: the speed of a decode step with no attention to past tokens and no engine overhead.
+
+Prompts are windows of a built-in English paragraph (repeated), starting at distinct offsets so that no two prompts
+share a prefix unless ``--shared-prefix`` asks for one. The report gives, per engine: output and total tokens/s,
+requests/s, time to first token and time per output token (p50/p99), peak RSS; then ours / each peer, greedy token
+agreement between engines, KV-cache slots allocated but unused at peak, and ours' decode speed per batch size against
+the bare-forward ceiling ("engine efficiency").
+
+Usage:
+    python benchmarks/throughput.py                      # 64 requests, prompts 16-512, outputs 16-256 tokens
+    python benchmarks/throughput.py --smoke --json out.json
+    python benchmarks/throughput.py --engines ours,ceiling --num-requests 16 --shared-prefix 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# This folder must not be on sys.path: benchmarks/kernels.py would shadow the `kernels` package that Transformers
+# probes for, and the repository root must be, so that hf_paged imports without being installed.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ENGINES = ("static", "hf_cb", "ours", "ceiling")
+# --smoke: a workload that every engine serves in seconds; one torch thread is steadier on a shared CI machine.
+SMOKE_DEFAULTS = dict(num_requests=6, min_prompt=8, max_prompt=32, min_output=4, max_output=12, static_batch_size=4,
+                      kv_tokens=2048, threads=1)
+
+# Transformers CB settings, chosen on a 2-core CPU (one thread, 16 requests, prompts 16-256, outputs 16-64, two
+# interleaved rounds): pages of 32, 64 or 256 tokens ran within 2% of each other (64 by a hair), and 1024 tokens per
+# step instead of 512 gave no throughput but a 55% longer TTFT, so it gets the same step budget as ours
+# (--max-batch-tokens). `num_blocks` follows --kv-tokens; flash attention is off (sdpa, as asked, and none on CPU).
+HF_CB_CONFIG = dict(page_size=64, allow_block_sharing=True, auto_switch_to_flash=False)
+
+PARAGRAPH = (
+    "The lighthouse on the northern cape was built in the spring of a wet year, when the fishing boats had lost three "
+    "crews to the rocks below the cliff. The builders carried every stone up the narrow path by hand, and the keeper "
+    "who came after them kept a careful journal of the weather, the passing ships and the birds that rested on the "
+    "gallery rail. In the long winters he repaired the lamp, trimmed the wicks and polished the great lens until it "
+    "threw a clean white beam twenty miles across the water. Sailors learned to count its flashes, two short and one "
+    "long, and to steer wide of the point when the light was on their left. Children from the village walked out on "
+    "Sundays to hear his stories about storms, wrecks and the strange lights that sometimes moved under the waves. "
+    "When the electric lamp arrived many years later, the journal stopped, but people still say that on calm nights "
+    "you can see a second, fainter beam turning slowly above the first, as if someone were still keeping watch. "
+)
+SYSTEM_TEXT = (
+    "You are a patient assistant who answers questions about coastal history, navigation and the sea. Keep every "
+    "answer short, accurate and friendly, and say so plainly when you do not know something. "
+)
+
+
+# ----------------------------------------------------------------------------------------------------- arguments
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the module docstring's layout and shows each flag's default where the help text does not say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not any(action.default is x for x in (None, False, argparse.SUPPRESS)) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add = parser.add_argument
+    add("--model", default=None, help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
+    add("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV cache dtype (all engines)")
+    add("--engines", default=",".join(ENGINES), help=f"comma list, a subset of {','.join(ENGINES)}")
+    add("--num-requests", type=int, default=64, help="number of requests in the workload")
+    add("--min-prompt", type=int, default=16, help="shortest prompt, in tokens (before --shared-prefix)")
+    add("--max-prompt", type=int, default=512, help="longest prompt, in tokens (before --shared-prefix)")
+    add("--min-output", type=int, default=16, help="fewest output tokens of a request")
+    add("--max-output", type=int, default=256, help="most output tokens of a request")
+    add("--seed", type=int, default=0, help="seed of the workload (prompt and output lengths, prompt offsets)")
+    add("--shared-prefix", type=int, default=0, help="prepend the same N-token system prompt to every prompt")
+    add("--static-batch-size", type=int, default=32, help="batch size of the static `generate` engine")
+    add("--kv-tokens", type=int, default=16384, help="KV-cache capacity in tokens of both continuous engines")
+    add("--block-size", type=int, default=16, help="KV block size of ours")
+    add("--max-batch-tokens", type=int, default=512, help="most tokens per step of both continuous engines")
+    add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
+    add("--hf-cb-config", default=None, help="JSON dict overriding the Transformers ContinuousBatchingConfig fields")
+    add("--threads", type=int, default=None,
+        help="torch threads per engine process (default: torch's choice; use 1 on a machine shared with other jobs)")
+    add("--engine-timeout", type=float, default=3600, help="seconds before an engine's subprocess is killed")
+    add("--json", default=None, help="also write the report to this JSON file")
+    add("--smoke", action="store_true",
+        help="tiny workload for CI (default flags become: 6 requests, prompts 8-32, outputs 4-12, static batch 4, "
+             "2048 KV tokens, 1 thread)")
+    add("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one engine, see run_worker()
+    add("--worker-io", nargs=2, default=None, help=argparse.SUPPRESS)
+    if "--smoke" in (sys.argv[1:] if argv is None else argv):
+        parser.set_defaults(**SMOKE_DEFAULTS)  # flags given explicitly still win
+    args = parser.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}; choose from {','.join(ENGINES)}")
+    if not (1 <= args.min_prompt <= args.max_prompt and 1 <= args.min_output <= args.max_output):
+        parser.error("need 1 <= --min-prompt <= --max-prompt and 1 <= --min-output <= --max-output")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------------ workload
+def repeat_to(tokens: list[int], length: int) -> list[int]:
+    return (tokens * (length // len(tokens) + 1))[:length]
+
+
+def make_workload(args, tokenizer) -> dict:
+    """Prompts (token ids) and output lengths; prompt ``i`` is a window of the repeated paragraph."""
+    rng = random.Random(args.seed)
+    text = tokenizer(PARAGRAPH, add_special_tokens=False).input_ids
+    n = args.num_requests
+    prompt_lens = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(n)]
+    output_lens = [rng.randint(args.min_output, args.max_output) for _ in range(n)]
+    offsets = rng.sample(range(len(text)), n) if n <= len(text) else [rng.randrange(len(text)) for _ in range(n)]
+    stream = repeat_to(text, len(text) + args.max_prompt)
+    prefix = repeat_to(tokenizer(SYSTEM_TEXT, add_special_tokens=False).input_ids, args.shared_prefix)
+    prompts = [prefix + stream[o : o + length] for o, length in zip(offsets, prompt_lens)]
+    return dict(prompts=prompts, output_lens=output_lens)
+
+
+def warmup_workload(vocab_ids: list[int], seed: int = 1234) -> dict:
+    """A few short requests of random tokens: nothing in them can match a prefix of the real workload."""
+    rng = random.Random(seed)
+    prompts = [[rng.choice(vocab_ids) for _ in range(rng.randint(24, 48))] for _ in range(4)]
+    return dict(prompts=prompts, output_lens=[rng.randint(4, 8) for _ in prompts])
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    pos = (len(values) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def latency_summary(ttft: list[float], tpot: list[float]) -> dict:
+    return dict(ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
+                tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99))
+
+
+def per_token_time(first: float, last: float, num_tokens: int) -> float | None:
+    return (last - first) / (num_tokens - 1) if num_tokens > 1 else None
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class StepRecorder:
+    """Wraps a generator's ``step`` and ``runner.execute`` to log each step's batch and time, and the KV use at peak.
+
+    A step record is ``(num_decode_seqs, num_prefill_tokens, step_seconds)``. The KV sample is taken after the step
+    (outside its timing) and only when the number of used blocks reaches a new high.
+    """
+
+    def __init__(self, generator):
+        self.generator = generator
+        self.steps: list[tuple[int, int, float]] = []
+        self.peak = dict(used_blocks=0, stored_tokens=0)
+        self._batch = None
+        execute, step = generator.runner.execute, generator.step
+
+        def recording_execute(batch):
+            self._batch = (sum(n == 1 for n in batch.num_tokens), sum(n for n in batch.num_tokens if n != 1))
+            return execute(batch)
+
+        def recording_step():
+            self._batch = None
+            start = time.perf_counter()
+            outputs = step()
+            elapsed = time.perf_counter() - start
+            if self._batch is not None:
+                self.steps.append((*self._batch, elapsed))
+                self._sample_kv()
+            return outputs
+
+        generator.runner.execute = recording_execute
+        generator.step = recording_step
+
+    def _sample_kv(self) -> None:
+        kv = self.generator.kv
+        used = kv.pool.num_used_blocks
+        if used <= self.peak["used_blocks"]:
+            return
+        bs, filled = kv.block_size, {}
+        for seq in self.generator.scheduler.running:
+            for i, block in enumerate(kv.block_table(seq.seq_id)):
+                filled[block] = max(filled.get(block, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
+        self.peak = dict(used_blocks=used, stored_tokens=sum(filled.values()))
+
+    def kv_report(self) -> dict:
+        pool = self.generator.kv.pool
+        total = pool.num_blocks * pool.block_size
+        allocated = self.peak["used_blocks"] * pool.block_size
+        unused = allocated - self.peak["stored_tokens"]
+        return dict(total_slots=total, peak_allocated_slots=allocated, peak_stored_tokens=self.peak["stored_tokens"],
+                    unused_fraction_of_cache=unused / total, unused_fraction_of_allocated=unused / max(1, allocated))
+
+
+# ------------------------------------------------------------------------------------------------------ engines
+def load_model(path: str, dtype: str, attn: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=getattr(torch, dtype))
+    return model.eval(), tokenizer
+
+
+class StepClock:
+    """A `generate` streamer that only timestamps: ``put`` comes once with the prompt, then once per new token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, _) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate_batch(model, tokenizer, prompts: list[list[int]], wanted: list[int]):
+    """One left-padded ``generate`` call run to the batch's longest request (EOS cannot stop it earlier).
+
+    Returns each request's requested tokens, the step clock and the generated tensor's shape.
+    """
+    import torch
+    from transformers import GenerationConfig
+
+    enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    most = max(wanted)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config = GenerationConfig(do_sample=False, max_new_tokens=most, min_new_tokens=most, pad_token_id=pad,
+                              eos_token_id=tokenizer.eos_token_id)
+    clock = StepClock()
+    with torch.inference_mode():
+        out = model.generate(**enc, generation_config=config, streamer=clock)
+    width = enc["input_ids"].shape[1]
+    return [out[row, width : width + m].tolist() for row, m in enumerate(wanted)], clock, tuple(out.shape)
+
+
+def run_static(args, model, tokenizer, workload: dict) -> dict:
+    """``generate`` on left-padded batches of --static-batch-size, in arrival order, after a warm-up batch."""
+    tokenizer.padding_side = "left"
+    warm = warmup_workload(vocab_ids(tokenizer))
+    generate_batch(model, tokenizer, warm["prompts"], warm["output_lens"])
+    prompts, lens, size = workload["prompts"], workload["output_lens"], args.static_batch_size
+    tokens, ttft, tpot, allocated, stored = [], [], [], 0, 0
+    start = time.perf_counter()
+    for b in range(0, len(prompts), size):
+        batch, wanted = prompts[b : b + size], lens[b : b + size]
+        batch_tokens, clock, shape = generate_batch(model, tokenizer, batch, wanted)
+        tokens += batch_tokens
+        ttft += [clock.times[1] - start] * len(wanted)  # every request arrived at `start`
+        tpot += [per_token_time(clock.times[1], clock.times[m], m) for m in wanted]
+        if shape[0] * shape[1] > allocated:  # the batch's KV at its end: every row as long as the longest
+            allocated, stored = shape[0] * shape[1], sum(len(p) + m for p, m in zip(batch, wanted))
+    wall = time.perf_counter() - start
+    kv = dict(peak_allocated_slots=allocated, peak_stored_tokens=stored,
+              unused_fraction_of_allocated=(allocated - stored) / max(1, allocated))
+    return dict(wall_s=wall, tokens=tokens, **latency_summary(ttft, [t for t in tpot if t is not None]), kv=kv)
+
+
+def hf_cb_settings(args) -> dict:
+    settings = dict(HF_CB_CONFIG, max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_num_seqs)
+    settings.update(json.loads(args.hf_cb_config or "{}"))
+    settings.setdefault("num_blocks", args.kv_tokens // settings["page_size"])
+    return settings
+
+
+def run_hf_cb_requests(manager, workload: dict, tag: str) -> tuple[dict, float]:
+    """Submit every request, wait for all of them; returns the finished outputs by index and the wall time."""
+    start = time.perf_counter()
+    for i, (prompt, m) in enumerate(zip(workload["prompts"], workload["output_lens"])):
+        manager.add_request(prompt, request_id=f"{tag}{i}", max_new_tokens=m, eos_token_id=-1, record_timestamps=True)
+    done = {}
+    while len(done) < len(workload["prompts"]):
+        result = manager.get_result(timeout=600)
+        if result is None:
+            raise RuntimeError(f"Transformers CB stopped with {len(done)} of {len(workload['prompts'])} requests done")
+        if result.error:
+            raise RuntimeError(f"Transformers CB request {result.request_id} failed: {result.error}")
+        if result.is_finished():
+            done[int(result.request_id[len(tag):])] = result
+    return done, time.perf_counter() - start
+
+
+def run_hf_cb(args, model, tokenizer, workload: dict) -> dict:
+    """Transformers' continuous batching; EOS is disabled (-1) so that every request runs to its length."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    settings = hf_cb_settings(args)
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id or 0)
+    manager = model.init_continuous_batching(generation_config=config,
+                                             continuous_batching_config=ContinuousBatchingConfig(**settings))
+    manager.start()
+    try:
+        run_hf_cb_requests(manager, warmup_workload(vocab_ids(tokenizer)), "warm")
+        done, wall = run_hf_cb_requests(manager, workload, "r")
+    finally:
+        manager.stop(block=True)
+    results = [done[i] for i in range(len(done))]
+    short = sum(len(r.generated_tokens) != m for r, m in zip(results, workload["output_lens"]))
+    if short:
+        raise RuntimeError(f"Transformers CB returned the wrong number of tokens for {short} requests")
+    ttft = [r.timestamps[0] - r.created_time for r in results]
+    tpot = [per_token_time(r.timestamps[0], r.timestamps[-1], len(r.timestamps)) for r in results]
+    return dict(wall_s=wall, tokens=[list(r.generated_tokens) for r in results], config=settings,
+                **latency_summary(ttft, [t for t in tpot if t is not None]))
+
+
+def make_generator(args, model, tokenizer):
+    from hf_paged import ContinuousBatchGenerator
+
+    return ContinuousBatchGenerator(
+        model, tokenizer, block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
+    )
+
+
+def run_ours(args, model, tokenizer, workload: dict) -> dict:
+    """hf_paged's generator, with a StepRecorder on it for the per-step batch sizes and the KV use at peak."""
+    from hf_paged import SamplingParams
+
+    def params(lens):
+        return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lens]
+
+    generator = make_generator(args, model, tokenizer)
+    warm = warmup_workload(vocab_ids(tokenizer))
+    generator.run(warm["prompts"], params(warm["output_lens"]), use_tqdm=False)
+    recorder = StepRecorder(generator)
+    start = time.perf_counter()
+    outputs = generator.run(workload["prompts"], params(workload["output_lens"]), use_tqdm=False)
+    wall = time.perf_counter() - start
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests refused, e.g. {errors[0]}")
+    metrics = [o.metrics for o in outputs]
+    ttft = [m.first_token_time - m.arrival_time for m in metrics]
+    tpot = [per_token_time(m.first_token_time, m.finished_time, len(o.outputs[0].token_ids))
+            for m, o in zip(metrics, outputs)]
+    stats = generator.stats()
+    return dict(wall_s=wall, tokens=[o.outputs[0].token_ids for o in outputs], steps=recorder.steps,
+                kv=recorder.kv_report(), num_preemptions=stats.num_preemptions,
+                prefix_cache_hit_tokens=stats.prefix_cache_hits,
+                **latency_summary(ttft, [t for t in tpot if t is not None]))
+
+
+def time_forward(model, batch_size: int, min_seconds: float, vocab: list[int]) -> float:
+    """Median seconds of ``model(input_ids [B, 1], use_cache=False)`` over enough repetitions."""
+    import torch
+
+    ids = torch.tensor([[vocab[i % len(vocab)]] for i in range(batch_size)], device=model.device)
+    times = []
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=False)
+        while sum(times) < min_seconds or len(times) < 3:
+            start = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            times.append(time.perf_counter() - start)
+            if len(times) >= 20:
+                break
+    return percentile(times, 50)
+
+
+def run_ceiling(args, model, tokenizer, batch_sizes: list[int]) -> dict:
+    vocab = vocab_ids(tokenizer)
+    min_seconds = 0.2 if args.smoke else 1.0
+    return dict(forward_s={str(b): time_forward(model, b, min_seconds, vocab) for b in batch_sizes})
+
+
+def vocab_ids(tokenizer) -> list[int]:
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+# ------------------------------------------------------------------------------------------------ subprocesses
+def run_worker(args) -> None:
+    """Inside an engine subprocess: load the model, run one engine, write its result (and peak RSS) as JSON."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    in_path, out_path = args.worker_io
+    job = json.loads(Path(in_path).read_text())
+    if args.worker == "ours":
+        import hf_paged  # noqa: F401  (registers the "paged" attention)
+    model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa")
+    runners = dict(static=run_static, hf_cb=run_hf_cb, ours=run_ours)
+    if args.worker == "ceiling":
+        result = run_ceiling(args, model, tokenizer, job["ceiling_batches"])
+    else:
+        result = runners[args.worker](args, model, tokenizer, job["workload"])
+    result["peak_rss_mb"] = peak_rss_mb()
+    Path(out_path).write_text(json.dumps(result))
+
+
+def spawn_engine(engine: str, argv: list[str], job: dict, timeout: float) -> dict:
+    """Run one engine in a fresh interpreter; returns its result, or ``{"error": ...}`` if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        in_path, out_path = Path(tmp, "job.json"), Path(tmp, "result.json")
+        in_path.write_text(json.dumps(job))
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", engine,
+               "--worker-io", str(in_path), str(out_path)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return dict(error=f"timed out after {timeout:.0f} s")
+        if proc.returncode != 0 or not out_path.exists():
+            return dict(error=f"exit code {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        return json.loads(out_path.read_text())
+
+
+def worker_argv(args) -> list[str]:
+    """The parent's settings as command-line flags for a worker (the worker re-parses them)."""
+    argv = ["--model", args.model, "--dtype", args.dtype, "--static-batch-size", str(args.static_batch_size),
+            "--kv-tokens", str(args.kv_tokens), "--block-size", str(args.block_size),
+            "--max-batch-tokens", str(args.max_batch_tokens), "--max-num-seqs", str(args.max_num_seqs)]
+    if args.hf_cb_config:
+        argv += ["--hf-cb-config", args.hf_cb_config]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.smoke:
+        argv += ["--smoke"]
+    return argv
+
+
+# ------------------------------------------------------------------------------------------------------ analysis
+def bucket_of(batch_size: int) -> int:
+    """Power-of-two bucket: 1, 2-3, 4-7, 8-15, ..."""
+    return 1 << (batch_size.bit_length() - 1)
+
+
+def decode_buckets(steps: list) -> dict[int, dict]:
+    """Ours' pure-decode steps grouped by batch size: steps, tokens, seconds and the mean batch size of each group."""
+    buckets: dict[int, dict] = {}
+    for decodes, prefill_tokens, seconds in steps:
+        if prefill_tokens or not decodes:
+            continue
+        b = buckets.setdefault(bucket_of(decodes), dict(steps=0, tokens=0, seconds=0.0))
+        b["steps"] += 1
+        b["tokens"] += decodes
+        b["seconds"] += seconds
+    for b in buckets.values():
+        b["batch_size"] = round(b["tokens"] / b["steps"])
+    return dict(sorted(buckets.items()))
+
+
+def efficiency_report(steps: list, forward_s: dict) -> dict:
+    """Ours' decode tokens/s per batch-size bucket against the bare forward at that bucket's mean batch size."""
+    rows, ideal, actual, tokens = [], 0.0, 0.0, 0
+    for bucket, b in decode_buckets(steps).items():
+        t_forward = forward_s.get(str(b["batch_size"]))
+        ours = b["tokens"] / b["seconds"]
+        ceiling = b["batch_size"] / t_forward if t_forward else None
+        rows.append(dict(bucket=f"{bucket}-{2 * bucket - 1}", batch_size=b["batch_size"], steps=b["steps"],
+                         ours_tok_s=ours, ceiling_tok_s=ceiling, efficiency=ours / ceiling if ceiling else None))
+        if t_forward:
+            ideal += b["steps"] * t_forward
+            actual += b["seconds"]
+            tokens += b["tokens"]
+    mixed = sum(s for d, p, s in steps if p)
+    return dict(buckets=rows, decode_tokens=tokens, ours_decode_tok_s=tokens / actual if actual else None,
+                ceiling_decode_tok_s=tokens / ideal if ideal else None,
+                efficiency=ideal / actual if actual else None,
+                prefill_step_share=mixed / max(1e-9, sum(s for *_, s in steps)))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Fraction of requests with identical greedy tokens, and the mean share of tokens before the first difference."""
+    same, prefix = 0, []
+    for x, y in zip(a, b):
+        same += x == y
+        common = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        prefix.append(common / max(1, len(x)))
+    return dict(identical=same / len(a), mean_common_prefix=sum(prefix) / len(prefix))
+
+
+def throughput_row(engine: str, result: dict, workload: dict) -> dict:
+    """The table row of one engine: throughput from the wall time, latencies and RSS from the result."""
+    row = dict(engine=engine, error=result.get("error"), peak_rss_mb=result.get("peak_rss_mb"))
+    if "wall_s" not in result:
+        return row
+    wall = result["wall_s"]
+    out = sum(workload["output_lens"])
+    total = out + sum(len(p) for p in workload["prompts"])
+    row.update(wall_s=wall, output_tok_s=out / wall, total_tok_s=total / wall,
+               requests_s=len(workload["prompts"]) / wall)
+    row.update({k: result.get(k) for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")})
+    return row
+
+
+def build_report(args, workload: dict, results: dict) -> dict:
+    rows = [throughput_row(e, results[e], workload) for e in args.engines if e != "ceiling"]
+    report = dict(settings={k: v for k, v in vars(args).items() if not k.startswith("worker")},
+                  workload=dict(num_requests=len(workload["prompts"]),
+                                prompt_tokens=sum(len(p) for p in workload["prompts"]),
+                                output_tokens=sum(workload["output_lens"])),
+                  rows=rows, ratios={}, agreement={}, kv_memory={})
+    ours = results.get("ours", {})
+    if "hf_cb" in results and "config" in results["hf_cb"]:
+        report["hf_cb_config"] = results["hf_cb"]["config"]
+    if "ceiling" in results:
+        report["ceiling_forward_s"] = results["ceiling"].get("forward_s")
+        eff = efficiency_report(ours.get("steps", []), results["ceiling"].get("forward_s", {}))
+        report["decode_efficiency"] = eff
+        rows.append(dict(engine="ceiling", error=results["ceiling"].get("error"),
+                         peak_rss_mb=results["ceiling"].get("peak_rss_mb"), output_tok_s=eff["ceiling_decode_tok_s"]))
+        if eff["efficiency"] is not None:
+            report["ratios"]["ours_decode/ceiling"] = eff["efficiency"]
+    by_engine = {r["engine"]: r for r in rows}
+    if by_engine.get("ours", {}).get("output_tok_s"):
+        for peer in ("static", "hf_cb"):
+            if by_engine.get(peer, {}).get("output_tok_s"):
+                report["ratios"][f"ours/{peer}"] = by_engine["ours"]["output_tok_s"] / by_engine[peer]["output_tok_s"]
+    tokens = {e: r["tokens"] for e, r in results.items() if "tokens" in r}
+    for a, b in (("ours", "static"), ("ours", "hf_cb"), ("hf_cb", "static")):
+        if a in tokens and b in tokens:
+            report["agreement"][f"{a}_vs_{b}"] = agreement(tokens[a], tokens[b])
+    for engine in ("ours", "static"):
+        if "kv" in results.get(engine, {}):
+            report["kv_memory"][engine] = results[engine]["kv"]
+    if "num_preemptions" in ours:
+        report["ours_preemptions"] = ours["num_preemptions"]
+        report["ours_prefix_cache_hit_tokens"] = ours["prefix_cache_hit_tokens"]
+    return report
+
+
+# ------------------------------------------------------------------------------------------------------ printing
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(report: dict) -> None:
+    w = report["workload"]
+    print(f"\n{w['num_requests']} requests, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens")
+    if "hf_cb_config" in report:
+        print(f"Transformers CB config: {report['hf_cb_config']}")
+    header = f"{'engine':<9}{'out tok/s':>10}{'tot tok/s':>10}{'req/s':>7}{'TTFT p50':>9}{'TTFT p99':>9}" \
+             f"{'TPOT p50':>10}{'TPOT p99':>10}{'RSS MB':>8}{'wall s':>8}"
+    print(header + "\n" + "-" * len(header))
+    for r in report["rows"]:
+        if r.get("error"):
+            print(f"{r['engine']:<9} FAILED: {r['error'][-300:]}")
+            continue
+        ms = lambda key: fmt(r.get(key) and r[key] * 1000, ".0f")  # noqa: E731
+        print(f"{r['engine']:<9}{fmt(r.get('output_tok_s')):>10}{fmt(r.get('total_tok_s')):>10}"
+              f"{fmt(r.get('requests_s'), '.2f'):>7}{ms('ttft_p50'):>9}{ms('ttft_p99'):>9}{ms('tpot_p50'):>10}"
+              f"{ms('tpot_p99'):>10}{fmt(r.get('peak_rss_mb'), '.0f'):>8}{fmt(r.get('wall_s')):>8}")
+    print("(TTFT/TPOT in ms; ceiling = bare forward at ours' decode batch sizes, decode tokens/s only)")
+    for name, value in report["ratios"].items():
+        print(f"ratio {name}: {value:.2f}x")
+    for name, a in report["agreement"].items():
+        print(f"greedy agreement {name}: {a['identical']:.0%} of requests identical, "
+              f"mean common prefix {a['mean_common_prefix']:.0%}")
+    for engine, kv in report["kv_memory"].items():
+        of_cache = kv.get("unused_fraction_of_cache")
+        print(f"KV at peak ({engine}): {kv['peak_allocated_slots']} slots allocated, {kv['peak_stored_tokens']} tokens "
+              f"stored, unused {kv['unused_fraction_of_allocated']:.1%} of allocated"
+              + (f", {of_cache:.1%} of the whole cache" if of_cache is not None else ""))
+    if "ours_preemptions" in report:
+        print(f"ours: {report['ours_preemptions']} preemptions, {report['ours_prefix_cache_hit_tokens']} prompt tokens "
+              "served from the prefix cache")
+    if report.get("ceiling_forward_s"):
+        timings = ", ".join(f"B={b}: {s * 1000:.0f}" for b, s in report["ceiling_forward_s"].items())
+        print(f"bare forward [B, 1], ms: {timings}")
+    eff = report.get("decode_efficiency")
+    if eff and eff["buckets"]:
+        print("ours decode vs bare forward, by batch size:")
+        for b in eff["buckets"]:
+            print(f"  B {b['bucket']:>7} (mean {b['batch_size']:>3}, {b['steps']:>4} steps): ours "
+                  f"{fmt(b['ours_tok_s']):>8} tok/s, ceiling {fmt(b['ceiling_tok_s']):>8} tok/s, "
+                  f"efficiency {fmt(b['efficiency'], '.0%')}")
+        print(f"  mixed prefill steps: {eff['prefill_step_share']:.0%} of ours' step time (not in the efficiency)")
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return None
+    from transformers import AutoTokenizer
+
+    from hf_paged.default_model import resolve_model
+
+    args.model = resolve_model(args.model)
+    workload = make_workload(args, AutoTokenizer.from_pretrained(args.model))
+    job = dict(workload=workload, ceiling_batches=[])
+    results = {}
+    for engine in [e for e in ENGINES if e in args.engines]:
+        if engine == "ceiling":
+            buckets = decode_buckets(results.get("ours", {}).get("steps", []))
+            job["ceiling_batches"] = sorted({b["batch_size"] for b in buckets.values()}) or [1, 2, 4, 8, 16, 32]
+        print(f"running {engine} ...", file=sys.stderr, flush=True)
+        results[engine] = spawn_engine(engine, worker_argv(args), job, args.engine_timeout)
+    report = build_report(args, workload, results)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
