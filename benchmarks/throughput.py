@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seed of the workload (prompt and output lengths, prompt offsets)")
     add("--shared-prefix", type=int, default=0, help="prepend the same N-token system prompt to every prompt")
     add("--static-batch-size", type=int, default=32, help="batch size of the static `generate` engine")
-    add("--kv-tokens", type=int, default=16384, help="KV-cache capacity in tokens of both continuous engines")
+    add("--kv-tokens", type=int, default=32768, help="KV-cache capacity in tokens of both continuous engines")
     add("--block-size", type=int, default=16, help="KV block size of ours")
     add("--max-batch-tokens", type=int, default=512, help="most tokens per step of both continuous engines")
     add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
