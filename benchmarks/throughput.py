@@ -106,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="torch threads per engine process (default: torch's choice; use 1 on a machine shared with other jobs)")
     add("--engine-timeout", type=float, default=3600, help="seconds before an engine's subprocess is killed")
     add("--json", default=None, help="also write the report to this JSON file")
+    add("--compare-with", default=None,
+        help="a --json report of an earlier run on the same workload (e.g. fp32): ratio and token agreement of ours")
     add("--smoke", action="store_true",
         help="tiny workload for CI (default flags become: 6 requests, prompts 8-32, outputs 4-12, static batch 4, "
              "2048 KV tokens, 1 thread)")
@@ -228,8 +230,11 @@ def load_model(path: str, dtype: str, attn: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_paged.quantization import quantized_load_kwargs  # GPTQ/AWQ: the same CPU kernels for every engine
+
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=getattr(torch, dtype),
+                                                 **quantized_load_kwargs(path))
     return model.eval(), tokenizer
 
 
@@ -494,6 +499,17 @@ def efficiency_report(steps: list, forward_s: dict) -> dict:
                 prefill_step_share=mixed / max(1e-9, sum(s for *_, s in steps)))
 
 
+def compare_runs(report: dict, other: dict) -> None:
+    """Ours in this run against ours in an earlier run (e.g. bf16 against fp32): throughput ratio, token agreement."""
+    mine = {r["engine"]: r for r in report["rows"]}.get("ours", {}).get("output_tok_s")
+    theirs = {r["engine"]: r for r in other["rows"]}.get("ours", {}).get("output_tok_s")
+    label = f"{report['settings']['dtype']}/{other['settings']['dtype']}"
+    if mine and theirs:
+        report["ratios"][f"ours {label}"] = mine / theirs
+    if report.get("ours_tokens") and other.get("ours_tokens"):
+        report["agreement"][f"ours {label}"] = agreement(report["ours_tokens"], other["ours_tokens"])
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     """Fraction of requests with identical greedy tokens, and the mean share of tokens before the first difference."""
     same, prefix = 0, []
@@ -542,6 +558,7 @@ def build_report(args, workload: dict, results: dict) -> dict:
             if by_engine.get(peer, {}).get("output_tok_s"):
                 report["ratios"][f"ours/{peer}"] = by_engine["ours"]["output_tok_s"] / by_engine[peer]["output_tok_s"]
     tokens = {e: r["tokens"] for e, r in results.items() if "tokens" in r}
+    report["ours_tokens"] = tokens.get("ours")
     for a, b in (("ours", "static"), ("ours", "hf_cb"), ("hf_cb", "static")):
         if a in tokens and b in tokens:
             report["agreement"][f"{a}_vs_{b}"] = agreement(tokens[a], tokens[b])
@@ -623,6 +640,8 @@ def main(argv=None) -> dict | None:
         print(f"running {engine} ...", file=sys.stderr, flush=True)
         results[engine] = spawn_engine(engine, worker_argv(args), job, args.engine_timeout)
     report = build_report(args, workload, results)
+    if args.compare_with:
+        compare_runs(report, json.loads(Path(args.compare_with).read_text()))
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
