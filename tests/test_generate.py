@@ -5,6 +5,7 @@ import torch
 from transformers import TextStreamer, pipeline
 
 from hf_paged import PagedCache
+from reference import generate_with
 from tiny_models import ARCHITECTURES, tiny_model
 
 
@@ -19,27 +20,20 @@ def _left_padded_batch(seed=0, lengths=(5, 17, 11, 24)):
     return ids, mask
 
 
-def _generate(model, impl, **kwargs):
-    model.set_attn_implementation(impl)
-    try:
-        return model.generate(**kwargs)
-    finally:
-        model.set_attn_implementation("paged")
-
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_tiny_architectures_greedy_match_reference(arch):
     model, reference = tiny_model(arch)
     ids, mask = _left_padded_batch()
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
-    expected = _generate(model, reference, **kwargs)
+    expected = generate_with(model, reference, **kwargs)
     got = model.generate(**kwargs)
     assert torch.equal(got, expected)
     # One by one as well (no padding at all).
     for row in range(ids.shape[0]):
         single = ids[row : row + 1, mask[row].bool()]
         one = dict(input_ids=single, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert torch.equal(model.generate(**one), _generate(model, reference, **one))
+        assert torch.equal(model.generate(**one), generate_with(model, reference, **one))
 
 
 def test_sliding_window_is_shorter_than_the_sequence():
@@ -47,7 +41,7 @@ def test_sliding_window_is_shorter_than_the_sequence():
     ids, _ = _left_padded_batch(lengths=(30,))
     assert model.config.sliding_window < ids.shape[1]
     kwargs = dict(input_ids=ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(**kwargs), _generate(model, "sdpa", **kwargs))
+    assert torch.equal(model.generate(**kwargs), generate_with(model, "sdpa", **kwargs))
 
 
 def test_smollm2_chat_prompts_one_by_one_and_batched(smollm2, chat_prompts):
@@ -56,10 +50,10 @@ def test_smollm2_chat_prompts_one_by_one_and_batched(smollm2, chat_prompts):
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     assert len(set(batch.attention_mask.sum(1).tolist())) > 1, "prompts must have mixed lengths"
     kwargs = dict(**batch, max_new_tokens=16, do_sample=False)
-    assert torch.equal(model.generate(**kwargs), _generate(model, "sdpa", **kwargs))
+    assert torch.equal(model.generate(**kwargs), generate_with(model, "sdpa", **kwargs))
     for prompt in prompts:
         one = dict(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=16, do_sample=False)
-        assert torch.equal(model.generate(**one), _generate(model, "sdpa", **one))
+        assert torch.equal(model.generate(**one), generate_with(model, "sdpa", **one))
 
 
 def test_smollm2_answers_a_question(smollm2, chat_prompts):
@@ -75,7 +69,7 @@ def test_seeded_sampling_matches_reference():
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=20, temperature=0.8,
                   pad_token_id=0)
     torch.manual_seed(1234)
-    expected = _generate(model, "sdpa", **kwargs)
+    expected = generate_with(model, "sdpa", **kwargs)
     torch.manual_seed(1234)
     assert torch.equal(model.generate(**kwargs), expected)
 
@@ -84,7 +78,7 @@ def test_beam_search_matches_reference_and_frees_blocks():
     model, _ = tiny_model("qwen2")
     ids, mask = _left_padded_batch(seed=5, lengths=(7, 19))
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, num_beams=3, do_sample=False, pad_token_id=0)
-    expected = _generate(model, "sdpa", **kwargs)
+    expected = generate_with(model, "sdpa", **kwargs)
     cache = PagedCache(model.config, num_blocks=64, block_size=8)
     assert torch.equal(model.generate(**kwargs, cache=cache), expected)
     cache.reset()
@@ -173,6 +167,6 @@ def test_assisted_decoding_crops_the_cache():
     original_crop = cache.crop
     cache.crop = lambda n: (crops.append(n), original_crop(n))
     got = model.generate(**kwargs, cache=cache)
-    assert torch.equal(got, _generate(model, "sdpa", **kwargs))
+    assert torch.equal(got, generate_with(model, "sdpa", **kwargs))
     assert any(n < 0 for n in crops), "no candidate was rejected: the test does not exercise crop"
     assert cache.pool.num_used_blocks == -(-(got.shape[1] - 1) // 4)

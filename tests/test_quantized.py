@@ -6,6 +6,7 @@ import torch
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.loading import load_model
 from fixtures.quantized import fixture_path
+from reference import generate_with
 
 MAX_NEW = 8
 FIXTURES = ["tiny-gptq-g128", "tiny-gptq-g64-act", "tiny-awq-gemm", "smollm2-gptq-g64", "smollm2-awq-gemm"]
@@ -43,13 +44,6 @@ def assert_same_greedy_tokens(name, got, expected, expected_logits):
     assert exact >= len(got) - 2 if tolerance else exact == len(got)
 
 
-def _generate(model, impl, **kwargs):
-    model.set_attn_implementation(impl)
-    try:
-        return model.generate(**kwargs)
-    finally:
-        model.set_attn_implementation("paged")
-
 
 def test_quantized_checkpoint_uses_quantized_linears(quantized):
     name, model, _ = quantized
@@ -68,7 +62,7 @@ def test_paged_generate_matches_sdpa(quantized, chat_prompts):
                   output_logits=True, return_dict_in_generate=True)
     width = batch.input_ids.shape[1]
     got, _ = _new_tokens(model.generate(**kwargs), width)
-    expected, logits = _new_tokens(_generate(model, "sdpa", **kwargs), width)
+    expected, logits = _new_tokens(generate_with(model, "sdpa", **kwargs), width)
     assert_same_greedy_tokens(name, got, expected, logits)
 
 
