@@ -266,17 +266,18 @@ class ContinuousBatchGenerator:
             return torch.tensor(values, dtype=dtype, device=device)
 
         sampling = [p for p in params if not p.greedy]
-        batch = SamplingBatch(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([p.top_k for p in params], torch.long),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            seeds=column([seq.request.seed for seq, _ in draws], torch.long),
-            counters=column([seq.num_output_tokens * p.n + seq.index + k for (seq, k), p in zip(draws, params)], torch.long),
-            all_greedy=not sampling,
-            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampling),
-            needs_min_p=any(p.min_p > 0 for p in sampling),
-        )
+        batch = SamplingBatch(all_greedy=not sampling)
+        if sampling:  # the draw tensors, only when some row samples
+            batch.needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
+            batch.needs_min_p = any(p.min_p > 0 for p in sampling)
+            batch.temperature = column([p.temperature for p in params], torch.float32)
+            batch.top_k = column([p.top_k for p in params], torch.long)
+            batch.top_p = column([p.top_p for p in params], torch.float32)
+            batch.min_p = column([p.min_p for p in params], torch.float32)
+            batch.seeds = column([seq.request.seed for seq, _ in draws], torch.long)
+            batch.counters = column(
+                [seq.num_output_tokens * p.n + seq.index + k for (seq, k), p in zip(draws, params)], torch.long
+            )
         if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
             batch.repetition_penalty = column([p.repetition_penalty for p in params], torch.float32)
             batch.presence_penalty = column([p.presence_penalty for p in params], torch.float32)

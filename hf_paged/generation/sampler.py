@@ -32,17 +32,21 @@ def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor) -> torch.T
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters of one step, as tensors on the logits' device."""
+    """Per-row sampling parameters of one step, as tensors on the logits' device.
 
-    temperature: torch.Tensor  # [R] float, 0 = greedy
-    top_k: torch.Tensor  # [R] long, 0 = off
-    top_p: torch.Tensor  # [R] float
-    min_p: torch.Tensor  # [R] float
-    seeds: torch.Tensor  # [R] long
-    counters: torch.Tensor  # [R] long: distinct for every draw of a request
+    When every row is greedy only ``all_greedy`` (and any penalties, bans or logprobs) is needed; the draw tensors stay
+    None.
+    """
+
     all_greedy: bool
-    needs_sort: bool
-    needs_min_p: bool
+    needs_sort: bool = False
+    needs_min_p: bool = False
+    temperature: torch.Tensor | None = None  # [R] float, 0 = greedy
+    top_k: torch.Tensor | None = None  # [R] long, 0 = off
+    top_p: torch.Tensor | None = None  # [R] float
+    min_p: torch.Tensor | None = None  # [R] float
+    seeds: torch.Tensor | None = None  # [R] long
+    counters: torch.Tensor | None = None  # [R] long: distinct for every draw of a request
     # Penalties (None when no row uses any).
     repetition_penalty: torch.Tensor | None = None  # [R]
     presence_penalty: torch.Tensor | None = None  # [R]
