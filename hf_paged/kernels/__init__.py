@@ -1,6 +1,7 @@
-"""Paged-attention kernels: a Triton implementation for GPUs and a torch one for CPUs, with one dispatcher.
+"""Paged-attention kernels with one dispatcher: Triton on GPUs; on CPUs the torch path, whose decode attention is
+replaced by the native kernel of `cpu_ops` when a C++ compiler is available.
 
-``HF_PAGED_KERNELS=torch`` or ``=triton`` forces a path (``triton`` on CPU needs ``TRITON_INTERPRET=1``).
+``HF_PAGED_KERNELS=torch`` (plain torch only) or ``=triton`` (``TRITON_INTERPRET=1`` on CPU) forces a path.
 """
 
 from __future__ import annotations
@@ -9,17 +10,32 @@ import os
 
 import torch
 
-from . import torch_ops
+from . import cpu_ops, torch_ops
 
-__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "use_triton"]
+__all__ = [
+    "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "use_triton", "decode_reads_in_place",
+]
+
+
+def _forced() -> str:
+    return os.environ.get("HF_PAGED_KERNELS", "").lower()
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """Whether the Triton path handles tensors on ``tensor``'s device."""
-    forced = os.environ.get("HF_PAGED_KERNELS", "").lower()
-    if forced in ("torch", "triton"):
-        return forced == "triton"
+    if _forced() in ("torch", "triton"):
+        return _forced() == "triton"
     return tensor.is_cuda
+
+
+def _use_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return not use_triton(query) and _forced() != "torch" and cpu_ops.supports(query, k_cache, v_cache)
+
+
+def decode_reads_in_place(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether decode attention reads the blocks in place (Triton, native CPU) rather than gathering them first, so
+    one call can cover sequences of very different lengths."""
+    return use_triton(query) or _use_native(query, k_cache, v_cache)
 
 
 def _impl(tensor: torch.Tensor):
@@ -37,7 +53,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None):
     """One new token per sequence attending to its pages; see :mod:`hf_paged.kernels.torch_ops` for the layout."""
-    return _impl(query).paged_decode_attention(
+    impl = cpu_ops if _use_native(query, k_cache, v_cache) else _impl(query)
+    return impl.paged_decode_attention(
         query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap
     )
 

@@ -1,0 +1,134 @@
+"""Native CPU decode attention: ``cpu_decode.cpp``, compiled once with the system C++ compiler and loaded with ctypes.
+
+It reads each sequence's keys and values in place through its block table, so a decode step touches every cached
+token once instead of copying the blocks into a contiguous batch first (as the torch path does). The library is
+built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels`` (default ``~/.cache/hf_paged/kernels``), keyed by the
+source, the compiler and the CPU, and shares torch's OpenMP runtime. Without a compiler `available()` is False and
+the dispatcher keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failed = False
+
+
+class _Problem(ctypes.Structure):
+    _fields_ = [
+        ("query", ctypes.c_void_p), ("q_stride_seq", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("c_stride_block", ctypes.c_int64), ("c_stride_row", ctypes.c_int64), ("c_stride_head", ctypes.c_int64),
+        ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("num_seqs", ctypes.c_int32), ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("sliding_window", ctypes.c_int32), ("softcap", ctypes.c_float),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+def _cpu_id() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
+    root = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged")) / "kernels"
+    target = root / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed:\n{result.stderr[-2000:]}")
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    library.hf_paged_decode.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
+    if library.hf_paged_problem_size() != ctypes.sizeof(_Problem):
+        raise RuntimeError("cpu_decode.cpp and cpu_ops.py disagree on the problem layout")
+    return library
+
+
+def available() -> bool:
+    """Whether the native decode kernel is built and loaded (builds it on first call)."""
+    global _library, _failed
+    if _library is None and not _failed:
+        with _lock:
+            if _library is None and not _failed:
+                try:
+                    _library = _build()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                    _failed = True
+                    warnings.warn(f"hf_paged: native CPU decode kernel unavailable, using the torch path ({error})")
+    return _library is not None
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether these tensors can take the native kernel (CPU, fp32 or bf16, head_dim contiguous, K and V laid out
+    alike)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype in _DTYPES
+        and k_cache.dtype == v_cache.dtype == query.dtype
+        and query.stride(-1) == 1
+        and k_cache.stride(-1) == 1
+        and k_cache.stride() == v_cache.stride()
+        and available()
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `torch_ops.paged_decode_attention`; the caller checks `supports` first."""
+    num_seqs, num_heads, head_dim = query.shape
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype)
+    if num_seqs == 0:
+        return out
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    problem = _Problem(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        scale, sliding_window or 0, softcap or 0.0,
+        torch.get_num_threads(),
+    )
+    status = _library.hf_paged_decode(ctypes.byref(problem), _DTYPES[query.dtype])
+    if status != 0:
+        raise RuntimeError(f"native decode attention failed with status {status}")
+    return out

@@ -1,0 +1,72 @@
+"""The native CPU decode kernel (``hf_paged/kernels/cpu_decode.cpp``) against the float64 token-by-token reference."""
+
+import pytest
+import torch
+
+import hf_paged.kernels as kernels
+from hf_paged.kernels import cpu_ops, torch_ops
+from kernel_cases import make_case, naive_attention
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler to build the native kernel")
+
+CASES = [
+    # seq_lens, kv heads, GQA groups, head dim, block size
+    ([1, 17, 32, 40], 2, 1, 64, 8),
+    ([9, 16, 33], 1, 3, 80, 16),
+    ([50, 7], 2, 4, 96, 32),
+    ([20, 3, 64, 130], 3, 3, 64, 16),
+    ([200], 1, 8, 128, 16),
+]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_major", [False, True], ids=["contiguous", "head-major"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0), (10, 30.0)])
+@pytest.mark.parametrize("case_args", CASES)
+def test_decode_matches_naive(case_args, window, softcap, head_major, dtype):
+    seq_lens, kv_heads, groups, dim, bs = case_args
+    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs, dtype=dtype, head_major=head_major)
+    scale = dim**-0.5
+    got = cpu_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                         case["seq_lens"], scale, window, softcap)
+    assert got.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=tol, atol=tol)
+
+
+def test_empty_sequence_outputs_zeros_and_neighbours_are_unaffected():
+    case = make_case([0, 11, 0, 3], [1] * 4, 2, 2, 64, 8)
+    got = cpu_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                         case["seq_lens"], 0.125)
+    assert torch.count_nonzero(got[[0, 2]]) == 0
+    torch.testing.assert_close(got[[1, 3]].double(), naive_attention(case, 0.125)[[1, 3]], rtol=1e-5, atol=1e-5)
+
+
+def test_reads_only_listed_blocks():
+    """Poisoning every block no table lists changes nothing: the kernel reads through the block tables only."""
+    case = make_case([5, 19, 33], [1, 1, 1], 2, 3, 64, 8, head_major=True)
+    args = lambda: (case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], 0.125)
+    before = cpu_ops.paged_decode_attention(*args())
+    listed = set()
+    for table, length in zip(case["block_tables"].tolist(), case["seq_lens"].tolist()):
+        listed.update(table[: -(-length // 8)])
+    for block in set(range(case["k_cache"].shape[0])) - listed:
+        case["k_cache"][block] = float("nan")
+        case["v_cache"][block] = float("nan")
+    assert torch.equal(cpu_ops.paged_decode_attention(*args()), before)
+
+
+def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):
+    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
+    query, k_cache, v_cache = case["query"], case["k_cache"], case["v_cache"]
+    args = (query, k_cache, v_cache, case["block_tables"], case["seq_lens"], 0.125)
+    monkeypatch.delenv("HF_PAGED_KERNELS", raising=False)
+    assert kernels.decode_reads_in_place(query, k_cache, v_cache)
+    assert torch.equal(kernels.paged_decode_attention(*args), cpu_ops.paged_decode_attention(*args))
+    monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
+    assert not kernels.decode_reads_in_place(query, k_cache, v_cache)
+    assert torch.equal(kernels.paged_decode_attention(*args), torch_ops.paged_decode_attention(*args))
+    # float64 (the reference dtype) is not a native dtype: the torch path takes it.
+    monkeypatch.delenv("HF_PAGED_KERNELS")
+    assert not kernels.decode_reads_in_place(query.double(), k_cache.double(), v_cache.double())
