@@ -86,6 +86,43 @@ def test_prefix_caching_hits_on_a_shared_system_prompt(smollm2):
     assert_no_leak(gen)
 
 
+def test_prefix_is_shared_within_one_step(smollm2, chat_prompts):
+    """Requests admitted in the same step share the prefix blocks the first of them is filling in that step."""
+    prompts = [chat_prompts[3]] * 3 + [chat_prompts[5]]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    cold = make_generator(smollm2, enable_prefix_caching=False).run(prompts, params, use_tqdm=False)
+    gen = make_generator(smollm2)
+    ids = [gen.add_request(prompt, params) for prompt in prompts]
+    gen.step()  # one step prefills all four prompts
+    assert all(seq.num_computed_tokens == seq.num_tokens - 1 for seq in gen.scheduler.running)
+    outputs = {}
+    while gen.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in gen.step()})
+    warm = [outputs[i] for i in ids]
+    assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
+    prompt_len = len(warm[0].prompt_token_ids)
+    assert warm[0].num_cached_tokens == 0
+    assert warm[1].num_cached_tokens == warm[2].num_cached_tokens == (prompt_len - 1) // 16 * 16
+    assert_no_leak(gen)
+
+
+def test_failed_step_leaves_no_prefix_behind(smollm2, chat_prompts, monkeypatch):
+    gen = make_generator(smollm2)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    gen.add_request(chat_prompts[3], params)
+    original = gen.runner.execute
+    monkeypatch.setattr(gen.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        gen.step()
+    assert gen.kv.pool.num_cached_blocks == 0
+    monkeypatch.setattr(gen.runner, "execute", original)
+    for request_id in list(gen.requests):
+        gen.abort_request(request_id)
+    out = gen.run([chat_prompts[3]], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.error is None
+    assert_no_leak(gen)
+
+
 def test_seeded_sampling_is_independent_of_the_batch(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16)
@@ -235,3 +272,20 @@ def test_model_outside_the_attention_interface_is_refused(smollm2):
                                              num_attention_heads=2, intermediate_size=64))
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
         ContinuousBatchGenerator(model, tokenizer, num_blocks=16)
+
+
+def test_request_ids_are_unique_while_live(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    gen.add_request(chat_prompts[0], params, request_id="x")
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        gen.add_request(chat_prompts[1], params, request_id="x")  # still in the inbox
+    gen.step()
+    with pytest.raises(ValueError, match="already in use"):
+        gen.add_request(chat_prompts[1], params, request_id="x")  # running
+    while gen.has_unfinished_requests():
+        gen.step()
+    assert gen.add_request(chat_prompts[1], params, request_id="x") == "x"  # finished ids can be reused
+    while gen.has_unfinished_requests():
+        gen.step()
+    assert_no_leak(gen)

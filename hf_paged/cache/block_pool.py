@@ -91,6 +91,10 @@ class BlockPool:
             self._hash_to_block[block_hash] = block
             self.block_hashes[block] = block_hash
 
+    def uncache(self, block: int) -> None:
+        """Drop ``block`` from the prefix index (its content is not what its hash says)."""
+        self._evict(block)
+
     def _evict(self, block: int) -> None:
         block_hash = self.block_hashes[block]
         if block_hash is not None:

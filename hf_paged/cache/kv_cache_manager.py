@@ -97,7 +97,12 @@ class KVCacheManager:
         return len(blocks) * bs
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Index the blocks of ``seq_id`` that are full once ``num_computed`` tokens are in the cache."""
+        """Index the blocks of ``seq_id`` that are full once ``num_computed`` tokens are in the cache.
+
+        The scheduler commits the tokens of a step when it schedules them, so a later sequence of the same step can
+        share those blocks: every layer writes the whole step's keys and values before any of its attention reads
+        them. If the step fails, :meth:`uncommit` takes the blocks back out of the index.
+        """
         if not self.enable_prefix_caching:
             return
         hashes = self._hashes.setdefault(seq_id, [])
@@ -107,6 +112,16 @@ class KVCacheManager:
             block_hash = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
             hashes.append(block_hash)
             self.pool.cache(table[i], block_hash)
+
+    def uncommit(self, seq_id: Hashable, num_computed: int) -> None:
+        """Unindex the blocks of ``seq_id`` committed beyond its first ``num_computed`` tokens."""
+        hashes = self._hashes.get(seq_id)
+        if not hashes:
+            return
+        keep = num_computed // self.block_size
+        for block in self.tables[seq_id][keep : len(hashes)]:
+            self.pool.uncache(block)
+        del hashes[keep:]
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """Let ``child`` share every block of ``parent``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -97,6 +98,8 @@ class ContinuousBatchGenerator:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
+        self._ids_lock = threading.Lock()
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._check_model_runs()
@@ -160,9 +163,11 @@ class ContinuousBatchGenerator:
                 f"{self.max_model_len} tokens, prompt and output together"
             )
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
+        with self._ids_lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
         self._inbox.put(("add", Request(request_id, text, token_ids, params, seed)))
         return request_id
 
@@ -192,7 +197,7 @@ class ContinuousBatchGenerator:
                 self.scheduler.add(item.seqs[0])
                 self._prompt_tokens += item.num_prompt_tokens
             elif item in self.requests:
-                request = self.requests.pop(item)
+                request = self._retire(item)
                 for seq in request.seqs:
                     if not seq.is_finished:
                         seq.finish_reason = "abort"
@@ -216,10 +221,14 @@ class ContinuousBatchGenerator:
         for seq in batch.seqs:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-        logits, sampled = self.runner.execute(batch)
+        try:
+            logits, sampled = self.runner.execute(batch)
+        except BaseException:
+            for seq in batch.seqs:  # the blocks this step was to fill must not serve later prefix matches
+                self.kv.uncommit(seq.seq_id, seq.num_computed_tokens)
+            raise
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         if not sampled:
             return outputs
         rows, draws = self._expand_forks(sampled)
@@ -236,9 +245,14 @@ class ContinuousBatchGenerator:
         for request in changed.values():
             if request.is_finished:
                 request.metrics.finished_time = now
-                del self.requests[request.request_id]
+                self._retire(request.request_id)
             outputs.append(request.to_output())
         return outputs
+
+    def _retire(self, request_id: str) -> Request:
+        with self._ids_lock:
+            self._live_ids.discard(request_id)
+        return self.requests.pop(request_id)
 
     def _expand_forks(self, sampled: list[Sequence]) -> tuple[list[int], list[tuple[Sequence, int]]]:
         """A request with ``n > 1`` draws ``n`` first tokens from its prompt's logits; its samples then diverge."""

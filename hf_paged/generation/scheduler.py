@@ -79,6 +79,7 @@ class Scheduler:
                     if victim is seq:
                         break
             if seq.status is SequenceStatus.RUNNING:
+                self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
                 picked.append((seq, n))
                 budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -97,6 +98,7 @@ class Scheduler:
                 self.kv.free(seq.seq_id)
                 seq.num_computed_tokens = 0
                 break
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
