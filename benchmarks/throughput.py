@@ -107,7 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--engine-timeout", type=float, default=3600, help="seconds before an engine's subprocess is killed")
     add("--json", default=None, help="also write the report to this JSON file")
     add("--compare-with", default=None,
-        help="a --json report of an earlier run on the same workload (e.g. fp32): ratio and token agreement of ours")
+        help="a --json report of an earlier run on the same workload (e.g. fp32): per-engine ratio and token agreement")
     add("--smoke", action="store_true",
         help="tiny workload for CI (default flags become: 6 requests, prompts 8-32, outputs 4-12, static batch 4, "
              "2048 KV tokens, 1 thread)")
@@ -500,14 +500,17 @@ def efficiency_report(steps: list, forward_s: dict) -> dict:
 
 
 def compare_runs(report: dict, other: dict) -> None:
-    """Ours in this run against ours in an earlier run (e.g. bf16 against fp32): throughput ratio, token agreement."""
-    mine = {r["engine"]: r for r in report["rows"]}.get("ours", {}).get("output_tok_s")
-    theirs = {r["engine"]: r for r in other["rows"]}.get("ours", {}).get("output_tok_s")
+    """Each engine in this run against itself in an earlier run (e.g. bf16 against fp32): throughput ratio and
+    greedy-token agreement. Transformers' own engines in both runs show how far the dtype alone moves the tokens."""
+    mine = {r["engine"]: r.get("output_tok_s") for r in report["rows"]}
+    theirs = {r["engine"]: r.get("output_tok_s") for r in other["rows"]}
     label = f"{report['settings']['dtype']}/{other['settings']['dtype']}"
-    if mine and theirs:
-        report["ratios"][f"ours {label}"] = mine / theirs
-    if report.get("ours_tokens") and other.get("ours_tokens"):
-        report["agreement"][f"ours {label}"] = agreement(report["ours_tokens"], other["ours_tokens"])
+    for engine in ("ours", "static", "hf_cb"):
+        if mine.get(engine) and theirs.get(engine):
+            report["ratios"][f"{engine} {label}"] = mine[engine] / theirs[engine]
+        a, b = report["tokens"].get(engine), other.get("tokens", {}).get(engine)
+        if a and b:
+            report["agreement"][f"{engine} {label}"] = agreement(a, b)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -558,7 +561,7 @@ def build_report(args, workload: dict, results: dict) -> dict:
             if by_engine.get(peer, {}).get("output_tok_s"):
                 report["ratios"][f"ours/{peer}"] = by_engine["ours"]["output_tok_s"] / by_engine[peer]["output_tok_s"]
     tokens = {e: r["tokens"] for e, r in results.items() if "tokens" in r}
-    report["ours_tokens"] = tokens.get("ours")
+    report["tokens"] = tokens
     for a, b in (("ours", "static"), ("ours", "hf_cb"), ("hf_cb", "static")):
         if a in tokens and b in tokens:
             report["agreement"][f"{a}_vs_{b}"] = agreement(tokens[a], tokens[b])

@@ -16,6 +16,7 @@ CASES = [
     ([50, 7], 2, 4, 96, 32),
     ([20, 3, 64, 130], 3, 3, 64, 16),
     ([200], 1, 8, 128, 16),
+    ([9, 40], 1, 6, 64, 16),  # query heads in runs of 4 and 2
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
