@@ -17,6 +17,8 @@ CASES = [
     ([20, 3, 64, 130], 3, 3, 64, 16),
     ([200], 1, 8, 128, 16),
     ([9, 40], 1, 6, 64, 16),  # query heads in runs of 4 and 2
+    ([30, 5], 2, 2, 40, 16),  # a head_dim without an unrolled kernel
+    ([70], 1, 3, 256, 16),
 ]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 

@@ -2,7 +2,7 @@
 // table (no copy of the blocks). Built and loaded by cpu_ops.py; layout as in torch_ops.py.
 //
 // One task per (sequence, kv head): the group's query heads score every visible key, softmax in fp32, then
-// accumulate the values. Inner loops run over head_dim and vectorise.
+// accumulate the values, block by block.
 
 #include <algorithm>
 #include <cmath>
@@ -55,31 +55,125 @@ inline void prefetch_rows(const T* rows, int64_t row_stride, int num_rows, int r
             __builtin_prefetch(reinterpret_cast<const char*>(rows + r * row_stride) + offset);
 }
 
-// L query heads against one key row, loaded once: scores[l] = q[l] . k
-template <int L, typename T>
-inline void score_row(const float* q, const T* k, int D, float* scores) {
-    float a[L] = {};
-#pragma omp simd reduction(+ : a[:L])
-    for (int d = 0; d < D; ++d) {
-        const float kd = to_float(k[d]);
-        for (int l = 0; l < L; ++l) a[l] += q[l * D + d] * kd;
-    }
-    for (int l = 0; l < L; ++l) scores[l] = a[l];
+// The inner loops on vectors of 16 floats (GCC vector extensions: AVX-512, AVX2 or SSE, whatever -march gives).
+typedef float vec16 __attribute__((vector_size(64)));
+typedef uint16_t half16 __attribute__((vector_size(32)));
+typedef uint32_t word16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+    vec16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline vec16 load16(const uint16_t* p) {  // bfloat16 -> float: the bits shifted into the high half
+    half16 h;
+    std::memcpy(&h, p, sizeof h);
+    const word16 w = __builtin_convertvector(h, word16) << 16;
+    vec16 v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+}
+inline float sum16(vec16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; ++i) s += v[i];
+    return s;
 }
 
-// acc[l] += w[l] * v for L query heads, the value row loaded once
-template <int L, typename T>
-inline void accumulate_row(const float* w, const T* v, int D, float* acc) {
-#pragma omp simd
-    for (int d = 0; d < D; ++d) {
-        const float vd = to_float(v[d]);
-        for (int l = 0; l < L; ++l) acc[l * D + d] += w[l] * vd;
+// Scores of L query heads (their rows of q, kD floats each) against `rows` key rows, each loaded once:
+// scores[l * stride + r] = q[l] . k[r]
+template <int L, int kD, typename T>
+inline void score_rows(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int stride) {
+    constexpr int C = kD / 16;
+    vec16 qv[L][C];
+    for (int l = 0; l < L; ++l)
+        for (int c = 0; c < C; ++c) qv[l][c] = load16(q + l * kD + c * 16);
+    for (int r = 0; r < rows; ++r) {
+        const T* kr = k + r * row_stride;
+        vec16 a[L] = {};
+        for (int c = 0; c < C; ++c) {
+            const vec16 kv = load16(kr + c * 16);
+            for (int l = 0; l < L; ++l) a[l] += qv[l][c] * kv;
+        }
+        for (int l = 0; l < L; ++l) scores[l * stride + r] = sum16(a[l]);
     }
+}
+
+// acc[l] += sum_r w[l * stride + r] * v[r] for L query heads over `rows` value rows, each loaded once
+template <int L, int kD, typename T>
+inline void accumulate_rows(const float* w, int stride, const T* v, int64_t row_stride, int rows, float* acc) {
+    constexpr int C = kD / 16;
+    vec16 o[L][C];
+    for (int l = 0; l < L; ++l)
+        for (int c = 0; c < C; ++c) o[l][c] = load16(acc + l * kD + c * 16);
+    for (int r = 0; r < rows; ++r) {
+        const T* vr = v + r * row_stride;
+        for (int c = 0; c < C; ++c) {
+            const vec16 vv = load16(vr + c * 16);
+            for (int l = 0; l < L; ++l) o[l][c] += w[l * stride + r] * vv;
+        }
+    }
+    for (int l = 0; l < L; ++l)
+        for (int c = 0; c < C; ++c) std::memcpy(acc + l * kD + c * 16, &o[l][c], sizeof(vec16));
+}
+
+// The same for any head_dim, one row and one head at a time.
+template <typename T>
+inline void score_rows_any(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int stride,
+                           int L, int D) {
+    for (int r = 0; r < rows; ++r)
+        for (int l = 0; l < L; ++l) {
+            float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+            for (int d = 0; d < D; ++d) a += q[l * D + d] * to_float(k[r * row_stride + d]);
+            scores[l * stride + r] = a;
+        }
 }
 
 template <typename T>
+inline void accumulate_rows_any(const float* w, int stride, const T* v, int64_t row_stride, int rows, float* acc,
+                                int L, int D) {
+    for (int r = 0; r < rows; ++r)
+        for (int l = 0; l < L; ++l) {
+            const float wl = w[l * stride + r];
+#pragma omp simd
+            for (int d = 0; d < D; ++d) acc[l * D + d] += wl * to_float(v[r * row_stride + d]);
+        }
+}
+
+// One block's rows for all G query heads of a group, in runs of up to 4 heads (kD = 0: any head_dim).
+template <int kD, typename T>
+void score_block(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int n, int G, int D) {
+    if constexpr (kD == 0) {
+        score_rows_any(q, k, row_stride, rows, scores, n, G, D);
+    } else {
+        int g = 0;
+        for (; g + 4 <= G; g += 4) score_rows<4, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n);
+        switch (G - g) {
+            case 3: score_rows<3, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n); break;
+            case 2: score_rows<2, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n); break;
+            case 1: score_rows<1, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n); break;
+        }
+    }
+}
+
+template <int kD, typename T>
+void accumulate_block(const float* w, int n, const T* v, int64_t row_stride, int rows, float* acc, int G, int D) {
+    if constexpr (kD == 0) {
+        accumulate_rows_any(w, n, v, row_stride, rows, acc, G, D);
+    } else {
+        int g = 0;
+        for (; g + 4 <= G; g += 4) accumulate_rows<4, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
+        switch (G - g) {
+            case 3: accumulate_rows<3, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
+            case 2: accumulate_rows<2, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
+            case 1: accumulate_rows<1, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
+        }
+    }
+}
+
+template <typename T, int kD>
 void attend(const Problem& p, int s, int h, std::vector<float>& qf, std::vector<float>& scores,
-            std::vector<float>& acc, std::vector<float>& stats) {
+            std::vector<float>& acc, std::vector<float>& sums) {
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, bs = p.block_size;
     const int len = p.seq_lens[s];
     T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(s) * p.num_heads + h * G) * D;
@@ -99,57 +193,36 @@ void attend(const Problem& p, int s, int h, std::vector<float>& qf, std::vector<
     const int32_t* table = p.block_tables + s * p.bt_stride;
     const int row_bytes = D * static_cast<int>(sizeof(T));
     const int first = lo / bs, last = (len - 1) / bs;
-    // Scores, token-major [n, G]: each key row is read once for all the query heads of its group.
+    // Scores [G, n], block by block: each key row is read once for all the query heads of its group.
     for (int b = first; b <= last; ++b) {
         if (b < last) prefetch_rows(kbase + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
-        const T* block = kbase + table[b] * p.c_stride_block;
-        for (int t = std::max(lo, b * bs); t < std::min(len, (b + 1) * bs); ++t) {
-            const T* k = block + (t - b * bs) * p.c_stride_row;
-            float* sc = scores.data() + (t - lo) * G;
-            int g = 0;
-            for (; g + 4 <= G; g += 4) score_row<4>(qf.data() + g * D, k, D, sc + g);
-            switch (G - g) {
-                case 3: score_row<3>(qf.data() + g * D, k, D, sc + g); break;
-                case 2: score_row<2>(qf.data() + g * D, k, D, sc + g); break;
-                case 1: score_row<1>(qf.data() + g * D, k, D, sc + g); break;
-            }
-        }
+        const int t0 = std::max(lo, b * bs), t1 = std::min(len, (b + 1) * bs);
+        const T* k = kbase + table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
+        score_block<kD>(qf.data(), k, p.c_stride_row, t1 - t0, scores.data() + (t0 - lo), n, G, D);
     }
-    float* mx = stats.data();
-    float* sum = stats.data() + G;
-    for (int g = 0; g < G; ++g) mx[g] = scores[g], sum[g] = 0.0f;
-    for (int i = 0; i < n; ++i) {
-        float* x = scores.data() + i * G;
-        for (int g = 0; g < G; ++g) {
-            if (p.softcap > 0) x[g] = std::tanh(x[g]) * p.softcap;
-            mx[g] = std::max(mx[g], x[g]);
+    for (int g = 0; g < G; ++g) {
+        float* x = scores.data() + g * n;
+        if (p.softcap > 0)
+            for (int i = 0; i < n; ++i) x[i] = std::tanh(x[i]) * p.softcap;
+        float mx = x[0];
+        for (int i = 1; i < n; ++i) mx = std::max(mx, x[i]);
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int i = 0; i < n; ++i) {
+            x[i] = std::exp(x[i] - mx);
+            total += x[i];
         }
-    }
-    for (int i = 0; i < n; ++i) {
-        float* x = scores.data() + i * G;
-        for (int g = 0; g < G; ++g) {
-            x[g] = std::exp(x[g] - mx[g]);
-            sum[g] += x[g];
-        }
+        sums[g] = total;
     }
     std::fill(acc.begin(), acc.begin() + G * D, 0.0f);
     for (int b = first; b <= last; ++b) {
         if (b < last) prefetch_rows(vbase + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
-        const T* block = vbase + table[b] * p.c_stride_block;
-        for (int t = std::max(lo, b * bs); t < std::min(len, (b + 1) * bs); ++t) {
-            const T* v = block + (t - b * bs) * p.c_stride_row;
-            const float* w = scores.data() + (t - lo) * G;
-            int g = 0;
-            for (; g + 4 <= G; g += 4) accumulate_row<4>(w + g, v, D, acc.data() + g * D);
-            switch (G - g) {
-                case 3: accumulate_row<3>(w + g, v, D, acc.data() + g * D); break;
-                case 2: accumulate_row<2>(w + g, v, D, acc.data() + g * D); break;
-                case 1: accumulate_row<1>(w + g, v, D, acc.data() + g * D); break;
-            }
-        }
+        const int t0 = std::max(lo, b * bs), t1 = std::min(len, (b + 1) * bs);
+        const T* v = vbase + table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
+        accumulate_block<kD>(scores.data() + (t0 - lo), n, v, p.c_stride_row, t1 - t0, acc.data(), G, D);
     }
     for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) store(out + g * D + d, acc[g * D + d] / sum[g]);
+        for (int d = 0; d < D; ++d) store(out + g * D + d, acc[g * D + d] / sums[g]);
 }
 
 template <typename T>
@@ -158,13 +231,20 @@ void run(const Problem& p) {
     const int tasks = p.num_seqs * p.num_kv_heads;
 #pragma omp parallel num_threads(p.num_threads)
     {
-        std::vector<float> qf(G * p.head_dim), acc(G * p.head_dim), stats(2 * G), scores;
+        std::vector<float> qf(G * p.head_dim), acc(G * p.head_dim), sums(G), scores;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; ++task) {
             const int s = task / p.num_kv_heads, h = task % p.num_kv_heads;
             const size_t need = static_cast<size_t>(G) * std::max(p.seq_lens[s], 1);
             if (scores.size() < need) scores.resize(need);
-            attend<T>(p, s, h, qf, scores, acc, stats);
+            switch (p.head_dim) {  // the common head sizes get unrolled vector loops
+                case 64: attend<T, 64>(p, s, h, qf, scores, acc, sums); break;
+                case 80: attend<T, 80>(p, s, h, qf, scores, acc, sums); break;
+                case 96: attend<T, 96>(p, s, h, qf, scores, acc, sums); break;
+                case 128: attend<T, 128>(p, s, h, qf, scores, acc, sums); break;
+                case 256: attend<T, 256>(p, s, h, qf, scores, acc, sums); break;
+                default: attend<T, 0>(p, s, h, qf, scores, acc, sums);
+            }
         }
     }
 }
