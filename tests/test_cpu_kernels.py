@@ -60,6 +60,18 @@ def test_reads_only_listed_blocks():
     assert torch.equal(cpu_ops.paged_decode_attention(*args()), before)
 
 
+def test_tables_outside_the_cache_are_refused_not_read():
+    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
+    args = dict(query=case["query"], k_cache=case["k_cache"], v_cache=case["v_cache"], scale=0.125)
+    bad_block = case["block_tables"].clone()
+    bad_block[1, 0] = case["k_cache"].shape[0]
+    with pytest.raises(ValueError, match="outside"):
+        cpu_ops.paged_decode_attention(block_tables=bad_block, seq_lens=case["seq_lens"], **args)
+    too_long = torch.tensor([5, 8 * case["block_tables"].shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        cpu_ops.paged_decode_attention(block_tables=case["block_tables"], seq_lens=too_long, **args)
+
+
 def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):
     case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
     query, k_cache, v_cache = case["query"], case["k_cache"], case["v_cache"]

@@ -119,6 +119,11 @@ def paged_decode_attention(
         return out
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
+    # The kernel reads raw memory: refuse tables that point outside the cache instead of crashing the process.
+    if int(seq_lens.max()) > block_tables.shape[1] * k_cache.shape[1] or int(seq_lens.min()) < 0:
+        raise ValueError("paged decode attention: a sequence is longer than its block table holds")
+    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
+        raise ValueError(f"paged decode attention: a block table lists a block outside 0..{k_cache.shape[0] - 1}")
     problem = _Problem(
         query.data_ptr(), query.stride(0), query.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
