@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (``hf_paged/kernels/cpu_decode.cpp``) against the float64 token-by-token reference."""
+"""The native CPU kernel (``hf_paged/kernels/cpu_attention.cpp``) against the float64 token-by-token reference."""
 
 import pytest
 import torch
@@ -36,6 +36,39 @@ def test_decode_matches_naive(case_args, window, softcap, head_major, dtype):
     assert got.dtype == dtype
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=tol, atol=tol)
+
+
+PREFILL_CASES = [
+    # seq_lens, q_lens, kv heads, GQA groups, head dim, block size
+    ([1, 17, 32, 40], [1, 5, 32, 3], 2, 1, 64, 8),
+    ([9, 16, 33], [9, 2, 1], 1, 3, 80, 16),
+    ([50, 7], [4, 7], 2, 4, 96, 32),
+    ([20, 3, 64], [6, 3, 1], 3, 3, 64, 16),
+    ([30, 12], [30, 12], 2, 2, 40, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
+@pytest.mark.parametrize("case_args", PREFILL_CASES)
+def test_prefill_matches_naive(case_args, window, softcap, dtype):
+    seq_lens, q_lens, kv_heads, groups, dim, bs = case_args
+    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, dtype=dtype, head_major=True)
+    scale = dim**-0.5
+    got = cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                          case["seq_lens"], case["query_start_loc"], case["max_query_len"], scale,
+                                          window, softcap)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=tol, atol=tol)
+
+
+def test_prefill_left_padding_queries_return_zeros():
+    """Queries before the first stored key (left padding under `generate`) see nothing and return zeros."""
+    case = make_case([3, 6], [5, 6], 1, 2, 64, 8)
+    got = cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                          case["seq_lens"], case["query_start_loc"], case["max_query_len"], 0.125)
+    assert torch.count_nonzero(got[:2]) == 0
+    torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_empty_sequence_outputs_zeros_and_neighbours_are_unaffected():
@@ -82,6 +115,12 @@ def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):
     monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
     assert not kernels.decode_reads_in_place(query, k_cache, v_cache)
     assert torch.equal(kernels.paged_decode_attention(*args), torch_ops.paged_decode_attention(*args))
-    # float64 (the reference dtype) is not a native dtype: the torch path takes it.
+    prefill = make_case([5, 19], [5, 4], 2, 3, 64, 8, head_major=True)
+    prefill_args = [prefill[k] for k in ("query", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc",
+                                         "max_query_len")] + [0.125]
     monkeypatch.delenv("HF_PAGED_KERNELS")
+    assert torch.equal(kernels.paged_prefill_attention(*prefill_args), cpu_ops.paged_prefill_attention(*prefill_args))
+    prefill_args[6] = cpu_ops.MAX_NATIVE_QUERY_LEN + 1  # a long chunk: torch's SDPA path
+    assert torch.equal(kernels.paged_prefill_attention(*prefill_args), torch_ops.paged_prefill_attention(*prefill_args))
+    # float64 (the reference dtype) is not a native dtype: the torch path takes it.
     assert not kernels.decode_reads_in_place(query.double(), k_cache.double(), v_cache.double())

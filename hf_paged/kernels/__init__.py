@@ -1,5 +1,5 @@
-"""Paged-attention kernels with one dispatcher: Triton on GPUs; on CPUs the torch path, whose decode attention is
-replaced by the native kernel of `cpu_ops` when a C++ compiler is available.
+"""Paged-attention kernels with one dispatcher: Triton on GPUs; on CPUs the native kernel of `cpu_ops` (decode and
+short prefill chunks) when a C++ compiler is available, the torch path otherwise and for long prefill chunks.
 
 ``HF_PAGED_KERNELS=torch`` (plain torch only) or ``=triton`` (``TRITON_INTERPRET=1`` on CPU) forces a path.
 """
@@ -64,6 +64,8 @@ def paged_prefill_attention(
     softcap=None,
 ):
     """Several new tokens per sequence attending causally to its pages; see :mod:`hf_paged.kernels.torch_ops`."""
-    return _impl(query).paged_prefill_attention(
+    native = max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and _use_native(query, k_cache, v_cache)
+    impl = cpu_ops if native else _impl(query)
+    return impl.paged_prefill_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap
     )

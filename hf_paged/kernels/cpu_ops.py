@@ -1,7 +1,8 @@
-"""Native CPU decode attention: ``cpu_decode.cpp``, compiled once with the system C++ compiler and loaded with ctypes.
+"""Native CPU paged attention: ``cpu_attention.cpp``, compiled once with the system C++ compiler, loaded with ctypes.
 
 It reads each sequence's keys and values in place through its block table, so a decode step touches every cached
-token once instead of copying the blocks into a contiguous batch first (as the torch path does). The library is
+token once instead of copying the blocks into a contiguous batch first (as the torch path does). It serves decode
+rows and short prefill chunks; long chunks are faster through torch's SDPA. The library is
 built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels`` (default ``~/.cache/hf_paged/kernels``), keyed by the
 source, the compiler and the CPU, and shares torch's OpenMP runtime. Without a compiler `available()` is False and
 the dispatcher keeps the torch path.
@@ -22,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+MAX_NATIVE_QUERY_LEN = 128  # longer prefill chunks go to torch's SDPA, whose matrix multiplies win there
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
@@ -32,7 +34,8 @@ _failed = False
 
 class _Problem(ctypes.Structure):
     _fields_ = [
-        ("query", ctypes.c_void_p), ("q_stride_seq", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
+        ("query", ctypes.c_void_p), ("q_stride_token", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
+        ("query_start_loc", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
         ("c_stride_block", ctypes.c_int64), ("c_stride_row", ctypes.c_int64), ("c_stride_head", ctypes.c_int64),
         ("block_tables", ctypes.c_void_p), ("bt_stride", ctypes.c_int64), ("seq_lens", ctypes.c_void_p),
@@ -58,7 +61,7 @@ def _build() -> ctypes.CDLL:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
     root = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged")) / "kernels"
-    target = root / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    target = root / f"cpu_attention-{key.hexdigest()[:16]}.so"
     if not target.exists():
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root) as tmp:
@@ -68,14 +71,14 @@ def _build() -> ctypes.CDLL:
                 raise RuntimeError(f"{compiler} failed:\n{result.stderr[-2000:]}")
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
-    library.hf_paged_decode.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
+    library.hf_paged_attention.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
     if library.hf_paged_problem_size() != ctypes.sizeof(_Problem):
-        raise RuntimeError("cpu_decode.cpp and cpu_ops.py disagree on the problem layout")
+        raise RuntimeError("cpu_attention.cpp and cpu_ops.py disagree on the problem layout")
     return library
 
 
 def available() -> bool:
-    """Whether the native decode kernel is built and loaded (builds it on first call)."""
+    """Whether the native kernel is built and loaded (builds it on first call)."""
     global _library, _failed
     if _library is None and not _failed:
         with _lock:
@@ -84,7 +87,7 @@ def available() -> bool:
                     _library = _build()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                     _failed = True
-                    warnings.warn(f"hf_paged: native CPU decode kernel unavailable, using the torch path ({error})")
+                    warnings.warn(f"hf_paged: native CPU attention kernel unavailable, using the torch path ({error})")
     return _library is not None
 
 
@@ -102,6 +105,36 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     )
 
 
+def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap):
+    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+    if num_tokens == 0 or seq_lens.numel() == 0:
+        return out
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    # The kernel reads raw memory: refuse tables that point outside the cache instead of crashing the process.
+    if int(seq_lens.max()) > block_tables.shape[1] * k_cache.shape[1] or int(seq_lens.min()) < 0:
+        raise ValueError("paged attention: a sequence is longer than its block table holds")
+    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
+        raise ValueError(f"paged attention: a block table lists a block outside 0..{k_cache.shape[0] - 1}")
+    if int(query_start_loc[-1]) != num_tokens or int(query_start_loc[0]) != 0:
+        raise ValueError("paged attention: query_start_loc does not cover the query rows")
+    problem = _Problem(
+        query.data_ptr(), query.stride(0), query.stride(1), query_start_loc.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        out.data_ptr(),
+        seq_lens.numel(), num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        scale, sliding_window or 0, softcap or 0.0,
+        torch.get_num_threads(),
+    )
+    status = _library.hf_paged_attention(ctypes.byref(problem), _DTYPES[query.dtype])
+    if status != 0:
+        raise RuntimeError(f"native paged attention failed with status {status}")
+    return out
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -113,27 +146,22 @@ def paged_decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `torch_ops.paged_decode_attention`; the caller checks `supports` first."""
-    num_seqs, num_heads, head_dim = query.shape
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype)
-    if num_seqs == 0:
-        return out
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    # The kernel reads raw memory: refuse tables that point outside the cache instead of crashing the process.
-    if int(seq_lens.max()) > block_tables.shape[1] * k_cache.shape[1] or int(seq_lens.min()) < 0:
-        raise ValueError("paged decode attention: a sequence is longer than its block table holds")
-    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
-        raise ValueError(f"paged decode attention: a block table lists a block outside 0..{k_cache.shape[0] - 1}")
-    problem = _Problem(
-        query.data_ptr(), query.stride(0), query.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        scale, sliding_window or 0, softcap or 0.0,
-        torch.get_num_threads(),
-    )
-    status = _library.hf_paged_decode(ctypes.byref(problem), _DTYPES[query.dtype])
-    if status != 0:
-        raise RuntimeError(f"native decode attention failed with status {status}")
-    return out
+    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `torch_ops.paged_prefill_attention`. Each query row is attended on its own (no matrix
+    multiply over a chunk), so the dispatcher sends only short chunks here (see `MAX_NATIVE_QUERY_LEN`)."""
+    return _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap)

@@ -1,8 +1,8 @@
-// Paged decode attention for CPUs: one query token per sequence, keys and values read in place through the block
-// table (no copy of the blocks). Built and loaded by cpu_ops.py; layout as in torch_ops.py.
+// Paged attention for CPUs: keys and values read in place through the block tables (no copy of the blocks).
+// Built and loaded by cpu_ops.py; layout and masking rule as in torch_ops.py.
 //
-// One task per (sequence, kv head): the group's query heads score every visible key, softmax in fp32, then
-// accumulate the values, block by block.
+// One task per (sequence, kv head). For each of the sequence's queries, the group's query heads score every visible
+// key, softmax in fp32, then accumulate the values, block by block.
 
 #include <algorithm>
 #include <cmath>
@@ -32,15 +32,16 @@ inline void store(uint16_t* dst, float x) {  // round to nearest even
 }
 
 struct Problem {
-    const void* query;  // [S, Hq, D], head_dim contiguous
-    int64_t q_stride_seq, q_stride_head;
+    const void* query;  // [T, Hq, D], head_dim contiguous; sequence s owns rows [query_start_loc[s], [s + 1])
+    int64_t q_stride_token, q_stride_head;
+    const int32_t* query_start_loc;  // [S + 1]
     const void* k_cache;  // [N, bs, Hkv, D] seen through strides, head_dim contiguous
     const void* v_cache;
     int64_t c_stride_block, c_stride_row, c_stride_head;
     const int32_t* block_tables;  // [S, width]
     int64_t bt_stride;
     const int32_t* seq_lens;  // [S]
-    void* out;  // [S, Hq, D] contiguous
+    void* out;  // [T, Hq, D] contiguous
     int32_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int32_t sliding_window;  // <= 0: none
@@ -171,19 +172,19 @@ void accumulate_block(const float* w, int n, const T* v, int64_t row_stride, int
     }
 }
 
+// Query row `row` of sequence `s`, kv head `h`, seeing keys [lo, len).
 template <typename T, int kD>
-void attend(const Problem& p, int s, int h, std::vector<float>& qf, std::vector<float>& scores,
+void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>& qf, std::vector<float>& scores,
             std::vector<float>& acc, std::vector<float>& sums) {
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, bs = p.block_size;
-    const int len = p.seq_lens[s];
-    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(s) * p.num_heads + h * G) * D;
+    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.num_heads + h * G) * D;
     const int lo = p.sliding_window > 0 ? std::max(0, len - p.sliding_window) : 0;
     const int n = len - lo;
     if (n <= 0) {
         for (int i = 0; i < G * D; ++i) store(out + i, 0.0f);
         return;
     }
-    const T* q = static_cast<const T*>(p.query) + s * p.q_stride_seq + h * G * p.q_stride_head;
+    const T* q = static_cast<const T*>(p.query) + row * p.q_stride_token + h * G * p.q_stride_head;
     const float qscale = p.softcap > 0 ? p.scale / p.softcap : p.scale;
     for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * p.q_stride_head + d]) * qscale;
@@ -235,15 +236,20 @@ void run(const Problem& p) {
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; ++task) {
             const int s = task / p.num_kv_heads, h = task % p.num_kv_heads;
-            const size_t need = static_cast<size_t>(G) * std::max(p.seq_lens[s], 1);
+            const int seq_len = p.seq_lens[s], first = p.query_start_loc[s];
+            const int num_queries = p.query_start_loc[s + 1] - first;
+            const size_t need = static_cast<size_t>(G) * std::max(seq_len, 1);
             if (scores.size() < need) scores.resize(need);
-            switch (p.head_dim) {  // the common head sizes get unrolled vector loops
-                case 64: attend<T, 64>(p, s, h, qf, scores, acc, sums); break;
-                case 80: attend<T, 80>(p, s, h, qf, scores, acc, sums); break;
-                case 96: attend<T, 96>(p, s, h, qf, scores, acc, sums); break;
-                case 128: attend<T, 128>(p, s, h, qf, scores, acc, sums); break;
-                case 256: attend<T, 256>(p, s, h, qf, scores, acc, sums); break;
-                default: attend<T, 0>(p, s, h, qf, scores, acc, sums);
+            for (int j = 0; j < num_queries; ++j) {
+                const int row = first + j, len = seq_len - num_queries + j + 1;  // causal: keys [.., len)
+                switch (p.head_dim) {  // the common head sizes get unrolled vector loops
+                    case 64: attend<T, 64>(p, s, h, row, len, qf, scores, acc, sums); break;
+                    case 80: attend<T, 80>(p, s, h, row, len, qf, scores, acc, sums); break;
+                    case 96: attend<T, 96>(p, s, h, row, len, qf, scores, acc, sums); break;
+                    case 128: attend<T, 128>(p, s, h, row, len, qf, scores, acc, sums); break;
+                    case 256: attend<T, 256>(p, s, h, row, len, qf, scores, acc, sums); break;
+                    default: attend<T, 0>(p, s, h, row, len, qf, scores, acc, sums);
+                }
             }
         }
     }
@@ -251,7 +257,7 @@ void run(const Problem& p) {
 
 }  // namespace
 
-extern "C" int hf_paged_decode(const Problem* p, int dtype) {
+extern "C" int hf_paged_attention(const Problem* p, int dtype) {
     if (p->head_dim <= 0 || p->num_kv_heads <= 0 || p->num_heads % p->num_kv_heads) return 1;
     if (dtype == 0)
         run<float>(*p);
