@@ -39,11 +39,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
+from common import HelpFormatter  # noqa: E402
 
-# This folder must not be on sys.path: benchmarks/kernels.py would shadow the `kernels` package that Transformers
-# probes for, and the repository root must be, so that hf_paged imports without being installed.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_paged.kernels import torch_ops, triton_ops  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -51,16 +48,6 @@ DEVICE = "cuda" if GPU else "cpu"
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # tf32 / fp16 / bf16 level
 REFERENCE_TOKENS = 1 << 17  # largest batch * context checked against the float64 reference (decode)
 REFERENCE_PREFILL_LEN = 2048  # longest prompt checked against the float64 reference (prefill: L x L scores)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the module docstring's layout and shows each flag's default where the help text does not say it."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if not any(action.default is x for x in (None, False, argparse.SUPPRESS)) and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -22,13 +22,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-# This folder must not be on sys.path: benchmarks/kernels.py would shadow the `kernels` package that Transformers
-# imports when it loads a model.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import httpx
+from common import percentile
 
 PROMPTS = [
     "What is the capital of France?",
@@ -71,13 +68,6 @@ class Summary:
               f"tokens in {self.wall_s:.2f} s -> {self.tokens_per_s:.1f} tokens/s; TTFT {ttft}")
         for error in self.errors[:5]:
             print(f"[{self.mode}]   error: {error}")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
 def summarize(mode: str, results: list[tuple[int, float | None, str | None]], wall: float) -> Summary:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import resource
@@ -37,12 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import HelpFormatter, percentile
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# This folder must not be on sys.path: benchmarks/kernels.py would shadow the `kernels` package that Transformers
-# probes for, and the repository root must be, so that hf_paged imports without being installed.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ENGINES = ("static", "hf_cb", "ours", "ceiling")
 # --smoke: a workload that every engine serves in seconds; one torch thread is steadier on a shared CI machine.
@@ -73,16 +70,6 @@ SYSTEM_TEXT = (
 
 
 # ----------------------------------------------------------------------------------------------------- arguments
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the module docstring's layout and shows each flag's default where the help text does not say it."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if not any(action.default is x for x in (None, False, argparse.SUPPRESS)) and "default" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add = parser.add_argument
@@ -152,15 +139,6 @@ def warmup_workload(vocab_ids: list[int], seed: int = 1234) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ measurements
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    pos = (len(values) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
 def latency_summary(ttft: list[float], tpot: list[float]) -> dict:
     return dict(ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
                 tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99))
