@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .cache.paged_cache import PagedCache
-from .kernels import decode_reads_in_place, paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from .kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 from .kernels.torch_ops import dense_attention
 
 # Keyword arguments some models pass for attention features the paged kernels do not implement.
@@ -99,14 +99,10 @@ def paged_attention_forward(
     reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
 
     nd = meta.num_decodes
-    groups = meta.decode_groups
-    if nd and decode_reads_in_place(q, k_cache, v_cache):
-        groups = ((0, nd, meta.block_tables.shape[1]),)
-    outputs = [
-        paged_decode_attention(q[start:end], k_cache, v_cache, meta.block_tables[start:end, :width],
-                               meta.seq_lens[start:end], scale, sliding_window, softcap)
-        for start, end, width in groups
-    ]
+    outputs = []
+    if nd:
+        outputs.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                              scale, sliding_window, softcap))
     if nd < num_tokens:
         outputs.append(paged_prefill_attention(
             q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:] - nd,

@@ -7,7 +7,15 @@ import hf_paged.kernels as kernels
 from hf_paged.kernels import cpu_ops, torch_ops
 from kernel_cases import make_case, naive_attention
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ compiler to build the native kernel")
+# Without a C++ compiler hf_paged runs the torch path (tested in test_torch_kernels.py) and there is no kernel to test.
+# With one, as in CI and the README set-up, a kernel that fails to build fails test_kernel_builds instead of skipping.
+pytestmark = pytest.mark.skipif(
+    cpu_ops.compiler() is None, reason="no C++ compiler ($CXX, g++ or c++): hf_paged uses the torch path instead"
+)
+
+def test_kernel_builds():
+    assert cpu_ops.available()
+
 
 CASES = [
     # seq_lens, kv heads, GQA groups, head dim, block size
@@ -110,10 +118,8 @@ def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):
     query, k_cache, v_cache = case["query"], case["k_cache"], case["v_cache"]
     args = (query, k_cache, v_cache, case["block_tables"], case["seq_lens"], 0.125)
     monkeypatch.delenv("HF_PAGED_KERNELS", raising=False)
-    assert kernels.decode_reads_in_place(query, k_cache, v_cache)
     assert torch.equal(kernels.paged_decode_attention(*args), cpu_ops.paged_decode_attention(*args))
     monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
-    assert not kernels.decode_reads_in_place(query, k_cache, v_cache)
     assert torch.equal(kernels.paged_decode_attention(*args), torch_ops.paged_decode_attention(*args))
     prefill = make_case([5, 19], [5, 4], 2, 3, 64, 8, head_major=True)
     prefill_args = [prefill[k] for k in ("query", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc",
@@ -123,4 +129,4 @@ def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):
     prefill_args[6] = cpu_ops.MAX_NATIVE_QUERY_LEN + 1  # a long chunk: torch's SDPA path
     assert torch.equal(kernels.paged_prefill_attention(*prefill_args), torch_ops.paged_prefill_attention(*prefill_args))
     # float64 (the reference dtype) is not a native dtype: the torch path takes it.
-    assert not kernels.decode_reads_in_place(query.double(), k_cache.double(), v_cache.double())
+    assert not cpu_ops.supports(query.double(), k_cache.double(), v_cache.double())

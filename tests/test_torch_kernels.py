@@ -27,6 +27,17 @@ def test_decode_matches_naive(case_args, window, softcap, head_major):
     torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_mixed_lengths_in_separate_runs():
+    """Long and short contexts interleaved: the torch path gathers them in runs of similar length, out of order."""
+    seq_lens = [300, 5, 250, 9, 0, 280, 3, 260, 17, 120]
+    case = make_case(seq_lens, [1] * len(seq_lens), 2, 3, 64, 8, head_major=True)
+    widths = sorted(max(1, -(-n // 8)) for n in seq_lens)
+    assert len(torch_ops._length_runs(widths)) > 1
+    got = torch_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                           case["seq_lens"], 0.125)
+    torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("head_major", [False, True], ids=["contiguous", "head-major"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
 @pytest.mark.parametrize("case_args", CASES)

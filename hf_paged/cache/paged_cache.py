@@ -19,9 +19,7 @@ class PagedMetadata:
     Tokens are packed without padding, sequences with one new token (decodes) first: tokens
     ``[query_start_loc[s], query_start_loc[s + 1])`` belong to sequence ``s``, whose keys after this step are
     ``seq_lens[s]`` tokens held in the blocks ``block_tables[s]``. ``slot_mapping`` is the flat slot each new token is
-    written to (``-1``: not written, a padding token). The first ``num_decodes`` sequences have one new token each;
-    ``decode_groups`` splits them into ``(start, end, width)`` runs of similar length, each attended with only the
-    first ``width`` columns of its block tables, so short contexts are not padded to the longest one.
+    written to (``-1``: not written, a padding token). The first ``num_decodes`` sequences have one new token each.
     """
 
     slot_mapping: torch.Tensor
@@ -30,7 +28,6 @@ class PagedMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     num_decodes: int
-    decode_groups: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -197,7 +194,6 @@ class PagedCache(Cache):
             query_start_loc=torch.arange(0, batch_size * query_len + 1, query_len, dtype=torch.int32, device=device),
             max_query_len=query_len,
             num_decodes=batch_size if query_len == 1 else 0,
-            decode_groups=((0, batch_size, width),) if query_len == 1 else (),
         )
 
     # ------------------------------------------------------------------- what `generate` asks of a Cache

@@ -32,10 +32,8 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[dict, list[Sequence], list[int]]:
         """Model inputs for ``batch``, the sequences whose next token is sampled, and their token rows.
 
-        Decodes come first, ordered by context length and split into groups of similar length (see
-        `PagedMetadata.decode_groups`).
+        The scheduler puts the decodes (one token each) first, which is the order `PagedMetadata` expects.
         """
-        order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_tokens[i] != 1, batch.seqs[i].num_tokens))
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -45,8 +43,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         num_decodes = 0
-        for i in order:
-            seq, n = batch.seqs[i], batch.num_tokens[i]
+        for seq, n in zip(batch.seqs, batch.num_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
@@ -67,7 +64,6 @@ class ModelRunner:
             query_start_loc=self._tensor(query_start, torch.int32),
             max_query_len=max(batch.num_tokens),
             num_decodes=num_decodes,
-            decode_groups=self._decode_groups([len(t) for t in tables[:num_decodes]]),
         )
         self.cache.copy_blocks(batch.block_copies)
         self.cache.set_step(metadata)
@@ -80,24 +76,6 @@ class ModelRunner:
         if self._keeps_logits:
             inputs["logits_to_keep"] = self._tensor(sample_rows, torch.long)
         return inputs, sampled, sample_rows
-
-    @staticmethod
-    def _decode_groups(widths: list[int], max_groups: int = 4, call_cost: int = 32) -> tuple[tuple[int, int, int], ...]:
-        """Cut the sorted decode block counts into up to ``max_groups`` runs ``(start, end, width)``.
-
-        A run costs its rows times its widest table (padded work) plus ``call_cost`` block-rows per attention call;
-        neighbouring quartiles are merged whenever that is cheaper.
-        """
-        count = len(widths)
-        bounds = sorted({count * g // max_groups for g in range(1, max_groups + 1)} - {0})
-        groups, start = [], 0
-        for end in bounds:
-            if groups and (start - groups[-1][0]) * (widths[end - 1] - groups[-1][2]) <= call_cost:
-                groups[-1][1:] = [end, widths[end - 1]]
-            else:
-                groups.append([start, end, widths[end - 1]])
-            start = end
-        return tuple(tuple(group) for group in groups)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:

@@ -12,9 +12,7 @@ import torch
 
 from . import cpu_ops, torch_ops
 
-__all__ = [
-    "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "use_triton", "decode_reads_in_place",
-]
+__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "use_triton"]
 
 
 def _forced() -> str:
@@ -30,12 +28,6 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 def _use_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return not use_triton(query) and _forced() != "torch" and cpu_ops.supports(query, k_cache, v_cache)
-
-
-def decode_reads_in_place(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether decode attention reads the blocks in place (Triton, native CPU) rather than gathering them first, so
-    one call can cover sequences of very different lengths."""
-    return use_triton(query) or _use_native(query, k_cache, v_cache)
 
 
 def _impl(tensor: torch.Tensor):

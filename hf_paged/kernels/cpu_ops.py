@@ -54,11 +54,16 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernel is built with: ``$CXX``, else ``g++`` or ``c++`` on the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    compiler_path = compiler()
+    if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
     root = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged")) / "kernels"
     target = root / f"cpu_attention-{key.hexdigest()[:16]}.so"
@@ -66,9 +71,9 @@ def _build() -> ctypes.CDLL:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler_path, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed:\n{result.stderr[-2000:]}")
+                raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
             os.replace(built, target)
     library = ctypes.CDLL(str(target))
     library.hf_paged_attention.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]

@@ -61,6 +61,24 @@ def dense_attention(
     return torch.matmul(probs, v)
 
 
+def _length_runs(widths: list[int], max_runs: int = 4, call_cost: int = 32) -> list[tuple[int, int, int]]:
+    """Cut ascending block counts into up to ``max_runs`` runs ``(start, end, width)``.
+
+    A run costs its rows times its widest table (padded work) plus ``call_cost`` block-rows per call; neighbouring
+    quartiles are merged whenever that is cheaper.
+    """
+    count = len(widths)
+    bounds = sorted({count * g // max_runs for g in range(1, max_runs + 1)} - {0})
+    runs, start = [], 0
+    for end in bounds:
+        if runs and (start - runs[-1][0]) * (widths[end - 1] - runs[-1][2]) <= call_cost:
+            runs[-1][1:] = [end, widths[end - 1]]
+        else:
+            runs.append([start, end, widths[end - 1]])
+        start = end
+    return [tuple(run) for run in runs]
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -74,8 +92,27 @@ def paged_decode_attention(
     """One query token per sequence: ``query [S, Hq, D]`` -> ``[S, Hq, D]``.
 
     The batch reads only its own pages: ``k_cache[block_tables]`` touches the blocks listed in the tables and
-    nothing else, so the cost follows each sequence's own context.
+    nothing else. Sequences are gathered in up to four runs of similar length, so short contexts are not padded to
+    the longest one.
     """
+    block_size = k_cache.shape[1]
+    widths = (seq_lens.to(torch.long) + block_size - 1).div(block_size, rounding_mode="floor").clamp(1)
+    widths = widths.clamp(max=max(1, block_tables.shape[1]))
+    order = torch.argsort(widths, stable=True)
+    runs = _length_runs(widths[order].tolist())
+    if len(runs) == 1:
+        return _decode_gathered(query, k_cache, v_cache, block_tables[:, : runs[0][2]], seq_lens, scale,
+                                sliding_window, softcap)
+    out = torch.empty_like(query)
+    for start, end, width in runs:
+        rows = order[start:end]
+        out[rows] = _decode_gathered(query[rows], k_cache, v_cache, block_tables[rows, :width], seq_lens[rows],
+                                     scale, sliding_window, softcap)
+    return out
+
+
+def _decode_gathered(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap):
+    """Decode attention for sequences whose tables are all ``block_tables.shape[1]`` blocks wide (padded)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = block_tables.shape[1] * block_size
