@@ -9,7 +9,8 @@ and no warm state leaks from one engine to the next:
 * ``hf_cb``   -- Transformers' continuous batching (``init_continuous_batching`` + ``add_request``, sdpa).
 * ``ours``    -- hf_paged's ``ContinuousBatchGenerator``.
 * ``ceiling`` -- the model's bare forward (``use_cache=False``, input ``[B, 1]``) timed at the decode batch sizes
-  ``ours`` actually ran: the speed of a decode step with no attention to past tokens and no engine overhead.
+  ``ours`` actually ran: the speed of a decode step with no attention to past tokens and no engine overhead. It runs
+  the same linear kernels as ``ours`` (on CPU, oneDNN with packed weights unless ``--no-prepack-weights``).
 
 Prompts are windows of a built-in English paragraph (repeated), starting at distinct offsets so that no two prompts
 share a prefix unless ``--shared-prefix`` asks for one. The report gives, per engine: output and total tokens/s,
@@ -88,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--block-size", type=int, default=16, help="KV block size of ours")
     add("--max-batch-tokens", type=int, default=512, help="most tokens per step of both continuous engines")
     add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
+    add("--no-prepack-weights", action="store_true",
+        help="ours and ceiling: plain torch linear layers instead of oneDNN with packed weights (CPU)")
     add("--hf-cb-config", default=None, help="JSON dict overriding the Transformers ContinuousBatchingConfig fields")
     add("--threads", type=int, default=None,
         help="torch threads per engine process (default: torch's choice; use 1 on a machine shared with other jobs)")
@@ -326,6 +329,7 @@ def make_generator(args, model, tokenizer):
     return ContinuousBatchGenerator(
         model, tokenizer, block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
+        prepack_weights=not args.no_prepack_weights,
     )
 
 
@@ -375,6 +379,10 @@ def time_forward(model, batch_size: int, min_seconds: float, vocab: list[int]) -
 
 
 def run_ceiling(args, model, tokenizer, batch_sizes: list[int]) -> dict:
+    from hf_paged.kernels.cpu_linear import prepack_linear_layers
+
+    if not args.no_prepack_weights and model.device.type == "cpu":
+        prepack_linear_layers(model)
     vocab = vocab_ids(tokenizer)
     min_seconds = 0.2 if args.smoke else 1.0
     return dict(forward_s={str(b): time_forward(model, b, min_seconds, vocab) for b in batch_sizes})
@@ -429,6 +437,8 @@ def worker_argv(args) -> list[str]:
             "--max-batch-tokens", str(args.max_batch_tokens), "--max-num-seqs", str(args.max_num_seqs)]
     if args.hf_cb_config:
         argv += ["--hf-cb-config", args.hf_cb_config]
+    if args.no_prepack_weights:
+        argv += ["--no-prepack-weights"]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     if args.smoke:

@@ -55,6 +55,9 @@ def _engine_options() -> argparse.ArgumentParser:
                         help="do not reuse the KV of prompt prefixes shared between requests")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
+    engine.add_argument("--no-prepack-weights", action="store_true",
+                        help="on CPU, run linear layers through plain torch instead of oneDNN with weights packed once "
+                             "(packing is faster and costs the linear weights' memory once more)")
     return parser
 
 
@@ -111,7 +114,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
+            enable_prefix_caching=not args.no_prefix_caching, prepack_weights=not args.no_prepack_weights,
         )
     except (OSError, ValueError) as err:
         parser.error(f"cannot load {path}: {err}")

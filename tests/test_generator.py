@@ -5,6 +5,7 @@ import torch
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.generation.sequence import SequenceStatus
+from hf_paged.kernels.cpu_linear import PrepackedLinear, unpack_linear_layers
 
 MAX_TOKENS = [8, 24, 16, 32, 12, 20, 28, 10, 18, 26, 14, 30, 9, 22, 17, 25]
 
@@ -17,8 +18,9 @@ def prompt_ids(smollm2, chat_prompts):
 
 @pytest.fixture(scope="module")
 def reference(smollm2, prompt_ids):
-    """Transformers' own `generate` (sdpa), each prompt alone."""
+    """Transformers' own `generate` (sdpa, plain linear layers), each prompt alone."""
     model, _ = smollm2
+    unpack_linear_layers(model)  # an earlier generator may have packed them
     model.set_attn_implementation("sdpa")
     try:
         outs = []
@@ -54,11 +56,16 @@ def run_greedy(gen, prompt_ids):
         dict(enable_prefix_caching=False),
         dict(num_blocks=24, block_size=8),
         dict(max_num_batched_tokens=16),
+        dict(prepack_weights=False),
     ],
-    ids=["default", "no-prefix-caching", "preemption", "chunked-prefill"],
+    ids=["default", "no-prefix-caching", "preemption", "chunked-prefill", "plain-linear"],
 )
 def test_batch_is_token_identical_to_generate_alone(smollm2, prompt_ids, reference, options):
+    if options.get("prepack_weights") is False:
+        unpack_linear_layers(smollm2[0])
     gen = make_generator(smollm2, **options)
+    packed = isinstance(gen.model.model.layers[0].mlp.down_proj, PrepackedLinear)
+    assert packed == options.get("prepack_weights", True)
     assert run_greedy(gen, prompt_ids) == reference
     stats = gen.stats()
     if "num_blocks" in options:

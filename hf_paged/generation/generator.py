@@ -16,6 +16,7 @@ from transformers import GenerationConfig
 
 from ..cache import KVCacheManager, KVCacheSpec, PagedCache
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
+from ..kernels.cpu_linear import prepack_linear_layers
 from .detokenizer import Detokenizer, find_stop_string
 from .model_runner import ModelRunner
 from .sampler import SamplingBatch, sample
@@ -55,6 +56,8 @@ class ContinuousBatchGenerator:
         max_num_batched_tokens: most tokens computed in one step; longer prompts are prefilled in chunks.
         max_model_len: longest prompt + output (default: the model's context, capped by the cache size).
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
+        prepack_weights: on CPU, run the model's plain ``nn.Linear`` layers through oneDNN with their weights packed
+            once (`hf_paged.kernels.cpu_linear`); faster decode, at the cost of the linear weights' memory once more.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class ContinuousBatchGenerator:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        prepack_weights: bool = True,
     ):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(
@@ -78,6 +82,8 @@ class ContinuousBatchGenerator:
         if not uses_paged_attention(model):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
+        if prepack_weights and model.device.type == "cpu":
+            prepack_linear_layers(model)
         self.tokenizer = tokenizer
         spec = KVCacheSpec.from_config(model.config)
         if num_blocks is None:

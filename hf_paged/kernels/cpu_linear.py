@@ -1,0 +1,85 @@
+"""Linear layers on CPU through oneDNN, with each weight packed once into oneDNN's blocked layout.
+
+A plain ``nn.Linear`` on CPU calls MKL's GEMM, which re-packs the weight on every call. At decode batch sizes that
+packing is a large part of the work: on a 2-core AVX-512 machine, SmolLM2-135M's 49152-row output projection takes
+33 ms at 64 rows through ``F.linear`` and 17 ms with the weight packed once. `prepack_linear_layers` switches every
+plain ``nn.Linear`` of a model to `PrepackedLinear`, which keeps such a packed copy beside the weight. The module
+keeps its weight, its ``state_dict`` and ``isinstance(module, nn.Linear)``; the cost is the memory of the linear
+weights once more. Results match ``F.linear`` to rounding (a different summation order), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["PrepackedLinear", "available", "prepack_linear_layers", "unpack_linear_layers"]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and CPU can run packed oneDNN linear layers in ``dtype``."""
+    if dtype not in _DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class PrepackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose CPU inference forward multiplies by a oneDNN-packed copy of its weight.
+
+    The copy is rebuilt when the weight changes (in place or replaced). With autograd recording, on another device,
+    or for an input of another dtype, the forward is plain ``F.linear``.
+    """
+
+    _packed: torch.Tensor | None = None
+    _packed_from: tuple[int, int] | None = None
+
+    def _pack(self) -> torch.Tensor:
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version)
+        if self._packed_from != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._packed_from = key
+        return self._packed
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            input.device.type != "cpu"
+            or weight.device.type != "cpu"
+            or input.dtype != weight.dtype
+            or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
+        ):
+            return F.linear(input, weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(input, self._pack(), self.bias, "none", [], "")
+
+
+def prepack_linear_layers(model: nn.Module) -> int:
+    """Turn every plain CPU ``nn.Linear`` of ``model`` in a supported dtype into a `PrepackedLinear`, packing now.
+
+    Subclasses of ``nn.Linear`` (quantized layers among them) are left alone. Returns how many layers changed.
+    """
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is not nn.Linear or weight.device.type != "cpu" or not available(weight.dtype):
+            continue
+        module.__class__ = PrepackedLinear
+        module._pack()
+        count += 1
+    return count
+
+
+def unpack_linear_layers(model: nn.Module) -> int:
+    """Undo `prepack_linear_layers`: plain ``nn.Linear`` again, packed copies dropped. Returns how many changed."""
+    count = 0
+    for module in model.modules():
+        if type(module) is PrepackedLinear:
+            module.__class__ = nn.Linear
+            del module._packed, module._packed_from
+            count += 1
+    return count
