@@ -72,6 +72,16 @@ def test_packed_copy_follows_weight_changes():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+def test_other_dtypes_fall_back_to_f_linear():
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 96)
+    prepack_linear_layers(layer)
+    layer.double()
+    x = torch.randn(3, 48, dtype=torch.float64)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
 def test_training_forward_falls_back_to_autograd():
     torch.manual_seed(0)
     layer = nn.Linear(48, 96)

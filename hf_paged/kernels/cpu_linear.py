@@ -32,7 +32,7 @@ class PrepackedLinear(nn.Linear):
     """An ``nn.Linear`` whose CPU inference forward multiplies by a oneDNN-packed copy of its weight.
 
     The copy is rebuilt when the weight changes (in place or replaced). With autograd recording, on another device,
-    or for an input of another dtype, the forward is plain ``F.linear``.
+    in another dtype than fp32/bf16, or for an input of another dtype, the forward is plain ``F.linear``.
     """
 
     _packed: torch.Tensor | None = None
@@ -52,6 +52,7 @@ class PrepackedLinear(nn.Linear):
             input.device.type != "cpu"
             or weight.device.type != "cpu"
             or input.dtype != weight.dtype
+            or weight.dtype not in _DTYPES
             or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
         ):
             return F.linear(input, weight, self.bias)
