@@ -60,6 +60,16 @@ def test_packed_forward_matches_f_linear(dtype, shape):
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
+def test_non_contiguous_and_empty_inputs():
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 96)
+    prepack_linear_layers(layer)
+    inputs = [torch.randn(48, 5).t(), torch.randn(3, 10, 48)[:, ::2], torch.randn(0, 48)]
+    with torch.inference_mode():
+        for x in inputs:
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_packed_copy_follows_weight_changes():
     torch.manual_seed(0)
     layer = nn.Linear(48, 96)
