@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--block-size", type=int, default=16, help="KV block size of ours")
     add("--max-batch-tokens", type=int, default=512, help="most tokens per step of both continuous engines")
     add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
+    add("--kv-cache-dtype", choices=("float32", "bfloat16"), default=None,
+        help="KV cache dtype of ours (default: --dtype)")
     add("--no-prepack-weights", action="store_true",
         help="ours and ceiling: plain torch linear layers instead of oneDNN with packed weights (CPU)")
     add("--hf-cb-config", default=None, help="JSON dict overriding the Transformers ContinuousBatchingConfig fields")
@@ -324,12 +326,15 @@ def run_hf_cb(args, model, tokenizer, workload: dict) -> dict:
 
 
 def make_generator(args, model, tokenizer):
+    import torch
+
     from hf_paged import ContinuousBatchGenerator
 
     return ContinuousBatchGenerator(
         model, tokenizer, block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
         prepack_weights=not args.no_prepack_weights,
+        kv_cache_dtype=getattr(torch, args.kv_cache_dtype) if args.kv_cache_dtype else None,
     )
 
 
@@ -439,6 +444,8 @@ def worker_argv(args) -> list[str]:
         argv += ["--hf-cb-config", args.hf_cb_config]
     if args.no_prepack_weights:
         argv += ["--no-prepack-weights"]
+    if args.kv_cache_dtype:
+        argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     if args.smoke:

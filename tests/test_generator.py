@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged.cache import KVCacheSpec
 from hf_paged.generation.sequence import SequenceStatus
 from hf_paged.kernels.cpu_linear import PrepackedLinear, unpack_linear_layers
 
@@ -296,3 +297,23 @@ def test_request_ids_are_unique_while_live(smollm2, chat_prompts):
     while gen.has_unfinished_requests():
         gen.step()
     assert_no_leak(gen)
+
+
+def test_bf16_kv_cache_under_an_fp32_model(smollm2, chat_prompts):
+    model, tokenizer = smollm2
+    memory = 256 * KVCacheSpec.from_config(model.config).bytes_per_block(16, torch.float32)
+    fp32 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory)
+    bf16 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory, kv_cache_dtype=torch.bfloat16)
+    assert bf16.cache.key_cache[0].dtype == torch.bfloat16 and fp32.cache.key_cache[0].dtype == torch.float32
+    assert bf16.cache.num_blocks == 2 * fp32.cache.num_blocks == 512
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = [o.outputs[0].token_ids for o in fp32.run(chat_prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in bf16.run(chat_prompts, params, use_tqdm=False)]
+    assert all(len(g) == len(e) for g, e in zip(got, expected))
+    # bf16 keys and values move the logits a little: most answers are unchanged, and none starts differently.
+    assert sum(g == e for g, e in zip(got, expected)) >= len(expected) * 3 // 4
+    assert all(g[:2] == e[:2] for g, e in zip(got, expected))
+    assert "Paris" in bf16.run([chat_prompts[0]], params, use_tqdm=False)[0].outputs[0].text
+    assert_no_leak(bf16)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make_generator(smollm2, kv_cache_dtype=torch.int8)

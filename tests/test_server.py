@@ -262,3 +262,14 @@ def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "hi", "--kv-cache-memory", "lots"])
     assert exit_info.value.code == 2 and "is not a size" in capsys.readouterr().err
+
+
+def test_cli_generate_with_engine_options(capsys):
+    from hf_paged.cli import main
+
+    main(["generate", "What is the capital of France?", "--max-tokens", "10", "--temperature", "0",
+          "--kv-cache-dtype", "bfloat16", "--no-prepack-weights", "--num-blocks", "64"])
+    assert "Paris" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--kv-cache-dtype", "int8"])
+    assert exit_info.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err

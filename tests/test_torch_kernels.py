@@ -76,3 +76,26 @@ def test_reshape_and_cache_skips_negative_slots():
     assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(k_cache[3, 2], key[2])
     assert torch.equal(v_cache[3, 2], value[2])
     assert torch.count_nonzero(k_cache) == 2 * 2 * 8
+
+
+@pytest.mark.parametrize("forced", ["", "torch"], ids=["default-path", "torch-path"])
+def test_fp32_queries_read_a_bf16_cache(forced, monkeypatch):
+    """kv_cache_dtype: the dispatcher reads a cache in another dtype than the queries and answers in the queries'."""
+    from hf_paged import kernels
+
+    monkeypatch.setenv("HF_PAGED_KERNELS", forced)
+    case = make_case([5, 40, 19], [5, 4, 1], 2, 3, 64, 8, dtype=torch.bfloat16, head_major=True)
+    query = torch.randn(case["query"].shape)
+    rounded = dict(case, query=query.to(torch.bfloat16))  # what attention in the cache's dtype sees
+    expected = naive_attention(rounded, 0.125)
+    got = kernels.paged_prefill_attention(query, case["k_cache"], case["v_cache"], case["block_tables"],
+                                          case["seq_lens"], case["query_start_loc"], case["max_query_len"], 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
+    decode = make_case([5, 40, 19], [1, 1, 1], 2, 3, 64, 8, dtype=torch.bfloat16, head_major=True)
+    query = torch.randn(decode["query"].shape)
+    expected = naive_attention(dict(decode, query=query.to(torch.bfloat16)), 0.125)
+    got = kernels.paged_decode_attention(query, decode["k_cache"], decode["v_cache"], decode["block_tables"],
+                                         decode["seq_lens"], 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)

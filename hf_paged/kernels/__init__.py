@@ -44,20 +44,26 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None):
-    """One new token per sequence attending to its pages; see :mod:`hf_paged.kernels.torch_ops` for the layout."""
-    impl = cpu_ops if _use_native(query, k_cache, v_cache) else _impl(query)
-    return impl.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap
-    )
+    """One new token per sequence attending to its pages; see :mod:`hf_paged.kernels.torch_ops` for the layout.
+
+    A cache in another dtype than the queries (``kv_cache_dtype``) is read in its own dtype: the queries are cast to
+    it and the output back."""
+    q = query.to(k_cache.dtype)
+    impl = cpu_ops if _use_native(q, k_cache, v_cache) else _impl(q)
+    out = impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+    return out.to(query.dtype)
 
 
 def paged_prefill_attention(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window=None,
     softcap=None,
 ):
-    """Several new tokens per sequence attending causally to its pages; see :mod:`hf_paged.kernels.torch_ops`."""
-    native = max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and _use_native(query, k_cache, v_cache)
-    impl = cpu_ops if native else _impl(query)
-    return impl.paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap
+    """Several new tokens per sequence attending causally to its pages; see :mod:`hf_paged.kernels.torch_ops`.
+    Queries in another dtype than the cache are handled as in `paged_decode_attention`."""
+    q = query.to(k_cache.dtype)
+    native = max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and _use_native(q, k_cache, v_cache)
+    impl = cpu_ops if native else _impl(q)
+    out = impl.paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap
     )
+    return out.to(query.dtype)
