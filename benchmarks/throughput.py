@@ -494,12 +494,18 @@ def efficiency_report(steps: list, forward_s: dict) -> dict:
                 prefill_step_share=mixed / max(1e-9, sum(s for *_, s in steps)))
 
 
+def dtype_label(settings: dict) -> str:
+    """``float32``, ``bfloat16``, or e.g. ``float32+kv-bfloat16`` for a KV cache in another dtype."""
+    kv = settings.get("kv_cache_dtype")
+    return settings["dtype"] + (f"+kv-{kv}" if kv and kv != settings["dtype"] else "")
+
+
 def compare_runs(report: dict, other: dict) -> None:
     """Each engine in this run against itself in an earlier run (e.g. bf16 against fp32): throughput ratio and
     greedy-token agreement. Transformers' own engines in both runs show how far the dtype alone moves the tokens."""
     mine = {r["engine"]: r.get("output_tok_s") for r in report["rows"]}
     theirs = {r["engine"]: r.get("output_tok_s") for r in other["rows"]}
-    label = f"{report['settings']['dtype']}/{other['settings']['dtype']}"
+    label = f"{dtype_label(report['settings'])}/{dtype_label(other['settings'])}"
     for engine in ("ours", "static", "hf_cb"):
         if mine.get(engine) and theirs.get(engine):
             report["ratios"][f"{engine} {label}"] = mine[engine] / theirs[engine]

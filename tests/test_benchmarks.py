@@ -42,6 +42,14 @@ def test_throughput_smoke_reports_every_engine(smollm2_path, tmp_path):
     assert report["decode_efficiency"]["efficiency"] > 0
     assert "Transformers CB config" in proc.stdout and "ours" in proc.stdout
 
+    # The same workload with a bf16 KV cache, compared with the run above.
+    again = tmp_path / "kv_bf16.json"
+    run_script("throughput.py", "--smoke", "--model", smollm2_path, "--engines", "ours", "--kv-cache-dtype",
+               "bfloat16", "--compare-with", str(out), "--json", str(again), timeout=300)
+    compared = json.loads(again.read_text())
+    assert compared["ratios"]["ours float32+kv-bfloat16/float32"] > 0
+    assert 0 <= compared["agreement"]["ours float32+kv-bfloat16/float32"]["identical"] <= 1
+
 
 def test_kernels_smoke_is_correct(tmp_path):
     out = tmp_path / "kernels.json"
