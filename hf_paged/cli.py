@@ -43,8 +43,8 @@ def _engine_options() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
     engine.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
-                        help="KV cache dtype (default: auto, the weights' dtype); bfloat16 under float32 weights halves "
-                             "the cache's memory and the bytes attention reads")
+                        help="KV cache dtype (default: auto, the weights' dtype); bfloat16 under float32 weights "
+                             "halves the cache's memory and the bytes attention reads")
     engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default: 256)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)")

@@ -303,7 +303,7 @@ def test_bf16_kv_cache_under_an_fp32_model(smollm2, chat_prompts):
     model, tokenizer = smollm2
     memory = 256 * KVCacheSpec.from_config(model.config).bytes_per_block(16, torch.float32)
     fp32 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory)
-    bf16 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory, kv_cache_dtype=torch.bfloat16)
+    bf16 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory, kv_cache_dtype="bfloat16")
     assert bf16.cache.key_cache[0].dtype == torch.bfloat16 and fp32.cache.key_cache[0].dtype == torch.float32
     assert bf16.cache.num_blocks == 2 * fp32.cache.num_blocks == 512
     params = SamplingParams(temperature=0, max_tokens=12)
@@ -315,5 +315,6 @@ def test_bf16_kv_cache_under_an_fp32_model(smollm2, chat_prompts):
     assert all(g[:2] == e[:2] for g, e in zip(got, expected))
     assert "Paris" in bf16.run([chat_prompts[0]], params, use_tqdm=False)[0].outputs[0].text
     assert_no_leak(bf16)
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        make_generator(smollm2, kv_cache_dtype=torch.int8)
+    for bad in (torch.int8, "float8"):
+        with pytest.raises(ValueError, match="kv_cache_dtype must be one of float32, bfloat16, float16"):
+            make_generator(smollm2, kv_cache_dtype=bad)

@@ -59,8 +59,9 @@ class ContinuousBatchGenerator:
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
         prepack_weights: on CPU, run the model's plain ``nn.Linear`` layers through oneDNN with their weights packed
             once (`hf_paged.kernels.cpu_linear`); faster decode, at the cost of the linear weights' memory once more.
-        kv_cache_dtype: dtype of the KV cache (default: the model's). ``torch.bfloat16`` under an fp32 model halves
-            the cache's memory and the bytes attention reads, at the cost of bf16 rounding of keys and values.
+        kv_cache_dtype: dtype of the KV cache (default: the model's), as a ``torch.dtype`` or its name. bf16 under an
+            fp32 model halves the cache's memory and the bytes attention reads, at the cost of rounding keys and
+            values to bf16.
     """
 
     def __init__(
@@ -76,7 +77,7 @@ class ContinuousBatchGenerator:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         prepack_weights: bool = True,
-        kv_cache_dtype: torch.dtype | None = None,
+        kv_cache_dtype: torch.dtype | str | None = None,
     ):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(
@@ -85,13 +86,11 @@ class ContinuousBatchGenerator:
             )
         if not uses_paged_attention(model):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        kv_cache_dtype = self._kv_cache_dtype(kv_cache_dtype, model.dtype)
         self.model = model.eval()
         if prepack_weights and model.device.type == "cpu":
             prepack_linear_layers(model)
         self.tokenizer = tokenizer
-        kv_cache_dtype = kv_cache_dtype or model.dtype
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(str, KV_CACHE_DTYPES))}, got {kv_cache_dtype}")
         spec = KVCacheSpec.from_config(model.config)
         if num_blocks is None:
             if kv_cache_memory is None:
@@ -124,6 +123,14 @@ class ContinuousBatchGenerator:
             free, _ = torch.cuda.mem_get_info(device)
             return free // 2
         return DEFAULT_CPU_KV_MEMORY
+
+    @staticmethod
+    def _kv_cache_dtype(requested: torch.dtype | str | None, model_dtype: torch.dtype) -> torch.dtype:
+        dtype = getattr(torch, requested, None) if isinstance(requested, str) else requested or model_dtype
+        if dtype not in KV_CACHE_DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {names}, got {requested!r}")
+        return dtype
 
     @staticmethod
     def _eos_token_ids(model, tokenizer) -> set[int]:
