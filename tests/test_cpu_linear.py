@@ -1,5 +1,8 @@
 """Packed oneDNN linear layers on CPU (`hf_paged.kernels.cpu_linear`) against plain ``F.linear``."""
 
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -90,6 +93,21 @@ def test_other_dtypes_fall_back_to_f_linear():
     x = torch.randn(3, 48, dtype=torch.float64)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_packed_layers_copy_and_pickle():
+    torch.manual_seed(0)
+    block = Block()
+    prepack_linear_layers(block)
+    buffer = io.BytesIO()
+    torch.save(block, buffer)
+    buffer.seek(0)
+    x = torch.randn(3, 48)
+    for twin in (copy.deepcopy(block), torch.load(buffer, weights_only=False)):
+        assert type(twin.up) is PrepackedLinear
+        with torch.inference_mode():
+            torch.testing.assert_close(twin(x), block(x))
+        assert twin.up._packed is not block.up._packed
 
 
 def test_training_forward_falls_back_to_autograd():

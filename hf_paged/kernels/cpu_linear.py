@@ -38,6 +38,13 @@ class PrepackedLinear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] | None = None
 
+    def __getstate__(self) -> dict:
+        # The packed copy is opaque to copy and pickle; a copy packs its own on its first forward.
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state.pop("_packed_from", None)
+        return state
+
     def _pack(self) -> torch.Tensor:
         weight = self.weight
         key = (weight.data_ptr(), weight._version)
