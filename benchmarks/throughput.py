@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--block-size", type=int, default=16, help="KV block size of ours")
     add("--max-batch-tokens", type=int, default=512, help="most tokens per step of both continuous engines")
     add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
-    add("--kv-cache-dtype", choices=("float32", "bfloat16"), default=None,
+    add("--kv-cache-dtype", choices=("float32", "bfloat16", "float16"), default=None,
         help="KV cache dtype of ours (default: --dtype)")
     add("--no-prepack-weights", action="store_true",
         help="ours and ceiling: plain torch linear layers instead of oneDNN with packed weights (CPU)")

@@ -108,6 +108,28 @@ def test_packed_layers_copy_and_pickle():
         with torch.inference_mode():
             torch.testing.assert_close(twin(x), block(x))
         assert twin.up._packed is not block.up._packed
+    fresh = copy.deepcopy(block)  # never ran: no packed copy of its own yet
+    assert unpack_linear_layers(fresh) == 2
+
+
+def test_layers_onednn_cannot_take_stay_plain():
+    class Wrapped(torch.Tensor):  # stands in for quantized weight tensors (torchao and the like)
+        pass
+
+    layer = nn.Linear(48, 96)
+    layer.weight = nn.Parameter(layer.weight.detach().as_subclass(Wrapped))
+    assert prepack_linear_layers(layer) == 0 and type(layer) is nn.Linear
+
+
+def test_autocast_and_inference_mode_weights():
+    with torch.inference_mode():
+        layer = nn.Linear(48, 96)  # an inference tensor: no version counter
+    assert prepack_linear_layers(layer) == 1
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert layer(x).dtype == torch.bfloat16  # as F.linear under autocast
 
 
 def test_training_forward_falls_back_to_autograd():

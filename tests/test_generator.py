@@ -5,8 +5,9 @@ import torch
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.cache import KVCacheSpec
+from hf_paged.generation.model_runner import ModelRunner
 from hf_paged.generation.sequence import SequenceStatus
-from hf_paged.kernels.cpu_linear import PrepackedLinear, unpack_linear_layers
+from hf_paged.kernels.cpu_linear import PrepackedLinear, available, unpack_linear_layers
 
 MAX_TOKENS = [8, 24, 16, 32, 12, 20, 28, 10, 18, 26, 14, 30, 9, 22, 17, 25]
 
@@ -66,7 +67,7 @@ def test_batch_is_token_identical_to_generate_alone(smollm2, prompt_ids, referen
         unpack_linear_layers(smollm2[0])
     gen = make_generator(smollm2, **options)
     packed = isinstance(gen.model.model.layers[0].mlp.down_proj, PrepackedLinear)
-    assert packed == options.get("prepack_weights", True)
+    assert packed == (options.get("prepack_weights", True) and available(torch.float32))
     assert run_greedy(gen, prompt_ids) == reference
     stats = gen.stats()
     if "num_blocks" in options:
@@ -270,6 +271,19 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     out = gen.run([chat_prompts[0]], GenerationConfig(max_new_tokens=5, do_sample=False), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
+
+
+def test_a_refused_model_is_left_unpacked(smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    unpack_linear_layers(model)
+
+    def broken(*args, **kwargs):
+        raise TypeError("unexpected keyword argument")
+
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    with pytest.raises(ValueError, match="cannot run with the paged backend"):
+        ContinuousBatchGenerator(model, tokenizer, num_blocks=16)
+    assert not any(isinstance(m, PrepackedLinear) for m in model.modules())
 
 
 def test_model_outside_the_attention_interface_is_refused(smollm2):

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from ..cache import KVCacheManager, KVCacheSpec, PagedCache
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
-from ..kernels.cpu_linear import prepack_linear_layers
+from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from .detokenizer import Detokenizer, find_stop_string
 from .model_runner import ModelRunner
 from .sampler import SamplingBatch, sample
@@ -59,6 +59,7 @@ class ContinuousBatchGenerator:
         enable_prefix_caching: reuse the KV of full blocks shared with earlier prompts.
         prepack_weights: on CPU, run the model's plain ``nn.Linear`` layers through oneDNN with their weights packed
             once (`hf_paged.kernels.cpu_linear`); faster decode, at the cost of the linear weights' memory once more.
+            The model stays packed afterwards (`hf_paged.kernels.cpu_linear.unpack_linear_layers` undoes it).
         kv_cache_dtype: dtype of the KV cache (default: the model's), as a ``torch.dtype`` or its name. bf16 under an
             fp32 model halves the cache's memory and the bytes attention reads, at the cost of rounding keys and
             values to bf16.
@@ -84,12 +85,10 @@ class ContinuousBatchGenerator:
                 f"{type(model).__name__} does not run its attention through Transformers' attention interface, "
                 "so the paged backend cannot serve it"
             )
+        kv_cache_dtype = self._kv_cache_dtype(kv_cache_dtype, model.dtype)
         if not uses_paged_attention(model):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        kv_cache_dtype = self._kv_cache_dtype(kv_cache_dtype, model.dtype)
         self.model = model.eval()
-        if prepack_weights and model.device.type == "cpu":
-            prepack_linear_layers(model)
         self.tokenizer = tokenizer
         spec = KVCacheSpec.from_config(model.config)
         if num_blocks is None:
@@ -114,7 +113,13 @@ class ContinuousBatchGenerator:
         self._ids_lock = threading.Lock()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._check_model_runs()
+        packed = prepack_linear_layers(model) if prepack_weights and model.device.type == "cpu" else 0
+        try:
+            self._check_model_runs()
+        except Exception:
+            if packed:
+                unpack_linear_layers(model)
+            raise
 
     # ---------------------------------------------------------------------------------------------- set-up
     @staticmethod
@@ -126,7 +131,9 @@ class ContinuousBatchGenerator:
 
     @staticmethod
     def _kv_cache_dtype(requested: torch.dtype | str | None, model_dtype: torch.dtype) -> torch.dtype:
-        dtype = getattr(torch, requested, None) if isinstance(requested, str) else requested or model_dtype
+        if requested is None:
+            return model_dtype
+        dtype = getattr(torch, requested, None) if isinstance(requested, str) else requested
         if dtype not in KV_CACHE_DTYPES:
             names = ", ".join(str(d).removeprefix("torch.") for d in KV_CACHE_DTYPES)
             raise ValueError(f"kv_cache_dtype must be one of {names}, got {requested!r}")

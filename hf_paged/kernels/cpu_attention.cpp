@@ -49,8 +49,9 @@ struct Problem {
     int32_t num_threads;
 };
 
-// Into L2 (locality 1), not L1: a whole block's worth of L1 prefetches overflows the core's miss buffers, and blocks
-// scattered over the cache were read 1.35x slower that way (fp32, 48 sequences of 300-500 tokens, shuffled tables).
+// With a low locality hint (1: prefetcht2 on x86, which fills the outer caches), not into L1: a whole block's worth
+// of L1 prefetches overflows the core's miss buffers, and blocks scattered over the cache were read 1.35x slower that
+// way (fp32, 48 sequences of 300-500 tokens, shuffled tables, 2-core AVX-512 machine).
 template <typename T>
 inline void prefetch_rows(const T* rows, int64_t row_stride, int num_rows, int row_bytes) {
     for (int r = 0; r < num_rows; ++r)

@@ -31,8 +31,9 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 class PrepackedLinear(nn.Linear):
     """An ``nn.Linear`` whose CPU inference forward multiplies by a oneDNN-packed copy of its weight.
 
-    The copy is rebuilt when the weight changes (in place or replaced). With autograd recording, on another device,
-    in another dtype than fp32/bf16, or for an input of another dtype, the forward is plain ``F.linear``.
+    The copy is rebuilt when the weight changes (in place or replaced; an inference-mode weight changed in place is not
+    noticed). With autograd recording, under autocast, on another device, in another dtype than fp32/bf16, or for an
+    input of another dtype, the forward is plain ``F.linear``.
     """
 
     _packed: torch.Tensor | None = None
@@ -47,7 +48,7 @@ class PrepackedLinear(nn.Linear):
 
     def _pack(self) -> torch.Tensor:
         weight = self.weight
-        key = (weight.data_ptr(), weight._version)
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
         if self._packed_from != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self._packed_from = key
@@ -61,6 +62,7 @@ class PrepackedLinear(nn.Linear):
             or input.dtype != weight.dtype
             or weight.dtype not in _DTYPES
             or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
+            or torch.is_autocast_enabled("cpu")
         ):
             return F.linear(input, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(input, self._pack(), self.bias, "none", [], "")
@@ -69,15 +71,23 @@ class PrepackedLinear(nn.Linear):
 def prepack_linear_layers(model: nn.Module) -> int:
     """Turn every plain CPU ``nn.Linear`` of ``model`` in a supported dtype into a `PrepackedLinear`, packing now.
 
-    Subclasses of ``nn.Linear`` (quantized layers among them) are left alone. Returns how many layers changed.
+    Subclasses of ``nn.Linear`` and weights that are tensor subclasses (quantized layers of either kind) are left
+    alone. The model stays packed after the caller is done with it; `unpack_linear_layers` frees the copies. Returns
+    how many layers changed.
     """
     count = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if type(module) is not nn.Linear or weight.device.type != "cpu" or not available(weight.dtype):
+        if type(module) is not nn.Linear or type(module.weight.data) is not torch.Tensor:
+            continue
+        weight = module.weight
+        if weight.device.type != "cpu" or not available(weight.dtype):
             continue
         module.__class__ = PrepackedLinear
-        module._pack()
+        try:
+            module._pack()
+        except (RuntimeError, NotImplementedError):  # a weight oneDNN cannot take: leave the layer plain
+            module.__class__ = nn.Linear
+            continue
         count += 1
     return count
 
@@ -88,6 +98,7 @@ def unpack_linear_layers(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is PrepackedLinear:
             module.__class__ = nn.Linear
-            del module._packed, module._packed_from
+            module.__dict__.pop("_packed", None)
+            module.__dict__.pop("_packed_from", None)
             count += 1
     return count
