@@ -118,7 +118,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, prepack_weights=not args.no_prepack_weights,
-            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else DTYPES[args.kv_cache_dtype],
+            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         )
     except (OSError, ValueError) as err:
         parser.error(f"cannot load {path}: {err}")
