@@ -83,15 +83,43 @@ inline float sum16(vec16 v) {
     return s;
 }
 
+// The sums of four vectors: out[i] = sum of the lanes of v_i. Two shuffle-and-add levels put four partial sums of
+// each vector side by side, two more finish them: cheaper than four separate horizontal sums.
+inline void sum4(vec16 a, vec16 b, vec16 c, vec16 d, float* out) {
+    const vec16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vec16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vec16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vec16 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const vec16 z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = z[0];
+    out[1] = z[4];
+    out[2] = z[8];
+    out[3] = z[12];
+}
+
 // Scores of L query heads (their rows of q, kD floats each) against `rows` key rows, each loaded once:
-// scores[l * stride + r] = q[l] . k[r]
+// scores[l * stride + r] = q[l] . k[r]. Four rows at a time, so that their sums share one reduction.
 template <int L, int kD, typename T>
 inline void score_rows(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int stride) {
     constexpr int C = kD / 16;
     vec16 qv[L][C];
     for (int l = 0; l < L; ++l)
         for (int c = 0; c < C; ++c) qv[l][c] = load16(q + l * kD + c * 16);
-    for (int r = 0; r < rows; ++r) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const T* kr = k + r * row_stride;
+        vec16 a[L][4] = {};
+        for (int c = 0; c < C; ++c)
+            for (int j = 0; j < 4; ++j) {
+                const vec16 kv = load16(kr + j * row_stride + c * 16);
+                for (int l = 0; l < L; ++l) a[l][j] += qv[l][c] * kv;
+            }
+        for (int l = 0; l < L; ++l) sum4(a[l][0], a[l][1], a[l][2], a[l][3], scores + l * stride + r);
+    }
+    for (; r < rows; ++r) {
         const T* kr = k + r * row_stride;
         vec16 a[L] = {};
         for (int c = 0; c < C; ++c) {
