@@ -91,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
     add("--kv-cache-dtype", choices=("float32", "bfloat16", "float16"), default=None,
         help="KV cache dtype of ours (default: --dtype)")
+    add("--round-weights", choices=("bfloat16", "float16"), default=None,
+        help="round every weight to this dtype and back before the run, then compute in --dtype as usual: with "
+             "--compare-with an unrounded run, the token agreement that the rounded weights alone allow")
     add("--no-prepack-weights", action="store_true",
         help="ours and ceiling: plain torch linear layers instead of oneDNN with packed weights (CPU)")
     add("--hf-cb-config", default=None, help="JSON dict overriding the Transformers ContinuousBatchingConfig fields")
@@ -209,7 +212,7 @@ class StepRecorder:
 
 
 # ------------------------------------------------------------------------------------------------------ engines
-def load_model(path: str, dtype: str, attn: str):
+def load_model(path: str, dtype: str, attn: str, round_weights: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -218,7 +221,19 @@ def load_model(path: str, dtype: str, attn: str):
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=getattr(torch, dtype),
                                                  **quantized_load_kwargs(path))
+    if round_weights:
+        round_parameters(model, getattr(torch, round_weights))
     return model.eval(), tokenizer
+
+
+def round_parameters(model, dtype) -> None:
+    """Round every floating-point parameter to ``dtype`` and back, in place (the model keeps its own dtype)."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.copy_(param.to(dtype).to(param.dtype))
 
 
 class StepClock:
@@ -407,7 +422,8 @@ def run_worker(args) -> None:
     job = json.loads(Path(in_path).read_text())
     if args.worker == "ours":
         import hf_paged  # noqa: F401  (registers the "paged" attention)
-    model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa")
+    model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa",
+                                  args.round_weights)
     runners = dict(static=run_static, hf_cb=run_hf_cb, ours=run_ours)
     if args.worker == "ceiling":
         result = run_ceiling(args, model, tokenizer, job["ceiling_batches"])
@@ -444,6 +460,8 @@ def worker_argv(args) -> list[str]:
         argv += ["--no-prepack-weights"]
     if args.kv_cache_dtype:
         argv += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.round_weights:
+        argv += ["--round-weights", args.round_weights]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     if args.smoke:
@@ -493,9 +511,11 @@ def efficiency_report(steps: list, forward_s: dict) -> dict:
 
 
 def dtype_label(settings: dict) -> str:
-    """``float32``, ``bfloat16``, or e.g. ``float32+kv-bfloat16`` for a KV cache in another dtype."""
-    kv = settings.get("kv_cache_dtype")
-    return settings["dtype"] + (f"+kv-{kv}" if kv and kv != settings["dtype"] else "")
+    """``float32``, ``bfloat16``, or e.g. ``float32+kv-bfloat16`` for a KV cache in another dtype and
+    ``float32+weights-bfloat16`` for rounded weights."""
+    kv, rounded = settings.get("kv_cache_dtype"), settings.get("round_weights")
+    label = settings["dtype"] + (f"+kv-{kv}" if kv and kv != settings["dtype"] else "")
+    return label + (f"+weights-{rounded}" if rounded else "")
 
 
 def compare_runs(report: dict, other: dict) -> None:

@@ -4,12 +4,14 @@ Both run as subprocesses, exactly as a person would run them; they inherit ``TRI
 there is no GPU.
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ENGINES = {"static", "hf_cb", "ours", "ceiling"}
@@ -42,13 +44,46 @@ def test_throughput_smoke_reports_every_engine(smollm2_path, tmp_path):
     assert report["decode_efficiency"]["efficiency"] > 0
     assert "Transformers CB config" in proc.stdout and "ours" in proc.stdout
 
-    # The same workload with a bf16 KV cache, compared with the run above.
+    # The same workload with a bf16 KV cache and bf16-rounded weights, compared with the run above.
     again = tmp_path / "kv_bf16.json"
     run_script("throughput.py", "--smoke", "--model", smollm2_path, "--engines", "ours", "--kv-cache-dtype",
-               "bfloat16", "--compare-with", str(out), "--json", str(again), timeout=300)
+               "bfloat16", "--round-weights", "bfloat16", "--compare-with", str(out), "--json", str(again),
+               timeout=300)
     compared = json.loads(again.read_text())
-    assert compared["ratios"]["ours float32+kv-bfloat16/float32"] > 0
-    assert 0 <= compared["agreement"]["ours float32+kv-bfloat16/float32"]["identical"] <= 1
+    label = "ours float32+kv-bfloat16+weights-bfloat16/float32"
+    assert compared["ratios"][label] > 0
+    assert 0 <= compared["agreement"][label]["identical"] <= 1
+
+
+def load_benchmark(name: str):
+    """A benchmark script as a module (its ``common`` helper first, as the script expects); sys.path is restored."""
+    saved_path, modules = list(sys.path), {}
+    try:
+        for module_name in ("common", name):
+            spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{module_name}.py")
+            modules[module_name] = sys.modules[module_name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(modules[module_name])
+    finally:
+        sys.path[:] = saved_path
+        for module_name in modules:
+            sys.modules.pop(module_name, None)
+    return modules[name]
+
+
+def test_round_parameters_leaves_only_representable_values():
+    from tiny_models import tiny_model
+
+    throughput = load_benchmark("throughput")
+    model, _ = tiny_model("llama")
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    throughput.round_parameters(model, torch.bfloat16)
+    changed = 0
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32
+        torch.testing.assert_close(param, param.to(torch.bfloat16).float(), rtol=0, atol=0)
+        torch.testing.assert_close(param, before[name], rtol=2**-8, atol=0)
+        changed += not torch.equal(param, before[name])
+    assert changed > 0
 
 
 def test_kernels_smoke_is_correct(tmp_path):
