@@ -75,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add = parser.add_argument
     add("--model", default=None, help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
-    add("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and KV cache dtype (all engines)")
+    add("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
+        help="weights and KV cache dtype (all engines; float64 is slow, for numerical references)")
     add("--engines", default=",".join(ENGINES), help=f"comma list, a subset of {','.join(ENGINES)}")
     add("--num-requests", type=int, default=64, help="number of requests in the workload")
     add("--min-prompt", type=int, default=16, help="shortest prompt, in tokens (before --shared-prefix)")

@@ -106,6 +106,9 @@ def test_prefix_matching_chains_hashes_and_counts_hits():
     assert manager.match_prefix("c", [99] * 4 + tokens[4:]) == 0
     # The whole prompt is never served from cache: the last token must be computed.
     assert manager.match_prefix("d", tokens[:12]) == 8
+    assert manager.prefix_hits == manager.prefix_queries == 0  # counted only once a sequence is admitted
+    for length, cached in ((14, 8), (14, 0), (12, 8)):
+        manager.record_prefix_match(length, cached)
     assert manager.prefix_hits == 16 and manager.prefix_queries == 14 + 14 + 12
     manager.free_all()
     assert manager.pool.num_used_blocks == 0

@@ -178,6 +178,59 @@ def test_n_samples_share_prompt_blocks(smollm2, chat_prompts):
     assert_no_leak(gen)
 
 
+def test_n_samples_start_from_the_prompt(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = gen.run([chat_prompts[2]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    three = gen.run([chat_prompts[2]], greedy.replace(n=3), use_tqdm=False)[0]
+    assert [o.token_ids for o in three.outputs] == [alone] * 3
+    # Samples that finish on their first token (here max_tokens=1) still all come back.
+    first = gen.run([chat_prompts[2]], greedy.replace(n=2, max_tokens=1), use_tqdm=False)[0]
+    assert first.error is None and [o.token_ids for o in first.outputs] == [alone[:1]] * 2
+    assert_no_leak(gen)
+
+
+def test_a_step_that_fails_after_the_forward_changes_nothing(smollm2, chat_prompts, monkeypatch):
+    import hf_paged.generation.generator as generator_module
+
+    params = SamplingParams(temperature=0, max_tokens=6)
+    gen = make_generator(smollm2)
+    expected = gen.run(chat_prompts[:3], params, use_tqdm=False)
+    ids = [gen.add_request(p, params) for p in chat_prompts[:3]]
+    gen.step()
+    real_sample = generator_module.sample
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(generator_module, "sample", real_sample)
+        raise RuntimeError("sampling failed")
+
+    monkeypatch.setattr(generator_module, "sample", fail_once)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        gen.step()
+    outputs = {}
+    while gen.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in gen.step())
+    assert [outputs[i].outputs[0].token_ids for i in ids] == [o.outputs[0].token_ids for o in expected]
+    assert_no_leak(gen)
+
+
+def test_prefix_lookups_count_once_per_admission(smollm2, chat_prompts):
+    # Room for only some of the prompts at a time: the others wait, and their lookups are repeated every step.
+    gen = make_generator(smollm2, num_blocks=6)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for prompt in chat_prompts[:4]:
+        gen.add_request(prompt, params)
+    outputs, deferred = {}, 0
+    while gen.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in gen.step())
+        deferred += bool(gen.scheduler.waiting)
+    outputs = list(outputs.values())
+    stats = gen.stats()
+    assert deferred and stats.num_preemptions == 0
+    assert stats.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in outputs)
+    assert_no_leak(gen)
+
+
 def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     keep = gen.add_request(chat_prompts[0], SamplingParams(temperature=0, max_tokens=6))
@@ -203,9 +256,16 @@ def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
         (dict(params=lambda: SamplingParams(temperature=-1)), "temperature"),
         (dict(params=lambda: SamplingParams(top_p=0)), "top_p"),
         (dict(params=lambda: SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(params=lambda: SamplingParams(seed=2**63)), "seed"),
+        (dict(params=lambda: SamplingParams(n=2.5)), "n must be an integer"),
+        (dict(params=lambda: SamplingParams(temperature=float("nan"))), "temperature"),
         (dict(prompt="word " * 3000), "max_model_len"),
+        (dict(engine_params=SamplingParams(stop_token_ids=[10**6], min_tokens=2)), "stop_token_ids"),
+        (dict(engine_params=SamplingParams(logprobs=10**6)), "logprobs"),
+        (dict(engine_params=SamplingParams(n=1000)), "max_num_seqs"),
     ],
-    ids=["empty", "temperature", "top_p", "max_tokens", "too-long"],
+    ids=["empty", "temperature", "top_p", "max_tokens", "seed", "n-float", "nan", "too-long", "stop-token-id",
+         "logprobs", "n-too-many"],
 )
 def test_bad_input_fails_alone(smollm2, chat_prompts, bad, message):
     gen = make_generator(smollm2, max_model_len=2048)
@@ -213,14 +273,23 @@ def test_bad_input_fails_alone(smollm2, chat_prompts, bad, message):
         with pytest.raises(ValueError, match=message):
             bad["params"]()
         return
-    outputs = gen.run([chat_prompts[0], bad["prompt"], chat_prompts[3]], SamplingParams(temperature=0, max_tokens=8),
-                      use_tqdm=False)
+    good = SamplingParams(temperature=0, max_tokens=8)
+    prompt, params = bad.get("prompt", chat_prompts[1]), bad.get("engine_params", good)
+    outputs = gen.run([chat_prompts[0], prompt, chat_prompts[3]], [good, params, good], use_tqdm=False)
     assert message in outputs[1].error and outputs[1].finished and not outputs[1].outputs
     assert outputs[0].error is None and "Paris" in outputs[0].outputs[0].text
     assert outputs[2].outputs[0].token_ids
     with pytest.raises(ValueError, match=message):
-        gen.add_request(bad["prompt"])
+        gen.add_request(prompt, params)
     assert_no_leak(gen)
+
+
+@pytest.mark.parametrize("option", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(num_blocks=0),
+                                    dict(block_size=0)])
+def test_engine_sizes_must_be_positive(smollm2, option):
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=name):
+        make_generator(smollm2, **option)
 
 
 def test_logprobs_and_timings(smollm2, chat_prompts):

@@ -139,6 +139,9 @@ def test_n_max_tokens_and_prompt_lists(server, client):
     assert sorted(c.index for c in done.choices) == [0, 1]
     assert all(c.finish_reason in ("length", "stop") for c in done.choices)
     assert done.usage.completion_tokens <= 10
+    first = client.completions.create(model=MODEL, prompt=PROMPT, n=2, temperature=0, max_tokens=1)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[1] and texts[0] and server.prompt_ref.text.startswith(texts[0])
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, n=2, seed=1, max_completion_tokens=4,
                                                  stream=True, stream_options={"include_usage": True}))
     finish = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices}
@@ -209,6 +212,10 @@ def test_errors_have_openai_shape(server):
     assert_error(post(server, "/v1/chat/completions", "{not json"), 400)
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": "hi"}), 400, "messages")
     assert_error(post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    assert_error(post(server, "/v1/completions", {**completion, "seed": 2**63}), 400, words="seed")
+    assert_error(post(server, "/v1/completions", {**completion, "logprobs": 10**7}), 400, words="logprobs")
+    assert_error(post(server, "/v1/completions", {**completion, "n": 10**4}), 400, words="max_num_seqs")
     assert_error(post(server, "/v1/chat/completions", chat, key=None), 401)["code"] == "invalid_api_key"
     assert_error(post(server, "/v1/chat/completions", chat, key="wrong"), 401)
     assert httpx.get(f"{server.base}/v1/models").status_code == 401

@@ -92,9 +92,14 @@ class KVCacheManager:
         self.pool.incref(blocks)
         self.tables[seq_id] = blocks
         self._hashes[seq_id] = hashes
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(blocks) * bs
         return len(blocks) * bs
+
+    def record_prefix_match(self, num_tokens: int, num_cached: int) -> None:
+        """Count one admitted sequence's prefix lookup in the hit-rate counters (a lookup whose sequence could not
+        be admitted yet is repeated later and counted then)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_cached
 
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Index the blocks of ``seq_id`` that are full once ``num_computed`` tokens are in the cache.

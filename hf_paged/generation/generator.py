@@ -85,6 +85,10 @@ class ContinuousBatchGenerator:
                 f"{type(model).__name__} does not run its attention through Transformers' attention interface, "
                 "so the paged backend cannot serve it"
             )
+        for name, value in dict(block_size=block_size, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         kv_cache_dtype = self._kv_cache_dtype(kv_cache_dtype, model.dtype)
         if not uses_paged_attention(model):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -95,6 +99,9 @@ class ContinuousBatchGenerator:
             if kv_cache_memory is None:
                 kv_cache_memory = self._default_kv_memory(model.device)
             num_blocks = kv_cache_memory // spec.bytes_per_block(block_size, kv_cache_dtype)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"the KV cache must hold at least one block, got num_blocks={num_blocks!r} (raise "
+                             "num_blocks or kv_cache_memory)")
         self.cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size, dtype=kv_cache_dtype,
                                 device=model.device)
         self.cache.allocate(kv_cache_dtype, model.device)
@@ -189,6 +196,7 @@ class ContinuousBatchGenerator:
                 f"the prompt is {len(token_ids)} tokens long but this engine's context (max_model_len) is "
                 f"{self.max_model_len} tokens, prompt and output together"
             )
+        self._check_params(params)
         request_id = request_id or uuid.uuid4().hex
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         with self._ids_lock:
@@ -197,6 +205,17 @@ class ContinuousBatchGenerator:
             self._live_ids.add(request_id)
         self._inbox.put(("add", Request(request_id, text, token_ids, params, seed)))
         return request_id
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check on its own: the limits of this engine and this vocabulary."""
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"n={params.n} is more samples than this engine runs at once (max_num_seqs="
+                             f"{self.scheduler.config.max_num_seqs})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the next step, which reports it with ``finish_reason="abort"``."""
@@ -248,25 +267,27 @@ class ContinuousBatchGenerator:
         for seq in batch.seqs:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
+        # Nothing is committed until the step's tokens are sampled: a step that raises leaves every sequence as it
+        # was, so the next step recomputes it.
         try:
             logits, sampled = self.runner.execute(batch)
+            rows, draws = self._expand_forks(sampled)
+            if len(rows) != len(sampled):
+                logits = logits[rows]
+            result = sample(logits, self._sampling_batch(draws)) if draws else None
         except BaseException:
             for seq in batch.seqs:  # the blocks this step was to fill must not serve later prefix matches
                 self.kv.uncommit(seq.seq_id, seq.num_computed_tokens)
             raise
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-        if not sampled:
+        if not draws:
             return outputs
-        rows, draws = self._expand_forks(sampled)
-        if len(rows) != len(sampled):
-            logits = logits[rows]
-        result = sample(logits, self._sampling_batch(draws))
+        # Every sample of a request with n > 1 forks from its prompt before any of them gets a token.
+        seqs = [seq if sample_index == 0 else self._fork(seq, sample_index) for seq, sample_index in draws]
         now = time.monotonic()
         changed: dict[str, Request] = {}
-        for i, (seq, sample_index) in enumerate(draws):
-            if sample_index > 0:
-                seq = self._fork(seq, sample_index)
+        for i, seq in enumerate(seqs):
             self._append(seq, result.token_ids[i], result, i, now)
             changed[seq.request.request_id] = seq.request
         for request in changed.values():

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from transformers import GenerationConfig
+
+_INT64_END = 2**63
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -41,10 +52,14 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         self._check(self.n >= 1, "n", self.n, "an integer >= 1")
         self._check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
         self._check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         self._check(self.top_k >= 0 or self.top_k == -1, "top_k", self.top_k, "0 or -1 (off) or a positive integer")
+        self._check(self.top_k < _INT64_END, "top_k", self.top_k, "below 2**63")
+        self._check(self.seed is None or -_INT64_END <= self.seed < _INT64_END, "seed", self.seed,
+                    "a 64-bit signed integer")
         self._check(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         self._check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
         self._check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "in [-2, 2]")
@@ -57,6 +72,18 @@ class SamplingParams:
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         if self.top_k == -1:
             self.top_k = 0
+
+    def _check_types(self) -> None:
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None or name in ("n", "top_k", "min_tokens"):
+                self._check(_is_int(value), name, value, "an integer")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._check(_is_real(value) and math.isfinite(value), name, value, "a finite number")
+        self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+                    "a list of integers")
+        self._check(all(isinstance(t, str) for t in self.stop), "stop", self.stop, "a string or a list of strings")
 
     @staticmethod
     def _check(ok: bool, name: str, value, allowed: str) -> None:

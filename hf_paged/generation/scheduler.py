@@ -84,10 +84,7 @@ class Scheduler:
                 budget -= n
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0:
-                seq.num_computed_tokens = self.kv.match_prefix(seq.seq_id, seq.token_ids)
-                if seq.index == 0 and seq.request.num_cached_tokens == 0:
-                    seq.request.num_cached_tokens = seq.num_computed_tokens
+            seq.num_computed_tokens = num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = self.kv.num_blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             try:
@@ -99,6 +96,9 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+            self.kv.record_prefix_match(seq.num_tokens, num_cached)
+            if seq.index == 0 and seq.request.num_cached_tokens == 0:
+                seq.request.num_cached_tokens = num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

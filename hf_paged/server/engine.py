@@ -113,15 +113,19 @@ class EngineLoop:
         """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input."""
         self.start()
         stream = RequestStream(self, request_ids)
+        # Routes and the generator's inbox change together: a failing step that aborts everything routed then
+        # either precedes this request entirely or queues its abort after the request's "add".
         with self._lock:
             for request_id in request_ids:
                 self._routes[request_id] = stream
-        try:
-            for prompt, request_id in zip(prompts, request_ids):
-                self.generator.add_request(prompt, params, request_id)
-        except BaseException:
-            self.abort(request_ids)
-            raise
+            try:
+                for prompt, request_id in zip(prompts, request_ids):
+                    self.generator.add_request(prompt, params, request_id)
+            except BaseException:
+                for request_id in request_ids:
+                    if self._routes.pop(request_id, None) is not None:
+                        self.generator.abort_request(request_id)
+                raise
         self._wake.set()
         return stream
 
