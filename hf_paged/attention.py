@@ -12,19 +12,47 @@ from .kernels.torch_ops import dense_attention
 _UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
 
 
+def _closure_value(function, name: str):
+    cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+    return cells[name].cell_contents if name in cells else None
+
+
+def is_causal_pattern(mask_function) -> bool:
+    """Whether a Transformers mask function is the causal pattern, alone or cut by a sliding window: the patterns the
+    kernels apply themselves. Packed sequences, bidirectional blocks (image tokens), chunked attention and custom
+    mask functions are not."""
+    name = getattr(mask_function, "__qualname__", "")
+    if name == "causal_mask_function":
+        return True
+    if name != "and_masks.<locals>.and_mask":
+        return False
+    parts = _closure_value(mask_function, "mask_functions") or ()
+    names = [getattr(part, "__qualname__", "") for part in parts]
+    return "causal_mask_function" in names and all(
+        n in ("causal_mask_function", "sliding_window_overlay.<locals>.inner_mask") for n in names
+    )
+
+
 def padding_mask(
     batch_size: int,
     q_length: int,
     kv_length: int,
     q_offset: int = 0,
     kv_offset: int = 0,
+    mask_function=None,
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
     """Mask function for ``"paged"``: the 2-D padding mask ``[batch, kv_length]``, or None when nothing is padding.
 
-    Causality, sliding windows and sequence boundaries are handled by the kernels, so no 4-D mask is ever built.
+    Causality, sliding windows and sequence boundaries are handled by the kernels, so no 4-D mask is ever built; a
+    forward that asks for any other mask pattern is refused rather than run causally.
     """
+    if mask_function is not None and not is_causal_pattern(mask_function):
+        raise NotImplementedError(
+            "the paged attention backend applies causal and sliding-window masks only; this forward asks for another "
+            "mask pattern (packed sequences, bidirectional blocks, chunked attention or a custom mask function)"
+        )
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]

@@ -49,6 +49,10 @@ def _convert(gguf: Path, target: Path) -> None:
         tokenizer.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
         staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "config.json").exists():  # not another process finishing the same conversion first
+            raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

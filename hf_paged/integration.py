@@ -30,12 +30,19 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
         and generation_config.cache_implementation in (None, "dynamic")
         and self._supports_default_dynamic_cache()
     )
+    implementation = generation_config.cache_implementation
+    if uses_paged_attention(self) and model_kwargs.get("cache") is None and implementation not in (None, "dynamic"):
+        raise NotImplementedError(
+            f"cache_implementation={implementation!r}: a model with the paged attention backend keeps its KV cache in "
+            "a PagedCache (leave cache_implementation unset, or pass cache=PagedCache(...))"
+        )
     if not wants_default_cache:
         return _original_prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
     blocks_per_row = -(-max_cache_length // DEFAULT_BLOCK_SIZE) + 1
     model_kwargs["cache"] = PagedCache(
-        self.config, num_blocks=rows * blocks_per_row, block_size=DEFAULT_BLOCK_SIZE, dtype=self.dtype, device=self.device
+        self.config, num_blocks=rows * blocks_per_row, block_size=DEFAULT_BLOCK_SIZE, dtype=self.dtype,
+        device=self.device, growable=True,
     )
 
 

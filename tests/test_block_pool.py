@@ -126,3 +126,13 @@ def test_truncate_and_select():
     assert manager.block_table(0) == manager.block_table(1) and manager.pool.num_used_blocks == 3
     manager.free_all()
     assert manager.pool.num_used_blocks == 0
+
+
+def test_grow_adds_free_blocks_first_in_line():
+    pool = BlockPool(2, block_size=4)
+    assert pool.allocate(2) == [0, 1]
+    pool.grow(3)
+    assert pool.num_blocks == 5 and pool.num_free_blocks == 3 and len(pool.ref_counts) == 5
+    assert pool.allocate(3) == [2, 3, 4]
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(1)

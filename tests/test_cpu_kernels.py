@@ -113,6 +113,19 @@ def test_tables_outside_the_cache_are_refused_not_read():
         cpu_ops.paged_decode_attention(block_tables=case["block_tables"], seq_lens=too_long, **args)
 
 
+def test_inconsistent_shapes_are_refused_not_read():
+    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
+    tables, lens, k, v = case["block_tables"], case["seq_lens"], case["k_cache"], case["v_cache"]
+    with pytest.raises(ValueError, match="do not fit the cache"):  # head_dim 128 against a 64-wide cache
+        cpu_ops.paged_decode_attention(torch.randn(2, 6, 128), k, v, tables, lens, 0.125)
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        cpu_ops.paged_decode_attention(case["query"], k, v[:-1], tables, lens, 0.125)
+    with pytest.raises(ValueError, match="a row per sequence"):  # one table row for two sequences
+        cpu_ops.paged_decode_attention(case["query"], k, v, tables[:1], lens, 0.125)
+    with pytest.raises(ValueError, match="must not decrease"):
+        cpu_ops.paged_prefill_attention(torch.randn(2, 6, 64), k, v, tables, lens, torch.tensor([0, 3, 2]), 3, 0.125)
+
+
 def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):
     case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
     query, k_cache, v_cache = case["query"], case["k_cache"], case["v_cache"]

@@ -112,6 +112,34 @@ def test_cache_too_small_raises_no_free_blocks():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, cache=cache)
 
 
+def test_continuing_from_a_returned_cache_matches_a_fresh_run():
+    """The multi-turn pattern: generate, append the next turn, generate again from ``out.cache``. The cache
+    ``generate`` made itself grows past the size it was given for the first call."""
+    model, _ = tiny_model("llama")
+    first = model.generate(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=10, do_sample=False,
+                           pad_token_id=0, return_dict_in_generate=True)
+    assert first.cache.num_blocks == 2
+    turn = torch.cat([first.sequences, torch.tensor([[11, 12, 13]])], dim=1)
+    kwargs = dict(input_ids=turn, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    again = model.generate(**kwargs, cache=first.cache)
+    assert torch.equal(again, generate_with(model, "sdpa", **kwargs))
+    assert first.cache.num_blocks > 2 and first.cache.pool.num_used_blocks == -(-(again.shape[1] - 1) // 16)
+
+
+def test_a_paged_assistant_model_matches_plain_greedy():
+    model, _ = tiny_model("llama")
+    assistant, _ = tiny_model("qwen2")
+    kwargs = dict(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=60, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**kwargs, assistant_model=assistant), generate_with(model, "sdpa", **kwargs))
+
+
+def test_other_cache_implementations_are_refused():
+    model, _ = tiny_model("llama")
+    with pytest.raises(NotImplementedError, match="cache_implementation='static'"):
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, cache_implementation="static",
+                       pad_token_id=0)
+
+
 def test_text_streamer_streams_the_same_text(smollm2, chat_prompts, capsys):
     model, tokenizer = smollm2
     inputs = tokenizer(chat_prompts[2], return_tensors="pt")
@@ -155,6 +183,24 @@ def test_unsupported_feature_is_named():
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(NotImplementedError, match="attention sinks"):
         paged_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+
+
+def test_mask_patterns_other_than_causal_are_refused():
+    from transformers import masking_utils as masks
+
+    from hf_paged.attention import is_causal_pattern
+
+    assert is_causal_pattern(masks.causal_mask_function)
+    assert is_causal_pattern(masks.sliding_window_causal_mask_function(4))
+    assert not is_causal_pattern(masks.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)))
+    assert not is_causal_pattern(masks.or_masks(masks.causal_mask_function, masks.bidirectional_mask_function))
+    packed = masks.packed_sequence_mask_function(torch.zeros(1, 4, dtype=torch.long))
+    assert not is_causal_pattern(masks.and_masks(masks.causal_mask_function, packed))
+    # A plain forward over packed sequences (positions restart, no attention mask) is refused, not run causally.
+    model, _ = tiny_model("llama")
+    with pytest.raises(NotImplementedError, match="mask pattern"):
+        model(input_ids=torch.arange(5, 13)[None], position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
+              use_cache=False)
 
 
 def test_assisted_decoding_crops_the_cache():

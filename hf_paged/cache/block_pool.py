@@ -35,6 +35,16 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
 
+    def grow(self, n: int) -> None:
+        """Add ``n`` free blocks (ids ``num_blocks ..``), first in line for allocation."""
+        start = self.num_blocks
+        self.num_blocks += n
+        self.ref_counts += [0] * n
+        self.block_hashes += [None] * n
+        for block in reversed(range(start, start + n)):
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now (free and cached-free)."""

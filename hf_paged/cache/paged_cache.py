@@ -8,7 +8,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .block_pool import BlockPool
+from .block_pool import BlockPool, NoFreeBlocksError
 from .kv_cache_manager import BlockCopy, KVCacheManager
 
 
@@ -64,6 +64,9 @@ class PagedCache(Cache):
         num_blocks: how many blocks to hold. Either this or ``memory_budget`` (bytes).
         block_size: tokens per block.
         dtype / device: of the KV tensors; by default those of the first keys written.
+        growable: when the blocks run out under ``generate``, double them instead of raising `NoFreeBlocksError`
+            (the cache ``generate`` creates on its own grows, so it can be passed to a later call or kept by an
+            assistant model; one built by hand keeps its size).
     """
 
     def __init__(
@@ -74,8 +77,10 @@ class PagedCache(Cache):
         memory_budget: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        growable: bool = False,
     ):
         super().__init__(layers=[])
+        self.growable = growable
         self.spec = KVCacheSpec.from_config(config)
         if num_blocks is None:
             if memory_budget is None:
@@ -111,6 +116,14 @@ class PagedCache(Cache):
             # Zeros, not empty: attention reads whole blocks and masks the unused rows, which must stay finite.
             self.key_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
             self.value_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def _grow(self, num_blocks: int) -> None:
+        """Add ``num_blocks`` blocks, copying the KV tensors into larger ones."""
+        self.pool.grow(num_blocks)
+        for caches in (self.key_cache, self.value_cache):
+            for i, old in enumerate(caches):
+                extra = old.new_zeros(old.shape[0], num_blocks, *old.shape[2:])
+                caches[i] = torch.cat([old, extra], dim=1)
 
     def layer(self, layer_idx: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(k, v)`` block tensors of ``layer_idx`` as ``[num_blocks, block_size, num_kv_heads, head_dim]`` views,
@@ -179,7 +192,13 @@ class PagedCache(Cache):
         copies: list[BlockCopy] = []
         for row, count in enumerate(counts):
             start = self._row_lens[row]
-            copies += self.rows.allocate(row, start, start + count)
+            try:
+                copies += self.rows.allocate(row, start, start + count)
+            except NoFreeBlocksError as full:
+                if not self.growable:
+                    raise
+                self._grow(max(full.requested - full.free, self.num_blocks))
+                copies += self.rows.allocate(row, start, start + count)
             slots += [-1] * (query_len - count) + self.rows.slots(row, start, start + count)
             self._row_lens[row] = start + count
         self.copy_blocks(copies)
@@ -214,6 +233,20 @@ class PagedCache(Cache):
     @property
     def is_croppable(self) -> bool:
         return True
+
+    # Per-layer flags: every layer keeps all its tokens (sliding windows are applied by the kernels), none is a linear
+    # attention state. `generate` reads them, e.g. to skip the cached part of the prompt when continuing a cache.
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.spec.num_layers
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * self.spec.num_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.spec.num_layers
 
     @property
     def is_initialized(self) -> bool:

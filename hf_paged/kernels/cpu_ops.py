@@ -118,7 +118,16 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    # The kernel reads raw memory: refuse tables that point outside the cache instead of crashing the process.
+    # The kernel reads raw memory: refuse inconsistent shapes and tables that point outside the cache instead of
+    # crashing the process.
+    num_seqs = seq_lens.numel()
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
+        raise ValueError(f"paged attention: queries {tuple(query.shape)} do not fit the cache {tuple(k_cache.shape)} "
+                         f"(values {tuple(v_cache.shape)})")
+    if block_tables.dim() != 2 or block_tables.shape[0] < num_seqs or query_start_loc.numel() != num_seqs + 1:
+        raise ValueError("paged attention: block_tables and query_start_loc need a row per sequence")
+    if bool((query_start_loc[1:] < query_start_loc[:-1]).any()):
+        raise ValueError("paged attention: query_start_loc must not decrease")
     if int(seq_lens.max()) > block_tables.shape[1] * k_cache.shape[1] or int(seq_lens.min()) < 0:
         raise ValueError("paged attention: a sequence is longer than its block table holds")
     if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
