@@ -67,6 +67,11 @@ def _check_supported(module: torch.nn.Module, attention_mask, dropout: float, kw
             raise NotImplementedError(f"the paged attention backend does not support {feature} ({type(module).__name__})")
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(f"the paged attention backend supports causal attention only ({type(module).__name__})")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(
+            "the paged attention backend does not compute attention weights (output_attentions); load the model with "
+            "attn_implementation='eager' to get them"
+        )
     if dropout and module.training:
         raise NotImplementedError("the paged attention backend is for inference: attention dropout is not supported")
     if attention_mask is not None and attention_mask.dim() != 2:

@@ -183,6 +183,10 @@ def test_unsupported_feature_is_named():
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(NotImplementedError, match="attention sinks"):
         paged_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    model, _ = tiny_model("llama")
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, output_attentions=True,
+                       return_dict_in_generate=True, pad_token_id=0)
 
 
 def test_mask_patterns_other_than_causal_are_refused():
