@@ -43,6 +43,7 @@ struct Problem {
     const int32_t* seq_lens;  // [S]
     void* out;  // [T, Hq, D] contiguous
     int32_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    int32_t num_tokens, num_blocks, bt_width;  // query rows, cache blocks, block-table columns
     float scale;
     int32_t sliding_window;  // <= 0: none
     float softcap;  // <= 0: none
@@ -286,10 +287,26 @@ void run(const Problem& p) {
     }
 }
 
+// The index arrays, checked before any memory is read through them (cpu_ops.py names each status).
+int check_indices(const Problem& p) {
+    const int32_t* qsl = p.query_start_loc;
+    if (qsl[0] != 0 || qsl[p.num_seqs] != p.num_tokens) return 3;
+    for (int s = 0; s < p.num_seqs; ++s) {
+        if (qsl[s + 1] < qsl[s]) return 4;
+        const int32_t len = p.seq_lens[s];
+        if (len < 0 || static_cast<int64_t>(len) > static_cast<int64_t>(p.bt_width) * p.block_size) return 5;
+        const int32_t* table = p.block_tables + s * p.bt_stride;
+        for (int b = 0; b * p.block_size < len; ++b)
+            if (table[b] < 0 || table[b] >= p.num_blocks) return 6;
+    }
+    return 0;
+}
+
 }  // namespace
 
 extern "C" int hf_paged_attention(const Problem* p, int dtype) {
     if (p->head_dim <= 0 || p->num_kv_heads <= 0 || p->num_heads % p->num_kv_heads) return 1;
+    if (const int status = check_indices(*p)) return status;
     if (dtype == 0)
         run<float>(*p);
     else if (dtype == 1)

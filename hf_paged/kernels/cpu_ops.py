@@ -27,6 +27,13 @@ _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 MAX_NATIVE_QUERY_LEN = 128  # longer prefill chunks go to torch's SDPA, whose matrix multiplies win there
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# What the kernel's index checks (check_indices in cpu_attention.cpp) found, by status.
+_INDEX_ERRORS = {
+    3: "query_start_loc does not cover the query rows",
+    4: "query_start_loc must not decrease",
+    5: "a sequence is longer than its block table holds",
+    6: "a block table lists a block outside 0..{last_block}",
+}
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failed = False
@@ -42,6 +49,7 @@ class _Problem(ctypes.Structure):
         ("out", ctypes.c_void_p),
         ("num_seqs", ctypes.c_int32), ("num_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32), ("block_size", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int32), ("num_blocks", ctypes.c_int32), ("bt_width", ctypes.c_int32),
         ("scale", ctypes.c_float), ("sliding_window", ctypes.c_int32), ("softcap", ctypes.c_float),
         ("num_threads", ctypes.c_int32),
     ]
@@ -126,24 +134,19 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                          f"(values {tuple(v_cache.shape)})")
     if block_tables.dim() != 2 or block_tables.shape[0] < num_seqs or query_start_loc.numel() != num_seqs + 1:
         raise ValueError("paged attention: block_tables and query_start_loc need a row per sequence")
-    if bool((query_start_loc[1:] < query_start_loc[:-1]).any()):
-        raise ValueError("paged attention: query_start_loc must not decrease")
-    if int(seq_lens.max()) > block_tables.shape[1] * k_cache.shape[1] or int(seq_lens.min()) < 0:
-        raise ValueError("paged attention: a sequence is longer than its block table holds")
-    if block_tables.numel() and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < k_cache.shape[0]:
-        raise ValueError(f"paged attention: a block table lists a block outside 0..{k_cache.shape[0] - 1}")
-    if int(query_start_loc[-1]) != num_tokens or int(query_start_loc[0]) != 0:
-        raise ValueError("paged attention: query_start_loc does not cover the query rows")
     problem = _Problem(
         query.data_ptr(), query.stride(0), query.stride(1), query_start_loc.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         out.data_ptr(),
-        seq_lens.numel(), num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        num_tokens, k_cache.shape[0], block_tables.shape[1],
         scale, sliding_window or 0, softcap or 0.0,
         torch.get_num_threads(),
     )
     status = _library.hf_paged_attention(ctypes.byref(problem), _DTYPES[query.dtype])
+    if status in _INDEX_ERRORS:
+        raise ValueError("paged attention: " + _INDEX_ERRORS[status].format(last_block=k_cache.shape[0] - 1))
     if status != 0:
         raise RuntimeError(f"native paged attention failed with status {status}")
     return out
