@@ -82,6 +82,8 @@ class PagedCache(Cache):
         super().__init__(layers=[])
         self.growable = growable
         self.spec = KVCacheSpec.from_config(config)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if num_blocks is None:
             if memory_budget is None:
                 raise ValueError("PagedCache needs `num_blocks` or `memory_budget`")

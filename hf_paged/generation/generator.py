@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..cache import KVCacheManager, KVCacheSpec, PagedCache
+from ..cache import KVCacheManager, PagedCache
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from .detokenizer import Detokenizer, find_stop_string
@@ -85,32 +85,23 @@ class ContinuousBatchGenerator:
                 f"{type(model).__name__} does not run its attention through Transformers' attention interface, "
                 "so the paged backend cannot serve it"
             )
-        for name, value in dict(block_size=block_size, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens).items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
         kv_cache_dtype = self._kv_cache_dtype(kv_cache_dtype, model.dtype)
         if not uses_paged_attention(model):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        spec = KVCacheSpec.from_config(model.config)
-        if num_blocks is None:
-            if kv_cache_memory is None:
-                kv_cache_memory = self._default_kv_memory(model.device)
-            num_blocks = kv_cache_memory // spec.bytes_per_block(block_size, kv_cache_dtype)
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"the KV cache must hold at least one block, got num_blocks={num_blocks!r} (raise "
-                             "num_blocks or kv_cache_memory)")
-        self.cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size, dtype=kv_cache_dtype,
-                                device=model.device)
+        if num_blocks is None and kv_cache_memory is None:
+            kv_cache_memory = self._default_kv_memory(model.device)
+        self.cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size,
+                                memory_budget=kv_cache_memory, dtype=kv_cache_dtype, device=model.device)
         self.cache.allocate(kv_cache_dtype, model.device)
         self.kv = KVCacheManager(self.cache.pool, enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), self.kv)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
         self.runner = ModelRunner(model, self.cache, self.kv)
         self.detokenizer = Detokenizer(tokenizer)
         text_config = model.config.get_text_config(decoder=True)
-        limits = [num_blocks * block_size, getattr(text_config, "max_position_embeddings", None), max_model_len]
+        limits = [self.cache.num_blocks * block_size, getattr(text_config, "max_position_embeddings", None), max_model_len]
         self.max_model_len = min(limit for limit in limits if limit)
         self.eos_token_ids = self._eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
