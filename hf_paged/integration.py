@@ -23,20 +23,16 @@ def uses_paged_attention(model) -> bool:
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
     """Give a paged model a `PagedCache` sized for this `generate` call where Transformers would build a dynamic one."""
-    wants_default_cache = (
-        uses_paged_attention(self)
-        and model_kwargs.get("cache") is None
-        and generation_config.use_cache is not False
-        and generation_config.cache_implementation in (None, "dynamic")
-        and self._supports_default_dynamic_cache()
+    paged = (
+        uses_paged_attention(self) and model_kwargs.get("cache") is None and generation_config.use_cache is not False
     )
     implementation = generation_config.cache_implementation
-    if uses_paged_attention(self) and model_kwargs.get("cache") is None and implementation not in (None, "dynamic"):
+    if paged and implementation not in (None, "dynamic"):
         raise NotImplementedError(
             f"cache_implementation={implementation!r}: a model with the paged attention backend keeps its KV cache in "
             "a PagedCache (leave cache_implementation unset, or pass cache=PagedCache(...))"
         )
-    if not wants_default_cache:
+    if not (paged and self._supports_default_dynamic_cache()):
         return _original_prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
     blocks_per_row = -(-max_cache_length // DEFAULT_BLOCK_SIZE) + 1

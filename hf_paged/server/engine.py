@@ -122,9 +122,7 @@ class EngineLoop:
                 for prompt, request_id in zip(prompts, request_ids):
                     self.generator.add_request(prompt, params, request_id)
             except BaseException:
-                for request_id in request_ids:
-                    if self._routes.pop(request_id, None) is not None:
-                        self.generator.abort_request(request_id)
+                self._unroute(request_ids)
                 raise
         self._wake.set()
         return stream
@@ -132,10 +130,14 @@ class EngineLoop:
     def abort(self, request_ids: list[str]) -> None:
         """Stop routing these requests and abort them in the generator (their blocks are freed at the next step)."""
         with self._lock:
-            for request_id in request_ids:
-                if self._routes.pop(request_id, None) is not None:
-                    self.generator.abort_request(request_id)
+            self._unroute(request_ids)
         self._wake.set()
+
+    def _unroute(self, request_ids: list[str]) -> None:
+        """Drop the routes of these requests and abort the ones that had one (hold the lock)."""
+        for request_id in request_ids:
+            if self._routes.pop(request_id, None) is not None:
+                self.generator.abort_request(request_id)
 
     # ------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
