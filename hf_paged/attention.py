@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .cache.paged_cache import PagedCache
-from .kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from .kernels import paged_attention
 from .kernels.torch_ops import dense_attention
 
 # Keyword arguments some models pass for attention features the paged kernels do not implement.
@@ -129,17 +129,5 @@ def paged_attention_forward(
     q = query.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(num_tokens, key.shape[1], head_dim)
     v = value.transpose(1, 2).reshape(num_tokens, value.shape[1], head_dim)
-    reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-
-    nd = meta.num_decodes
-    outputs = []
-    if nd:
-        outputs.append(paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                              scale, sliding_window, softcap))
-    if nd < num_tokens:
-        outputs.append(paged_prefill_attention(
-            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:] - nd,
-            meta.max_query_len, scale, sliding_window, softcap,
-        ))
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
     return out.view(batch, q_len, num_heads, head_dim), None

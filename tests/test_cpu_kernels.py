@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import hf_paged.kernels as kernels
+from hf_paged.cache.paged_cache import PagedMetadata
 from hf_paged.kernels import cpu_ops, torch_ops
 from kernel_cases import make_case, naive_attention
 
@@ -124,6 +125,74 @@ def test_inconsistent_shapes_are_refused_not_read():
         cpu_ops.paged_decode_attention(case["query"], k, v, tables[:1], lens, 0.125)
     with pytest.raises(ValueError, match="must not decrease"):
         cpu_ops.paged_prefill_attention(torch.randn(2, 6, 64), k, v, tables, lens, torch.tensor([0, 3, 2]), 3, 0.125)
+
+
+def _step_with_new_rows(seq_lens, q_lens, dtype=torch.float32):
+    """A mixed step (decodes first) whose new rows are cut out of the cache: their slots hold NaN, and the rows come
+    as separate keys/values, as a layer hands them to `paged_attention`."""
+    case = make_case(seq_lens, q_lens, 2, 3, 64, 8, dtype=dtype, head_major=True)
+    slots = []
+    for s, (length, q_len) in enumerate(zip(seq_lens, q_lens)):
+        table = case["block_tables"][s].tolist()
+        slots += [table[p // 8] * 8 + p % 8 for p in range(length - q_len, length)]
+    slot_mapping = torch.tensor(slots)
+    full_k, full_v = case["k_cache"].clone(), case["v_cache"].clone()
+    key, value = full_k.flatten(0, 1)[slot_mapping], full_v.flatten(0, 1)[slot_mapping]
+    case["k_cache"].flatten(0, 1)[slot_mapping] = float("nan")
+    case["v_cache"].flatten(0, 1)[slot_mapping] = float("nan")
+    metadata = PagedMetadata(slot_mapping, case["block_tables"], case["seq_lens"], case["query_start_loc"],
+                             max(q_lens), sum(q == 1 for q in q_lens))
+    return case, key, value, metadata, full_k, full_v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_call_stores_the_new_rows_then_attends(dtype):
+    case, key, value, metadata, full_k, full_v = _step_with_new_rows([9, 20, 33, 7], [1, 1, 5, 7], dtype)
+    got = cpu_ops.paged_attention(case["query"], key, value, case["k_cache"], case["v_cache"], metadata, 0.125)
+    assert torch.equal(case["k_cache"], full_k) and torch.equal(case["v_cache"], full_v)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=tol, atol=tol)
+
+
+def test_padding_rows_are_not_stored():
+    case, key, value, metadata, full_k, full_v = _step_with_new_rows([6, 13], [6, 1])
+    skipped = int(metadata.slot_mapping[0])
+    metadata.slot_mapping[0] = -1  # a left-padding token under `generate`
+    cpu_ops.paged_attention(case["query"], key, value, case["k_cache"], case["v_cache"], metadata, 0.125)
+    assert case["k_cache"].flatten(0, 1)[skipped].isnan().all()
+    stored = metadata.slot_mapping[1:]
+    assert torch.equal(case["k_cache"].flatten(0, 1)[stored], full_k.flatten(0, 1)[stored])
+
+
+def test_slots_outside_the_cache_are_refused_not_written():
+    case, key, value, metadata, *_ = _step_with_new_rows([5, 19], [1, 1])
+    metadata.slot_mapping[1] = case["k_cache"].shape[0] * 8
+    before = case["k_cache"].clone()
+    with pytest.raises(ValueError, match="slot outside the cache"):
+        cpu_ops.paged_attention(case["query"], key, value, case["k_cache"], case["v_cache"], metadata, 0.125)
+    assert torch.equal(case["k_cache"].nan_to_num(), before.nan_to_num())
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_ops.paged_attention(case["query"], key[:1], value, case["k_cache"], case["v_cache"], metadata, 0.125)
+
+
+def test_dispatcher_stores_and_attends_alike_on_every_path(monkeypatch):
+    results = {}
+    for path in ("", "torch"):
+        monkeypatch.setenv("HF_PAGED_KERNELS", path)
+        case, key, value, metadata, full_k, _ = _step_with_new_rows([9, 20, 33, 7], [1, 1, 5, 7])
+        results[path] = kernels.paged_attention(case["query"], key, value, case["k_cache"], case["v_cache"],
+                                                metadata, 0.125)
+        assert torch.equal(case["k_cache"], full_k)
+    torch.testing.assert_close(results[""], results["torch"], rtol=1e-5, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(cpu_ops, "paged_attention", lambda *args: calls.append(args) or args[0])
+    monkeypatch.setenv("HF_PAGED_KERNELS", "")
+    case, key, value, metadata, *_ = _step_with_new_rows([9, 20], [1, 1])
+    kernels.paged_attention(case["query"], key, value, case["k_cache"], case["v_cache"], metadata, 0.125)
+    assert len(calls) == 1  # one native call for the whole step
+    metadata.max_query_len = cpu_ops.MAX_NATIVE_QUERY_LEN + 1  # a long chunk in the step: torch's SDPA for it
+    kernels.paged_attention(case["query"], key, value, case["k_cache"], case["v_cache"], metadata, 0.125)
+    assert len(calls) == 1
 
 
 def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):

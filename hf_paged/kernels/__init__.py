@@ -1,5 +1,6 @@
 """Paged-attention kernels with one dispatcher: Triton on GPUs; on CPUs the native kernel of `cpu_ops` (decode and
-short prefill chunks) when a C++ compiler is available, the torch path otherwise and for long prefill chunks.
+short prefill chunks, storing the new keys and values in the same call) when a C++ compiler is available, the torch
+path otherwise and for long prefill chunks.
 
 ``HF_PAGED_KERNELS=torch`` (plain torch only) or ``=triton`` (``TRITON_INTERPRET=1`` on CPU) forces a path.
 """
@@ -7,12 +8,16 @@ short prefill chunks) when a C++ compiler is available, the torch path otherwise
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import cpu_ops, torch_ops
 
-__all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "use_triton"]
+if TYPE_CHECKING:
+    from ..cache.paged_cache import PagedMetadata
+
+__all__ = ["paged_attention", "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "use_triton"]
 
 
 def _forced() -> str:
@@ -67,3 +72,36 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap
     )
     return out.to(query.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: PagedMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """One layer's attention for a forward step: store the new ``key``/``value`` ``[T, Hkv, D]`` in their slots,
+    then attend every query row ``[T, Hq, D]`` through the step's block tables (decodes first, then prefill chunks,
+    as `PagedMetadata` packs them). Returns ``[T, Hq, D]``."""
+    q = query.to(k_cache.dtype)
+    if metadata.max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and _use_native(q, k_cache, v_cache):
+        out = cpu_ops.paged_attention(q, key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache, metadata,
+                                      scale, sliding_window, softcap)
+        return out.to(query.dtype)
+    reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+    nd, num_tokens = metadata.num_decodes, query.shape[0]
+    outputs = []
+    if nd:
+        outputs.append(paged_decode_attention(query[:nd], k_cache, v_cache, metadata.block_tables[:nd],
+                                              metadata.seq_lens[:nd], scale, sliding_window, softcap))
+    if nd < num_tokens:
+        outputs.append(paged_prefill_attention(
+            query[nd:], k_cache, v_cache, metadata.block_tables[nd:], metadata.seq_lens[nd:],
+            metadata.query_start_loc[nd:] - nd, metadata.max_query_len, scale, sliding_window, softcap,
+        ))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

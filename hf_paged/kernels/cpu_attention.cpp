@@ -1,8 +1,9 @@
 // Paged attention for CPUs: keys and values read in place through the block tables (no copy of the blocks).
 // Built and loaded by cpu_ops.py; layout and masking rule as in torch_ops.py.
 //
-// One task per (sequence, kv head). For each of the sequence's queries, the group's query heads score every visible
-// key, softmax in fp32, then accumulate the values, block by block.
+// A call first stores the step's new keys and values in their slots (when given), then runs one task per (sequence,
+// kv head): for each of the sequence's queries, the group's query heads score every visible key, softmax in fp32,
+// then accumulate the values, block by block.
 
 #include <algorithm>
 #include <cmath>
@@ -35,8 +36,8 @@ struct Problem {
     const void* query;  // [T, Hq, D], head_dim contiguous; sequence s owns rows [query_start_loc[s], [s + 1])
     int64_t q_stride_token, q_stride_head;
     const int32_t* query_start_loc;  // [S + 1]
-    const void* k_cache;  // [N, bs, Hkv, D] seen through strides, head_dim contiguous
-    const void* v_cache;
+    void* k_cache;  // [N, bs, Hkv, D] seen through strides, head_dim contiguous
+    void* v_cache;
     int64_t c_stride_block, c_stride_row, c_stride_head;
     const int32_t* block_tables;  // [S, width]
     int64_t bt_stride;
@@ -48,6 +49,12 @@ struct Problem {
     int32_t sliding_window;  // <= 0: none
     float softcap;  // <= 0: none
     int32_t num_threads;
+    // This step's new keys and values [T, Hkv, D] (head_dim contiguous), stored into their flat slots
+    // (block * block_size + row; -1: not stored) before any query reads the cache. key == nullptr: nothing to store.
+    const void* key;
+    const void* value;
+    int64_t k_stride_token, k_stride_head, v_stride_token, v_stride_head;
+    const int64_t* slot_mapping;  // [T]
 };
 
 // With a low locality hint (1: prefetcht2 on x86, which fills the outer caches), not into L1: a whole block's worth
@@ -264,6 +271,21 @@ void run(const Problem& p) {
     const int tasks = p.num_seqs * p.num_kv_heads;
 #pragma omp parallel num_threads(p.num_threads)
     {
+        if (p.key) {
+            const size_t row_bytes = static_cast<size_t>(p.head_dim) * sizeof(T);
+#pragma omp for schedule(static)
+            for (int t = 0; t < p.num_tokens; ++t) {
+                const int64_t slot = p.slot_mapping[t];
+                if (slot < 0) continue;
+                const int64_t at = slot / p.block_size * p.c_stride_block + slot % p.block_size * p.c_stride_row;
+                for (int h = 0; h < p.num_kv_heads; ++h) {
+                    std::memcpy(static_cast<T*>(p.k_cache) + at + h * p.c_stride_head,
+                                static_cast<const T*>(p.key) + t * p.k_stride_token + h * p.k_stride_head, row_bytes);
+                    std::memcpy(static_cast<T*>(p.v_cache) + at + h * p.c_stride_head,
+                                static_cast<const T*>(p.value) + t * p.v_stride_token + h * p.v_stride_head, row_bytes);
+                }
+            }  // the barrier here: every new row is stored before any query reads it
+        }
         std::vector<float> qf(G * p.head_dim), acc(G * p.head_dim), sums(G), scores;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; ++task) {
@@ -299,6 +321,9 @@ int check_indices(const Problem& p) {
         for (int b = 0; b * p.block_size < len; ++b)
             if (table[b] < 0 || table[b] >= p.num_blocks) return 6;
     }
+    if (p.key)
+        for (int t = 0; t < p.num_tokens; ++t)
+            if (p.slot_mapping[t] >= static_cast<int64_t>(p.num_blocks) * p.block_size) return 7;
     return 0;
 }
 

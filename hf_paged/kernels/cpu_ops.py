@@ -33,6 +33,7 @@ _INDEX_ERRORS = {
     4: "query_start_loc must not decrease",
     5: "a sequence is longer than its block table holds",
     6: "a block table lists a block outside 0..{last_block}",
+    7: "slot_mapping names a slot outside the cache",
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -52,6 +53,10 @@ class _Problem(ctypes.Structure):
         ("num_tokens", ctypes.c_int32), ("num_blocks", ctypes.c_int32), ("bt_width", ctypes.c_int32),
         ("scale", ctypes.c_float), ("sliding_window", ctypes.c_int32), ("softcap", ctypes.c_float),
         ("num_threads", ctypes.c_int32),
+        ("key", ctypes.c_void_p), ("value", ctypes.c_void_p),
+        ("k_stride_token", ctypes.c_int64), ("k_stride_head", ctypes.c_int64),
+        ("v_stride_token", ctypes.c_int64), ("v_stride_head", ctypes.c_int64),
+        ("slot_mapping", ctypes.c_void_p),
     ]
 
 
@@ -118,7 +123,10 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     )
 
 
-def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap):
+def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
+               new_kv=None):
+    if _library is None and not available():
+        raise RuntimeError("the native CPU attention kernel is not available (see the warning above)")
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
     if num_tokens == 0 or seq_lens.numel() == 0:
@@ -126,8 +134,8 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    # The kernel reads raw memory: refuse inconsistent shapes and tables that point outside the cache instead of
-    # crashing the process.
+    # The kernel reads and writes raw memory: refuse inconsistent shapes and tables that point outside the cache
+    # instead of crashing the process.
     num_seqs = seq_lens.numel()
     if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
         raise ValueError(f"paged attention: queries {tuple(query.shape)} do not fit the cache {tuple(k_cache.shape)} "
@@ -144,12 +152,32 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         scale, sliding_window or 0, softcap or 0.0,
         torch.get_num_threads(),
     )
+    if new_kv is not None:
+        key, value, slot_mapping = new_kv
+        slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        rows = (num_tokens, k_cache.shape[2], head_dim)
+        if key.shape != rows or value.shape != rows or slot_mapping.shape != (num_tokens,):
+            raise ValueError(f"paged attention: new keys {tuple(key.shape)} / values {tuple(value.shape)} / slots "
+                             f"{tuple(slot_mapping.shape)} do not match {num_tokens} query rows of {rows[1:]}")
+        if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or key.stride(-1) != 1 or value.stride(-1) != 1:
+            raise ValueError("paged attention: new keys/values must have the cache's dtype and contiguous head_dim")
+        problem.key, problem.value, problem.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
+        problem.k_stride_token, problem.k_stride_head = key.stride(0), key.stride(1)
+        problem.v_stride_token, problem.v_stride_head = value.stride(0), value.stride(1)
     status = _library.hf_paged_attention(ctypes.byref(problem), _DTYPES[query.dtype])
     if status in _INDEX_ERRORS:
         raise ValueError("paged attention: " + _INDEX_ERRORS[status].format(last_block=k_cache.shape[0] - 1))
     if status != 0:
         raise RuntimeError(f"native paged attention failed with status {status}")
     return out
+
+
+def paged_attention(query, key, value, k_cache, v_cache, metadata, scale, sliding_window=None, softcap=None):
+    """Same contract as the dispatcher's `paged_attention`, in one native call: the kernel stores the new keys and
+    values, then attends every row (decodes and prefill chunks alike). The caller checks `supports` and that no
+    chunk is longer than `MAX_NATIVE_QUERY_LEN`."""
+    return _attention(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                      scale, sliding_window, softcap, new_kv=(key, value, metadata.slot_mapping))
 
 
 def paged_decode_attention(
