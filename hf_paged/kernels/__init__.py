@@ -89,7 +89,8 @@ def paged_attention(
     then attend every query row ``[T, Hq, D]`` through the step's block tables (decodes first, then prefill chunks,
     as `PagedMetadata` packs them). Returns ``[T, Hq, D]``."""
     q = query.to(k_cache.dtype)
-    if metadata.max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and _use_native(q, k_cache, v_cache):
+    rows_fit = metadata.max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and key.stride(-1) == value.stride(-1) == 1
+    if rows_fit and _use_native(q, k_cache, v_cache):
         out = cpu_ops.paged_attention(q, key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache, metadata,
                                       scale, sliding_window, softcap)
         return out.to(query.dtype)
