@@ -66,7 +66,7 @@ def paged_prefill_attention(
     """Several new tokens per sequence attending causally to its pages; see :mod:`hf_paged.kernels.torch_ops`.
     Queries in another dtype than the cache are handled as in `paged_decode_attention`."""
     q = query.to(k_cache.dtype)
-    native = max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and _use_native(q, k_cache, v_cache)
+    native = max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1]) and _use_native(q, k_cache, v_cache)
     impl = cpu_ops if native else _impl(q)
     out = impl.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap
@@ -89,7 +89,8 @@ def paged_attention(
     then attend every query row ``[T, Hq, D]`` through the step's block tables (decodes first, then prefill chunks,
     as `PagedMetadata` packs them). Returns ``[T, Hq, D]``."""
     q = query.to(k_cache.dtype)
-    rows_fit = metadata.max_query_len <= cpu_ops.MAX_NATIVE_QUERY_LEN and key.stride(-1) == value.stride(-1) == 1
+    rows_fit = (metadata.max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1])
+                and key.stride(-1) == value.stride(-1) == 1)
     if rows_fit and _use_native(q, k_cache, v_cache):
         out = cpu_ops.paged_attention(q, key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache, metadata,
                                       scale, sliding_window, softcap)

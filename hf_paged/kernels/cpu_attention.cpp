@@ -11,6 +11,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -156,6 +160,94 @@ inline void accumulate_rows(const float* w, int stride, const T* v, int64_t row_
         for (int c = 0; c < C; ++c) std::memcpy(acc + l * kD + c * 16, &o[l][c], sizeof(vec16));
 }
 
+
+#if defined(__AVX512BF16__)
+// bf16 caches on CPUs with AVX512-BF16: dot products straight from the bf16 rows (vdpbf16ps, fp32 accumulation)
+// instead of widening every element to fp32 first. Keys meet the raw bf16 queries (their products are exact in fp32;
+// the scale is applied to the sums); values meet the softmax weights rounded to bf16, which is what a bf16 SDPA does.
+constexpr bool kHasBf16Dot = true;
+
+// As score_rows, from raw bf16 queries: scores[l * stride + r] = (q[l] . k[r]) * scale.
+template <int L, int kD>
+inline void score_rows_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, int rows, float* scores,
+                            int stride, float scale) {
+    constexpr int C = kD / 32;
+    __m512bh qv[L][C];
+    for (int l = 0; l < L; ++l)
+        for (int c = 0; c < C; ++c) qv[l][c] = (__m512bh)_mm512_loadu_si512(q + l * kD + c * 32);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        const uint16_t* kr = k + r * row_stride;
+        __m512 a[L][4];
+        for (int l = 0; l < L; ++l)
+            for (int j = 0; j < 4; ++j) a[l][j] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c)
+            for (int j = 0; j < 4; ++j) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kr + j * row_stride + c * 32);
+                for (int l = 0; l < L; ++l) a[l][j] = _mm512_dpbf16_ps(a[l][j], qv[l][c], kv);
+            }
+        for (int l = 0; l < L; ++l) {
+            float* out = scores + l * stride + r;
+            sum4((vec16)a[l][0], (vec16)a[l][1], (vec16)a[l][2], (vec16)a[l][3], out);
+            for (int j = 0; j < 4; ++j) out[j] *= scale;
+        }
+    }
+    for (; r < rows; ++r) {
+        const uint16_t* kr = k + r * row_stride;
+        __m512 a[L];
+        for (int l = 0; l < L; ++l) a[l] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kr + c * 32);
+            for (int l = 0; l < L; ++l) a[l] = _mm512_dpbf16_ps(a[l], qv[l][c], kv);
+        }
+        for (int l = 0; l < L; ++l) scores[l * stride + r] = sum16((vec16)a[l]) * scale;
+    }
+}
+
+// acc += sum_r w[l * stride + r] * v[r] with bf16 weights, two value rows per instruction: the rows' elements are
+// interleaved in pairs (unpack within each 128-bit lane), so acc holds each 32-dim chunk in the order of
+// `bf16_acc_index`.
+template <int L, int kD>
+inline void accumulate_rows_bf16(const uint16_t* w, int stride, const uint16_t* v, int64_t row_stride, int rows,
+                                 float* acc) {
+    constexpr int C = kD / 32;
+    __m512 o[L][2 * C];
+    for (int l = 0; l < L; ++l)
+        for (int c = 0; c < 2 * C; ++c) o[l][c] = _mm512_loadu_ps(acc + l * kD + c * 16);
+    for (int r = 0; r < rows; r += 2) {
+        const bool pair = r + 1 < rows;
+        __m512bh wv[L];
+        for (int l = 0; l < L; ++l) {
+            const uint32_t lo = w[l * stride + r], hi = pair ? w[l * stride + r + 1] : 0;
+            wv[l] = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | hi << 16));
+        }
+        for (int c = 0; c < C; ++c) {
+            const __m512i a = _mm512_loadu_si512(v + r * row_stride + c * 32);
+            const __m512i b = pair ? _mm512_loadu_si512(v + (r + 1) * row_stride + c * 32) : _mm512_setzero_si512();
+            const __m512bh even = (__m512bh)_mm512_unpacklo_epi16(a, b), odd = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int l = 0; l < L; ++l) {
+                o[l][2 * c] = _mm512_dpbf16_ps(o[l][2 * c], wv[l], even);
+                o[l][2 * c + 1] = _mm512_dpbf16_ps(o[l][2 * c + 1], wv[l], odd);
+            }
+        }
+    }
+    for (int l = 0; l < L; ++l)
+        for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + l * kD + c * 16, o[l][c]);
+}
+#else
+constexpr bool kHasBf16Dot = false;
+template <int L, int kD>
+inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, int, float*, int, float) {}
+template <int L, int kD>
+inline void accumulate_rows_bf16(const uint16_t*, int, const uint16_t*, int64_t, int, float*) {}
+#endif
+
+// Where dimension d of a head lives in an accumulator filled by accumulate_rows_bf16.
+inline int bf16_acc_index(int d) {
+    const int chunk = d & ~31, x = d & 31, lane = (x >> 3) * 4 + (x & 3);
+    return chunk + ((x & 4) ? 16 : 0) + lane;
+}
+
 // The same for any head_dim, one row and one head at a time.
 template <typename T>
 inline void score_rows_any(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int stride,
@@ -211,10 +303,36 @@ void accumulate_block(const float* w, int n, const T* v, int64_t row_stride, int
     }
 }
 
+
+template <int kD>
+void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, int rows, float* scores, int n, int G,
+                      float scale) {
+    int g = 0;
+    for (; g + 4 <= G; g += 4) score_rows_bf16<4, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale);
+    switch (G - g) {
+        case 3: score_rows_bf16<3, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale); break;
+        case 2: score_rows_bf16<2, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale); break;
+        case 1: score_rows_bf16<1, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale); break;
+    }
+}
+
+template <int kD>
+void accumulate_block_bf16(const uint16_t* w, int n, const uint16_t* v, int64_t row_stride, int rows, float* acc,
+                           int G) {
+    int g = 0;
+    for (; g + 4 <= G; g += 4) accumulate_rows_bf16<4, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
+    switch (G - g) {
+        case 3: accumulate_rows_bf16<3, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
+        case 2: accumulate_rows_bf16<2, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
+        case 1: accumulate_rows_bf16<1, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
+    }
+}
+
 // Query row `row` of sequence `s`, kv head `h`, seeing keys [lo, len).
 template <typename T, int kD>
 void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>& qf, std::vector<float>& scores,
-            std::vector<float>& acc, std::vector<float>& sums) {
+            std::vector<float>& acc, std::vector<float>& sums, std::vector<uint16_t>& half) {
+    constexpr bool bf16_dot = kHasBf16Dot && sizeof(T) == 2 && kD > 0 && kD % 32 == 0;
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, bs = p.block_size;
     T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.num_heads + h * G) * D;
     const int lo = p.sliding_window > 0 ? std::max(0, len - p.sliding_window) : 0;
@@ -225,8 +343,15 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
     }
     const T* q = static_cast<const T*>(p.query) + row * p.q_stride_token + h * G * p.q_stride_head;
     const float qscale = p.softcap > 0 ? p.scale / p.softcap : p.scale;
+    uint16_t* qh = half.data();  // bf16_dot: the raw queries, then the rounded weights
+    uint16_t* wh = half.data() + G * D;
     for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) qf[g * D + d] = to_float(q[g * p.q_stride_head + d]) * qscale;
+        for (int d = 0; d < D; ++d) {
+            if constexpr (bf16_dot)
+                std::memcpy(qh + g * D + d, q + g * p.q_stride_head + d, sizeof(uint16_t));
+            else
+                qf[g * D + d] = to_float(q[g * p.q_stride_head + d]) * qscale;
+        }
 
     const T* kbase = static_cast<const T*>(p.k_cache) + h * p.c_stride_head;
     const T* vbase = static_cast<const T*>(p.v_cache) + h * p.c_stride_head;
@@ -238,7 +363,11 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
         if (b < last) prefetch_rows(kbase + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
         const int t0 = std::max(lo, b * bs), t1 = std::min(len, (b + 1) * bs);
         const T* k = kbase + table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
-        score_block<kD>(qf.data(), k, p.c_stride_row, t1 - t0, scores.data() + (t0 - lo), n, G, D);
+        if constexpr (bf16_dot)
+            score_block_bf16<kD>(qh, reinterpret_cast<const uint16_t*>(k), p.c_stride_row, t1 - t0,
+                                 scores.data() + (t0 - lo), n, G, qscale);
+        else
+            score_block<kD>(qf.data(), k, p.c_stride_row, t1 - t0, scores.data() + (t0 - lo), n, G, D);
     }
     for (int g = 0; g < G; ++g) {
         float* x = scores.data() + g * n;
@@ -252,6 +381,13 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
             x[i] = std::exp(x[i] - mx);
             total += x[i];
         }
+        if constexpr (bf16_dot) {  // the weights the values will meet, and their sum
+            total = 0.0f;
+            for (int i = 0; i < n; ++i) {
+                store(wh + g * n + i, x[i]);
+                total += to_float(wh[g * n + i]);
+            }
+        }
         sums[g] = total;
     }
     std::fill(acc.begin(), acc.begin() + G * D, 0.0f);
@@ -259,10 +395,15 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
         if (b < last) prefetch_rows(vbase + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
         const int t0 = std::max(lo, b * bs), t1 = std::min(len, (b + 1) * bs);
         const T* v = vbase + table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
-        accumulate_block<kD>(scores.data() + (t0 - lo), n, v, p.c_stride_row, t1 - t0, acc.data(), G, D);
+        if constexpr (bf16_dot)
+            accumulate_block_bf16<kD>(wh + (t0 - lo), n, reinterpret_cast<const uint16_t*>(v), p.c_stride_row,
+                                      t1 - t0, acc.data(), G);
+        else
+            accumulate_block<kD>(scores.data() + (t0 - lo), n, v, p.c_stride_row, t1 - t0, acc.data(), G, D);
     }
     for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) store(out + g * D + d, acc[g * D + d] / sums[g]);
+        for (int d = 0; d < D; ++d)
+            store(out + g * D + d, acc[g * D + (bf16_dot ? bf16_acc_index(d) : d)] / sums[g]);
 }
 
 template <typename T>
@@ -287,6 +428,7 @@ void run(const Problem& p) {
             }  // the barrier here: every new row is stored before any query reads it
         }
         std::vector<float> qf(G * p.head_dim), acc(G * p.head_dim), sums(G), scores;
+        std::vector<uint16_t> half;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; ++task) {
             const int s = task / p.num_kv_heads, h = task % p.num_kv_heads;
@@ -294,15 +436,16 @@ void run(const Problem& p) {
             const int num_queries = p.query_start_loc[s + 1] - first;
             const size_t need = static_cast<size_t>(G) * std::max(seq_len, 1);
             if (scores.size() < need) scores.resize(need);
+            if (sizeof(T) == 2 && half.size() < need + qf.size()) half.resize(need + qf.size());
             for (int j = 0; j < num_queries; ++j) {
                 const int row = first + j, len = seq_len - num_queries + j + 1;  // causal: keys [.., len)
                 switch (p.head_dim) {  // the common head sizes get unrolled vector loops
-                    case 64: attend<T, 64>(p, s, h, row, len, qf, scores, acc, sums); break;
-                    case 80: attend<T, 80>(p, s, h, row, len, qf, scores, acc, sums); break;
-                    case 96: attend<T, 96>(p, s, h, row, len, qf, scores, acc, sums); break;
-                    case 128: attend<T, 128>(p, s, h, row, len, qf, scores, acc, sums); break;
-                    case 256: attend<T, 256>(p, s, h, row, len, qf, scores, acc, sums); break;
-                    default: attend<T, 0>(p, s, h, row, len, qf, scores, acc, sums);
+                    case 64: attend<T, 64>(p, s, h, row, len, qf, scores, acc, sums, half); break;
+                    case 80: attend<T, 80>(p, s, h, row, len, qf, scores, acc, sums, half); break;
+                    case 96: attend<T, 96>(p, s, h, row, len, qf, scores, acc, sums, half); break;
+                    case 128: attend<T, 128>(p, s, h, row, len, qf, scores, acc, sums, half); break;
+                    case 256: attend<T, 256>(p, s, h, row, len, qf, scores, acc, sums, half); break;
+                    default: attend<T, 0>(p, s, h, row, len, qf, scores, acc, sums, half);
                 }
             }
         }
@@ -342,3 +485,5 @@ extern "C" int hf_paged_attention(const Problem* p, int dtype) {
 }
 
 extern "C" int hf_paged_problem_size() { return static_cast<int>(sizeof(Problem)); }
+
+extern "C" int hf_paged_has_bf16_dot() { return kHasBf16Dot; }
