@@ -160,7 +160,6 @@ inline void accumulate_rows(const float* w, int stride, const T* v, int64_t row_
         for (int c = 0; c < C; ++c) std::memcpy(acc + l * kD + c * 16, &o[l][c], sizeof(vec16));
 }
 
-
 #if defined(__AVX512BF16__)
 // bf16 caches on CPUs with AVX512-BF16: dot products straight from the bf16 rows (vdpbf16ps, fp32 accumulation)
 // instead of widening every element to fp32 first. Keys meet the raw bf16 queries (their products are exact in fp32;
