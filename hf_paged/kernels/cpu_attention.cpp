@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -271,60 +272,53 @@ inline void accumulate_rows_any(const float* w, int stride, const T* v, int64_t 
         }
 }
 
-// One block's rows for all G query heads of a group, in runs of up to 4 heads (kD = 0: any head_dim).
+// f(L, g) for runs of L <= 4 query heads [g, g + L) covering a group of G (L an std::integral_constant).
+template <typename F>
+inline void for_head_runs(int G, F&& f) {
+    int g = 0;
+    for (; g + 4 <= G; g += 4) f(std::integral_constant<int, 4>{}, g);
+    switch (G - g) {
+        case 3: f(std::integral_constant<int, 3>{}, g); break;
+        case 2: f(std::integral_constant<int, 2>{}, g); break;
+        case 1: f(std::integral_constant<int, 1>{}, g); break;
+    }
+}
+
+// One block's rows for all G query heads of a group (kD = 0: any head_dim).
 template <int kD, typename T>
 void score_block(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int n, int G, int D) {
-    if constexpr (kD == 0) {
+    if constexpr (kD == 0)
         score_rows_any(q, k, row_stride, rows, scores, n, G, D);
-    } else {
-        int g = 0;
-        for (; g + 4 <= G; g += 4) score_rows<4, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n);
-        switch (G - g) {
-            case 3: score_rows<3, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n); break;
-            case 2: score_rows<2, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n); break;
-            case 1: score_rows<1, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n); break;
-        }
-    }
+    else
+        for_head_runs(G, [&](auto L, int g) {
+            score_rows<decltype(L)::value, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n);
+        });
 }
 
 template <int kD, typename T>
 void accumulate_block(const float* w, int n, const T* v, int64_t row_stride, int rows, float* acc, int G, int D) {
-    if constexpr (kD == 0) {
+    if constexpr (kD == 0)
         accumulate_rows_any(w, n, v, row_stride, rows, acc, G, D);
-    } else {
-        int g = 0;
-        for (; g + 4 <= G; g += 4) accumulate_rows<4, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
-        switch (G - g) {
-            case 3: accumulate_rows<3, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
-            case 2: accumulate_rows<2, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
-            case 1: accumulate_rows<1, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
-        }
-    }
+    else
+        for_head_runs(G, [&](auto L, int g) {
+            accumulate_rows<decltype(L)::value, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
+        });
 }
-
 
 template <int kD>
 void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, int rows, float* scores, int n, int G,
                       float scale) {
-    int g = 0;
-    for (; g + 4 <= G; g += 4) score_rows_bf16<4, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale);
-    switch (G - g) {
-        case 3: score_rows_bf16<3, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale); break;
-        case 2: score_rows_bf16<2, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale); break;
-        case 1: score_rows_bf16<1, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale); break;
-    }
+    for_head_runs(G, [&](auto L, int g) {
+        score_rows_bf16<decltype(L)::value, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale);
+    });
 }
 
 template <int kD>
 void accumulate_block_bf16(const uint16_t* w, int n, const uint16_t* v, int64_t row_stride, int rows, float* acc,
                            int G) {
-    int g = 0;
-    for (; g + 4 <= G; g += 4) accumulate_rows_bf16<4, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
-    switch (G - g) {
-        case 3: accumulate_rows_bf16<3, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
-        case 2: accumulate_rows_bf16<2, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
-        case 1: accumulate_rows_bf16<1, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD); break;
-    }
+    for_head_runs(G, [&](auto L, int g) {
+        accumulate_rows_bf16<decltype(L)::value, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
+    });
 }
 
 // Query row `row` of sequence `s`, kv head `h`, seeing keys [lo, len).
