@@ -197,7 +197,9 @@ def test_dispatcher_stores_and_attends_alike_on_every_path(monkeypatch):
 
 def test_bf16_dot_products_are_built_where_the_cpu_has_them():
     assert cpu_ops.available()
-    assert bool(cpu_ops._library.hf_paged_has_bf16_dot()) == ("avx512_bf16" in cpu_ops._cpu_id().split())
+    has = "avx512_bf16" in cpu_ops._cpu_id().split()
+    assert [bool(cpu_ops._library.hf_paged_has_bf16_dot(d)) for d in (32, 64, 80, 96, 128, 160, 256)] == [
+        False, has, False, has, has, False, has]
 
 
 def test_long_bf16_chunks_go_native_only_with_bf16_dot_products(monkeypatch):
@@ -209,12 +211,12 @@ def test_long_bf16_chunks_go_native_only_with_bf16_dot_products(monkeypatch):
     monkeypatch.setattr(cpu_ops, "paged_prefill_attention", lambda *a: calls.append(a) or native(*a))
     monkeypatch.delenv("HF_PAGED_KERNELS", raising=False)
     got = kernels.paged_prefill_attention(*args)
-    assert len(calls) == cpu_ops._library.hf_paged_has_bf16_dot()
+    assert len(calls) == cpu_ops._library.hf_paged_has_bf16_dot(64)
     torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1.6e-2, atol=1.6e-2)
     head_dim_80 = make_case([200], [129], 2, 3, 80, 16, dtype=torch.bfloat16, head_major=True)
     kernels.paged_prefill_attention(*[head_dim_80[k] for k in ("query", "k_cache", "v_cache", "block_tables",
                                                                "seq_lens", "query_start_loc", "max_query_len")], 0.1)
-    assert len(calls) <= 1  # no bf16 dot products for head_dim 80: SDPA
+    assert len(calls) == cpu_ops._library.hf_paged_has_bf16_dot(64)  # head_dim 80 has no bf16 score path: SDPA
 
 
 def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):

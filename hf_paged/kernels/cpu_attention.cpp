@@ -162,9 +162,10 @@ inline void accumulate_rows(const float* w, int stride, const T* v, int64_t row_
 }
 
 #if defined(__AVX512BF16__)
-// bf16 caches on CPUs with AVX512-BF16: dot products straight from the bf16 rows (vdpbf16ps, fp32 accumulation)
-// instead of widening every element to fp32 first. Keys meet the raw bf16 queries (their products are exact in fp32;
-// the scale is applied to the sums); values meet the softmax weights rounded to bf16, which is what a bf16 SDPA does.
+// bf16 caches on CPUs with AVX512-BF16: the scores come from dot products straight from the bf16 key rows and the raw
+// bf16 queries (vdpbf16ps: the products are exact in fp32, the sums fp32; the scale is applied after), instead of
+// widening every element to fp32 first. The values still meet fp32 weights: rounding those to bf16 was faster but
+// changed greedy answers of an fp32 model over a bf16 cache.
 constexpr bool kHasBf16Dot = true;
 
 // As score_rows, from raw bf16 queries: scores[l * stride + r] = (q[l] . k[r]) * scale.
@@ -204,49 +205,11 @@ inline void score_rows_bf16(const uint16_t* q, const uint16_t* k, int64_t row_st
     }
 }
 
-// acc += sum_r w[l * stride + r] * v[r] with bf16 weights, two value rows per instruction: the rows' elements are
-// interleaved in pairs (unpack within each 128-bit lane), so acc holds each 32-dim chunk in the order of
-// `bf16_acc_index`.
-template <int L, int kD>
-inline void accumulate_rows_bf16(const uint16_t* w, int stride, const uint16_t* v, int64_t row_stride, int rows,
-                                 float* acc) {
-    constexpr int C = kD / 32;
-    __m512 o[L][2 * C];
-    for (int l = 0; l < L; ++l)
-        for (int c = 0; c < 2 * C; ++c) o[l][c] = _mm512_loadu_ps(acc + l * kD + c * 16);
-    for (int r = 0; r < rows; r += 2) {
-        const bool pair = r + 1 < rows;
-        __m512bh wv[L];
-        for (int l = 0; l < L; ++l) {
-            const uint32_t lo = w[l * stride + r], hi = pair ? w[l * stride + r + 1] : 0;
-            wv[l] = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo | hi << 16));
-        }
-        for (int c = 0; c < C; ++c) {
-            const __m512i a = _mm512_loadu_si512(v + r * row_stride + c * 32);
-            const __m512i b = pair ? _mm512_loadu_si512(v + (r + 1) * row_stride + c * 32) : _mm512_setzero_si512();
-            const __m512bh even = (__m512bh)_mm512_unpacklo_epi16(a, b), odd = (__m512bh)_mm512_unpackhi_epi16(a, b);
-            for (int l = 0; l < L; ++l) {
-                o[l][2 * c] = _mm512_dpbf16_ps(o[l][2 * c], wv[l], even);
-                o[l][2 * c + 1] = _mm512_dpbf16_ps(o[l][2 * c + 1], wv[l], odd);
-            }
-        }
-    }
-    for (int l = 0; l < L; ++l)
-        for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(acc + l * kD + c * 16, o[l][c]);
-}
 #else
 constexpr bool kHasBf16Dot = false;
 template <int L, int kD>
 inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, int, float*, int, float) {}
-template <int L, int kD>
-inline void accumulate_rows_bf16(const uint16_t*, int, const uint16_t*, int64_t, int, float*) {}
 #endif
-
-// Where dimension d of a head lives in an accumulator filled by accumulate_rows_bf16.
-inline int bf16_acc_index(int d) {
-    const int chunk = d & ~31, x = d & 31, lane = (x >> 3) * 4 + (x & 3);
-    return chunk + ((x & 4) ? 16 : 0) + lane;
-}
 
 // The same for any head_dim, one row and one head at a time.
 template <typename T>
@@ -313,14 +276,6 @@ void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, 
     });
 }
 
-template <int kD>
-void accumulate_block_bf16(const uint16_t* w, int n, const uint16_t* v, int64_t row_stride, int rows, float* acc,
-                           int G) {
-    for_head_runs(G, [&](auto L, int g) {
-        accumulate_rows_bf16<decltype(L)::value, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
-    });
-}
-
 // Query row `row` of sequence `s`, kv head `h`, seeing keys [lo, len).
 template <typename T, int kD>
 void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>& qf, std::vector<float>& scores,
@@ -336,8 +291,7 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
     }
     const T* q = static_cast<const T*>(p.query) + row * p.q_stride_token + h * G * p.q_stride_head;
     const float qscale = p.softcap > 0 ? p.scale / p.softcap : p.scale;
-    uint16_t* qh = half.data();  // bf16_dot: the raw queries, then the rounded weights
-    uint16_t* wh = half.data() + G * D;
+    uint16_t* qh = half.data();  // bf16_dot: the raw queries
     for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) {
             if constexpr (bf16_dot)
@@ -374,13 +328,6 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
             x[i] = std::exp(x[i] - mx);
             total += x[i];
         }
-        if constexpr (bf16_dot) {  // the weights the values will meet, and their sum
-            total = 0.0f;
-            for (int i = 0; i < n; ++i) {
-                store(wh + g * n + i, x[i]);
-                total += to_float(wh[g * n + i]);
-            }
-        }
         sums[g] = total;
     }
     std::fill(acc.begin(), acc.begin() + G * D, 0.0f);
@@ -388,15 +335,10 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
         if (b < last) prefetch_rows(vbase + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
         const int t0 = std::max(lo, b * bs), t1 = std::min(len, (b + 1) * bs);
         const T* v = vbase + table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
-        if constexpr (bf16_dot)
-            accumulate_block_bf16<kD>(wh + (t0 - lo), n, reinterpret_cast<const uint16_t*>(v), p.c_stride_row,
-                                      t1 - t0, acc.data(), G);
-        else
-            accumulate_block<kD>(scores.data() + (t0 - lo), n, v, p.c_stride_row, t1 - t0, acc.data(), G, D);
+        accumulate_block<kD>(scores.data() + (t0 - lo), n, v, p.c_stride_row, t1 - t0, acc.data(), G, D);
     }
     for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d)
-            store(out + g * D + d, acc[g * D + (bf16_dot ? bf16_acc_index(d) : d)] / sums[g]);
+        for (int d = 0; d < D; ++d) store(out + g * D + d, acc[g * D + d] / sums[g]);
 }
 
 template <typename T>
@@ -421,7 +363,7 @@ void run(const Problem& p) {
             }  // the barrier here: every new row is stored before any query reads it
         }
         std::vector<float> qf(G * p.head_dim), acc(G * p.head_dim), sums(G), scores;
-        std::vector<uint16_t> half;
+        std::vector<uint16_t> half(sizeof(T) == 2 ? G * p.head_dim : 0);
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < tasks; ++task) {
             const int s = task / p.num_kv_heads, h = task % p.num_kv_heads;
@@ -429,7 +371,6 @@ void run(const Problem& p) {
             const int num_queries = p.query_start_loc[s + 1] - first;
             const size_t need = static_cast<size_t>(G) * std::max(seq_len, 1);
             if (scores.size() < need) scores.resize(need);
-            if (sizeof(T) == 2 && half.size() < need + qf.size()) half.resize(need + qf.size());
             for (int j = 0; j < num_queries; ++j) {
                 const int row = first + j, len = seq_len - num_queries + j + 1;  // causal: keys [.., len)
                 switch (p.head_dim) {  // the common head sizes get unrolled vector loops
@@ -479,4 +420,7 @@ extern "C" int hf_paged_attention(const Problem* p, int dtype) {
 
 extern "C" int hf_paged_problem_size() { return static_cast<int>(sizeof(Problem)); }
 
-extern "C" int hf_paged_has_bf16_dot() { return kHasBf16Dot; }
+// Whether bf16 caches of this head size get the AVX512-BF16 score path (the unrolled sizes of run(), multiples of 32).
+extern "C" int hf_paged_has_bf16_dot(int head_dim) {
+    return kHasBf16Dot && (head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256);
+}
