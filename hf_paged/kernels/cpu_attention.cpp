@@ -211,6 +211,10 @@ template <int L, int kD>
 inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, int, float*, int, float) {}
 #endif
 
+// Head sizes run() has unrolled kernels for; those that are multiples of 32 take the bf16 score path.
+constexpr int kUnrolledHeadDims[] = {64, 80, 96, 128, 256};
+constexpr bool bf16_dot_path(int kD) { return kHasBf16Dot && kD > 0 && kD % 32 == 0; }
+
 // The same for any head_dim, one row and one head at a time.
 template <typename T>
 inline void score_rows_any(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int stride,
@@ -280,7 +284,7 @@ void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, 
 template <typename T, int kD>
 void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>& qf, std::vector<float>& scores,
             std::vector<float>& acc, std::vector<float>& sums, std::vector<uint16_t>& half) {
-    constexpr bool bf16_dot = kHasBf16Dot && sizeof(T) == 2 && kD > 0 && kD % 32 == 0;
+    constexpr bool bf16_dot = sizeof(T) == 2 && bf16_dot_path(kD);
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, bs = p.block_size;
     T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.num_heads + h * G) * D;
     const int lo = p.sliding_window > 0 ? std::max(0, len - p.sliding_window) : 0;
@@ -373,7 +377,7 @@ void run(const Problem& p) {
             if (scores.size() < need) scores.resize(need);
             for (int j = 0; j < num_queries; ++j) {
                 const int row = first + j, len = seq_len - num_queries + j + 1;  // causal: keys [.., len)
-                switch (p.head_dim) {  // the common head sizes get unrolled vector loops
+                switch (p.head_dim) {  // kUnrolledHeadDims get unrolled vector loops
                     case 64: attend<T, 64>(p, s, h, row, len, qf, scores, acc, sums, half); break;
                     case 80: attend<T, 80>(p, s, h, row, len, qf, scores, acc, sums, half); break;
                     case 96: attend<T, 96>(p, s, h, row, len, qf, scores, acc, sums, half); break;
@@ -420,7 +424,9 @@ extern "C" int hf_paged_attention(const Problem* p, int dtype) {
 
 extern "C" int hf_paged_problem_size() { return static_cast<int>(sizeof(Problem)); }
 
-// Whether bf16 caches of this head size get the AVX512-BF16 score path (the unrolled sizes of run(), multiples of 32).
+// Whether bf16 caches of this head size get the AVX512-BF16 score path.
 extern "C" int hf_paged_has_bf16_dot(int head_dim) {
-    return kHasBf16Dot && (head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 256);
+    for (const int d : kUnrolledHeadDims)
+        if (d == head_dim) return bf16_dot_path(d);
+    return 0;
 }

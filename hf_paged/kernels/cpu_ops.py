@@ -2,11 +2,10 @@
 
 It reads each sequence's keys and values in place through its block table, so a decode step touches every cached
 token once instead of copying the blocks into a contiguous batch first (as the torch path does). It serves decode
-rows and short prefill chunks, and stores the step's new keys and values in the same call; long chunks are faster
-through torch's SDPA. The library is
-built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels`` (default ``~/.cache/hf_paged/kernels``), keyed by the
-source, the compiler and the CPU, and shares torch's OpenMP runtime. Without a compiler `available()` is False and
-the dispatcher keeps the torch path.
+rows and prefill chunks up to `max_query_len`, and stores the step's new keys and values in the same call; longer
+chunks are faster through torch's SDPA. The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels``
+(default ``~/.cache/hf_paged/kernels``), keyed by the source, the compiler and the CPU, and shares torch's OpenMP
+runtime. Without a compiler `available()` is False and the dispatcher keeps the torch path.
 """
 
 from __future__ import annotations
