@@ -4,10 +4,11 @@ import torch
 
 
 def make_case(seq_lens, q_lens, num_kv_heads, groups, head_dim, block_size, dtype=torch.float32, seed=0,
-              head_major=False):
+              paged_layout=False):
     """KV caches with shuffled (non-contiguous, out of order) block tables, plus packed queries.
 
-    ``head_major`` stores the caches as PagedCache does (heads outermost in memory, permuted views).
+    ``paged_layout`` stores the caches as PagedCache does (``[num_blocks, num_kv_heads, block_size, head_dim]`` in
+    memory, transposed views); otherwise they are contiguous.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -22,14 +23,20 @@ def make_case(seq_lens, q_lens, num_kv_heads, groups, head_dim, block_size, dtyp
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    if head_major:
-        k_cache = k_cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
-        v_cache = v_cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    if paged_layout:
+        k_cache = k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+        v_cache = v_cache.transpose(1, 2).contiguous().transpose(1, 2)
     num_heads = num_kv_heads * groups
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     return dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl, max_query_len=max(q_lens))
+
+
+def slot_index(slot_mapping, block_size):
+    """Flat slots as ``(block, row)`` indices into a ``[num_blocks, block_size, ...]`` cache view (in PagedCache's
+    layout the first two axes do not flatten to a view, so ``cache.flatten(0, 1)[slots] = x`` would write a copy)."""
+    return slot_mapping.div(block_size, rounding_mode="floor"), slot_mapping.remainder(block_size)
 
 
 def naive_attention(case, scale, sliding_window=None, softcap=None):

@@ -6,7 +6,7 @@ import torch
 import hf_paged.kernels as kernels
 from hf_paged.cache.paged_cache import PagedMetadata
 from hf_paged.kernels import cpu_ops, torch_ops
-from kernel_cases import make_case, naive_attention
+from kernel_cases import make_case, naive_attention, slot_index
 
 # Without a C++ compiler hf_paged runs the torch path (tested in test_torch_kernels.py) and there is no kernel to test.
 # With one, as in CI and the README set-up, a kernel that fails to build fails test_kernel_builds instead of skipping.
@@ -33,18 +33,37 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_major", [False, True], ids=["contiguous", "head-major"])
+@pytest.mark.parametrize("paged_layout", [False, True], ids=["contiguous", "paged-layout"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0), (10, 30.0)])
 @pytest.mark.parametrize("case_args", CASES)
-def test_decode_matches_naive(case_args, window, softcap, head_major, dtype):
+def test_decode_matches_naive(case_args, window, softcap, paged_layout, dtype):
     seq_lens, kv_heads, groups, dim, bs = case_args
-    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs, dtype=dtype, head_major=head_major)
+    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs, dtype=dtype, paged_layout=paged_layout)
     scale = dim**-0.5
     got = cpu_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                          case["seq_lens"], scale, window, softcap)
     assert got.dtype == dtype
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunks", [[], [1, 6, 12]], ids=["decodes", "decodes-and-chunks"])
+@pytest.mark.parametrize("num_decodes", [1, "many"])
+def test_task_plans_match_naive(num_decodes, chunks, dtype):
+    """Decodes get one task per sequence and kv head while they are few, one per sequence with all its heads once
+    there are at least twice as many as threads; multi-query chunks always get one task per head."""
+    if num_decodes == "many":
+        num_decodes = 2 * torch.get_num_threads() + 1
+    seq_lens = [5 + 13 * i % 70 for i in range(num_decodes)] + [20, 9, 33]
+    q_lens = [1] * num_decodes + [1, 1, 1]
+    for i, q in enumerate(chunks):
+        q_lens[num_decodes + i] = q
+    case = make_case(seq_lens, q_lens, 3, 3, 64, 16, dtype=dtype, paged_layout=True)
+    got = cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                          case["seq_lens"], case["query_start_loc"], case["max_query_len"], 0.125, 24)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), naive_attention(case, 0.125, 24), rtol=tol, atol=tol)
 
 
 PREFILL_CASES = [
@@ -62,7 +81,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("case_args", PREFILL_CASES)
 def test_prefill_matches_naive(case_args, window, softcap, dtype):
     seq_lens, q_lens, kv_heads, groups, dim, bs = case_args
-    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, dtype=dtype, head_major=True)
+    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, dtype=dtype, paged_layout=True)
     scale = dim**-0.5
     got = cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                           case["seq_lens"], case["query_start_loc"], case["max_query_len"], scale,
@@ -90,7 +109,7 @@ def test_empty_sequence_outputs_zeros_and_neighbours_are_unaffected():
 
 def test_reads_only_listed_blocks():
     """Poisoning every block no table lists changes nothing: the kernel reads through the block tables only."""
-    case = make_case([5, 19, 33], [1, 1, 1], 2, 3, 64, 8, head_major=True)
+    case = make_case([5, 19, 33], [1, 1, 1], 2, 3, 64, 8, paged_layout=True)
     args = lambda: (case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], 0.125)
     before = cpu_ops.paged_decode_attention(*args())
     listed = set()
@@ -103,7 +122,7 @@ def test_reads_only_listed_blocks():
 
 
 def test_tables_outside_the_cache_are_refused_not_read():
-    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
+    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, paged_layout=True)
     args = dict(query=case["query"], k_cache=case["k_cache"], v_cache=case["v_cache"], scale=0.125)
     bad_block = case["block_tables"].clone()
     bad_block[1, 0] = case["k_cache"].shape[0]
@@ -115,7 +134,7 @@ def test_tables_outside_the_cache_are_refused_not_read():
 
 
 def test_inconsistent_shapes_are_refused_not_read():
-    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
+    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, paged_layout=True)
     tables, lens, k, v = case["block_tables"], case["seq_lens"], case["k_cache"], case["v_cache"]
     with pytest.raises(ValueError, match="do not fit the cache"):  # head_dim 128 against a 64-wide cache
         cpu_ops.paged_decode_attention(torch.randn(2, 6, 128), k, v, tables, lens, 0.125)
@@ -130,16 +149,17 @@ def test_inconsistent_shapes_are_refused_not_read():
 def _step_with_new_rows(seq_lens, q_lens, dtype=torch.float32):
     """A mixed step (decodes first) whose new rows are cut out of the cache: their slots hold NaN, and the rows come
     as separate keys/values, as a layer hands them to `paged_attention`."""
-    case = make_case(seq_lens, q_lens, 2, 3, 64, 8, dtype=dtype, head_major=True)
+    case = make_case(seq_lens, q_lens, 2, 3, 64, 8, dtype=dtype, paged_layout=True)
     slots = []
     for s, (length, q_len) in enumerate(zip(seq_lens, q_lens)):
         table = case["block_tables"][s].tolist()
         slots += [table[p // 8] * 8 + p % 8 for p in range(length - q_len, length)]
     slot_mapping = torch.tensor(slots)
     full_k, full_v = case["k_cache"].clone(), case["v_cache"].clone()
-    key, value = full_k.flatten(0, 1)[slot_mapping], full_v.flatten(0, 1)[slot_mapping]
-    case["k_cache"].flatten(0, 1)[slot_mapping] = float("nan")
-    case["v_cache"].flatten(0, 1)[slot_mapping] = float("nan")
+    index = slot_index(slot_mapping, 8)
+    key, value = full_k[index], full_v[index]
+    case["k_cache"][index] = float("nan")
+    case["v_cache"][index] = float("nan")
     metadata = PagedMetadata(slot_mapping, case["block_tables"], case["seq_lens"], case["query_start_loc"],
                              max(q_lens), sum(q == 1 for q in q_lens))
     return case, key, value, metadata, full_k, full_v
@@ -159,9 +179,9 @@ def test_padding_rows_are_not_stored():
     skipped = int(metadata.slot_mapping[0])
     metadata.slot_mapping[0] = -1  # a left-padding token under `generate`
     cpu_ops.paged_attention(case["query"], key, value, case["k_cache"], case["v_cache"], metadata, 0.125)
-    assert case["k_cache"].flatten(0, 1)[skipped].isnan().all()
-    stored = metadata.slot_mapping[1:]
-    assert torch.equal(case["k_cache"].flatten(0, 1)[stored], full_k.flatten(0, 1)[stored])
+    assert case["k_cache"][skipped // 8, skipped % 8].isnan().all()
+    stored = slot_index(metadata.slot_mapping[1:], 8)
+    assert torch.equal(case["k_cache"][stored], full_k[stored])
 
 
 def test_slots_outside_the_cache_are_refused_not_written():
@@ -203,7 +223,7 @@ def test_bf16_dot_products_are_built_where_the_cpu_has_them():
 
 
 def test_long_bf16_chunks_go_native_only_with_bf16_dot_products(monkeypatch):
-    case = make_case([200], [129], 2, 3, 64, 16, dtype=torch.bfloat16, head_major=True)
+    case = make_case([200], [129], 2, 3, 64, 16, dtype=torch.bfloat16, paged_layout=True)
     args = [case[k] for k in ("query", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc",
                               "max_query_len")] + [0.125]
     calls = []
@@ -213,21 +233,21 @@ def test_long_bf16_chunks_go_native_only_with_bf16_dot_products(monkeypatch):
     got = kernels.paged_prefill_attention(*args)
     assert len(calls) == cpu_ops._library.hf_paged_has_bf16_dot(64)
     torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1.6e-2, atol=1.6e-2)
-    head_dim_80 = make_case([200], [129], 2, 3, 80, 16, dtype=torch.bfloat16, head_major=True)
+    head_dim_80 = make_case([200], [129], 2, 3, 80, 16, dtype=torch.bfloat16, paged_layout=True)
     kernels.paged_prefill_attention(*[head_dim_80[k] for k in ("query", "k_cache", "v_cache", "block_tables",
                                                                "seq_lens", "query_start_loc", "max_query_len")], 0.1)
     assert len(calls) == cpu_ops._library.hf_paged_has_bf16_dot(64)  # head_dim 80 has no bf16 score path: SDPA
 
 
 def test_dispatcher_takes_the_native_kernel_on_cpu(monkeypatch):
-    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, head_major=True)
+    case = make_case([5, 19], [1, 1], 2, 3, 64, 8, paged_layout=True)
     query, k_cache, v_cache = case["query"], case["k_cache"], case["v_cache"]
     args = (query, k_cache, v_cache, case["block_tables"], case["seq_lens"], 0.125)
     monkeypatch.delenv("HF_PAGED_KERNELS", raising=False)
     assert torch.equal(kernels.paged_decode_attention(*args), cpu_ops.paged_decode_attention(*args))
     monkeypatch.setenv("HF_PAGED_KERNELS", "torch")
     assert torch.equal(kernels.paged_decode_attention(*args), torch_ops.paged_decode_attention(*args))
-    prefill = make_case([5, 19], [5, 4], 2, 3, 64, 8, head_major=True)
+    prefill = make_case([5, 19], [5, 4], 2, 3, 64, 8, paged_layout=True)
     prefill_args = [prefill[k] for k in ("query", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc",
                                          "max_query_len")] + [0.125]
     monkeypatch.delenv("HF_PAGED_KERNELS")

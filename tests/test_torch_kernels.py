@@ -15,12 +15,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_major", [False, True], ids=["contiguous", "head-major"])
+@pytest.mark.parametrize("paged_layout", [False, True], ids=["contiguous", "paged-layout"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
 @pytest.mark.parametrize("case_args", CASES)
-def test_decode_matches_naive(case_args, window, softcap, head_major):
+def test_decode_matches_naive(case_args, window, softcap, paged_layout):
     seq_lens, _, kv_heads, groups, dim, bs = case_args
-    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs, head_major=head_major)
+    case = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs, paged_layout=paged_layout)
     scale = dim**-0.5
     got = torch_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                            case["seq_lens"], scale, window, softcap)
@@ -30,7 +30,7 @@ def test_decode_matches_naive(case_args, window, softcap, head_major):
 def test_decode_mixed_lengths_in_separate_runs():
     """Long and short contexts interleaved: the torch path gathers them in runs of similar length, out of order."""
     seq_lens = [300, 5, 250, 9, 0, 280, 3, 260, 17, 120]
-    case = make_case(seq_lens, [1] * len(seq_lens), 2, 3, 64, 8, head_major=True)
+    case = make_case(seq_lens, [1] * len(seq_lens), 2, 3, 64, 8, paged_layout=True)
     widths = sorted(max(1, -(-n // 8)) for n in seq_lens)
     assert len(torch_ops._length_runs(widths)) > 1
     got = torch_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
@@ -38,12 +38,12 @@ def test_decode_mixed_lengths_in_separate_runs():
     torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_major", [False, True], ids=["contiguous", "head-major"])
+@pytest.mark.parametrize("paged_layout", [False, True], ids=["contiguous", "paged-layout"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
 @pytest.mark.parametrize("case_args", CASES)
-def test_prefill_matches_naive(case_args, window, softcap, head_major):
+def test_prefill_matches_naive(case_args, window, softcap, paged_layout):
     seq_lens, q_lens, kv_heads, groups, dim, bs = case_args
-    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, head_major=head_major)
+    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, paged_layout=paged_layout)
     scale = dim**-0.5
     got = torch_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                             case["seq_lens"], case["query_start_loc"], case["max_query_len"], scale,
@@ -60,12 +60,12 @@ def test_prefill_left_padding_queries_return_zeros():
     torch.testing.assert_close(got.double(), naive_attention(case, 0.125), rtol=1e-5, atol=1e-5)
 
 
-def test_reshape_and_cache_writes_head_major_caches_in_place():
-    physical = torch.zeros(2, 4, 4, 8)  # [heads, blocks, block_size, dim]
-    k_cache = physical.permute(1, 2, 0, 3)
+def test_reshape_and_cache_writes_paged_layout_caches_in_place():
+    physical = torch.zeros(4, 2, 4, 8)  # [blocks, heads, block_size, dim], as PagedCache stores it
+    k_cache = physical.transpose(1, 2)
     key = torch.randn(2, 2, 8)
     torch_ops.reshape_and_cache(key, key, k_cache, torch.zeros(4, 4, 2, 8), torch.tensor([6, 9]))
-    assert torch.equal(physical[:, 1, 2], key[0]) and torch.equal(physical[:, 2, 1], key[1])
+    assert torch.equal(physical[1, :, 2], key[0]) and torch.equal(physical[2, :, 1], key[1])
 
 
 def test_reshape_and_cache_skips_negative_slots():
@@ -84,7 +84,7 @@ def test_fp32_queries_read_a_bf16_cache(forced, monkeypatch):
     from hf_paged import kernels
 
     monkeypatch.setenv("HF_PAGED_KERNELS", forced)
-    case = make_case([5, 40, 19], [5, 4, 1], 2, 3, 64, 8, dtype=torch.bfloat16, head_major=True)
+    case = make_case([5, 40, 19], [5, 4, 1], 2, 3, 64, 8, dtype=torch.bfloat16, paged_layout=True)
     query = torch.randn(case["query"].shape)
     rounded = dict(case, query=query.to(torch.bfloat16))  # what attention in the cache's dtype sees
     expected = naive_attention(rounded, 0.125)
@@ -92,7 +92,7 @@ def test_fp32_queries_read_a_bf16_cache(forced, monkeypatch):
                                           case["seq_lens"], case["query_start_loc"], case["max_query_len"], 0.125)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
-    decode = make_case([5, 40, 19], [1, 1, 1], 2, 3, 64, 8, dtype=torch.bfloat16, head_major=True)
+    decode = make_case([5, 40, 19], [1, 1, 1], 2, 3, 64, 8, dtype=torch.bfloat16, paged_layout=True)
     query = torch.randn(decode["query"].shape)
     expected = naive_attention(dict(decode, query=query.to(torch.bfloat16)), 0.125)
     got = kernels.paged_decode_attention(query, decode["k_cache"], decode["v_cache"], decode["block_tables"],

@@ -279,16 +279,16 @@ def test_dispatch_follows_hf_paged_kernels(ops, monkeypatch):
     assert kernels._impl(probe) is torch_ops
 
 
-def test_head_major_cache_views_match_torch():
-    """PagedCache hands the kernels permuted (head-major) views; the Triton kernels follow their strides."""
+def test_paged_layout_cache_views_match_torch():
+    """PagedCache hands the kernels transposed views of its block-major storage; the Triton kernels follow their strides."""
     from hf_paged.kernels import torch_ops, triton_ops
     from kernel_cases import make_case
 
-    case = make_case([5, 19, 33], [1, 1, 1], 2, 3, 64, 8, head_major=True)
+    case = make_case([5, 19, 33], [1, 1, 1], 2, 3, 64, 8, paged_layout=True)
     args = (case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], 0.125)
     torch.testing.assert_close(triton_ops.paged_decode_attention(*args), torch_ops.paged_decode_attention(*args),
                                rtol=1e-5, atol=1e-5)
-    case = make_case([5, 19, 33], [5, 4, 9], 2, 3, 64, 8, head_major=True)
+    case = make_case([5, 19, 33], [5, 4, 9], 2, 3, 64, 8, paged_layout=True)
     args = (case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
             case["query_start_loc"], case["max_query_len"], 0.125)
     torch.testing.assert_close(triton_ops.paged_prefill_attention(*args), torch_ops.paged_prefill_attention(*args),

@@ -55,7 +55,7 @@ class PagedCache(Cache):
     """A KV cache stored in fixed-size blocks, addressed through block tables.
 
     Each layer keeps ``k``/``v`` tensors seen as ``[num_blocks, block_size, num_kv_heads, head_dim]``, stored
-    head-major (see :mod:`hf_paged.kernels.torch_ops`). Under
+    ``[num_blocks, num_kv_heads, block_size, head_dim]`` (see :mod:`hf_paged.kernels.torch_ops`). Under
     ``model.generate`` every batch row is a sequence with its own block table; left-padding tokens are never stored.
     The continuous-batching engine uses the same object but plans each step itself (:meth:`set_step`).
 
@@ -113,7 +113,7 @@ class PagedCache(Cache):
             return
         self.dtype = self.dtype or dtype
         self.device = self.device or device
-        shape = (self.spec.num_kv_heads, self.num_blocks, self.block_size, self.spec.head_dim)
+        shape = (self.num_blocks, self.spec.num_kv_heads, self.block_size, self.spec.head_dim)
         for _ in range(self.spec.num_layers):
             # Zeros, not empty: attention reads whole blocks and masks the unused rows, which must stay finite.
             self.key_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -124,20 +124,19 @@ class PagedCache(Cache):
         self.pool.grow(num_blocks)
         for caches in (self.key_cache, self.value_cache):
             for i, old in enumerate(caches):
-                extra = old.new_zeros(old.shape[0], num_blocks, *old.shape[2:])
-                caches[i] = torch.cat([old, extra], dim=1)
+                caches[i] = torch.cat([old, old.new_zeros(num_blocks, *old.shape[1:])])
 
     def layer(self, layer_idx: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(k, v)`` block tensors of ``layer_idx`` as ``[num_blocks, block_size, num_kv_heads, head_dim]`` views,
         checked against the new ``key`` ``[B, Hkv, S, D]``."""
         self.allocate(key.dtype, key.device)
         k_cache = self.key_cache[layer_idx]
-        if key.shape[1] != k_cache.shape[0] or key.shape[3] != k_cache.shape[3]:
+        if key.shape[1] != k_cache.shape[1] or key.shape[3] != k_cache.shape[3]:
             raise ValueError(
                 f"layer {layer_idx} produced keys with {key.shape[1]} heads of dim {key.shape[3]}, but the PagedCache "
-                f"was sized from the config for {k_cache.shape[0]} heads of dim {k_cache.shape[3]}"
+                f"was sized from the config for {k_cache.shape[1]} heads of dim {k_cache.shape[3]}"
             )
-        return k_cache.permute(1, 2, 0, 3), self.value_cache[layer_idx].permute(1, 2, 0, 3)
+        return k_cache.transpose(1, 2), self.value_cache[layer_idx].transpose(1, 2)
 
     def copy_blocks(self, copies: list[BlockCopy]) -> None:
         """Copy whole blocks (``(src, dst)`` pairs) in every layer, for copy-on-write."""
@@ -146,7 +145,7 @@ class PagedCache(Cache):
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         for cache in (*self.key_cache, *self.value_cache):
-            cache.index_copy_(1, dst, cache.index_select(1, src))
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     # ------------------------------------------------------------------------------------- step planning
     def set_step(self, metadata: PagedMetadata) -> None:

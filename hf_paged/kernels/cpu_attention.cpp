@@ -1,9 +1,9 @@
 // Paged attention for CPUs: keys and values read in place through the block tables (no copy of the blocks).
 // Built and loaded by cpu_ops.py; layout and masking rule as in torch_ops.py.
 //
-// A call first stores the step's new keys and values in their slots (when given), then runs one task per (sequence,
-// kv head): for each of the sequence's queries, the group's query heads score every visible key, softmax in fp32,
-// then accumulate the values, block by block.
+// A call first stores the step's new keys and values in their slots (when given), then runs tasks of one sequence and
+// one or all of its kv heads (plan_tasks): for each of the sequence's queries, the query heads score every visible
+// key, softmax in fp32, then accumulate the values, block by block.
 
 #include <algorithm>
 #include <cmath>
@@ -280,48 +280,53 @@ void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, 
     });
 }
 
-// Query row `row` of sequence `s`, kv head `h`, seeing keys [lo, len).
+// Query row `row` of sequence `s`, kv heads [h0, h0 + nh), seeing keys [lo, len). Block by block, the heads' rows of
+// one block are read together: adjacent in memory when the cache stores a block's heads side by side.
 template <typename T, int kD>
-void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>& qf, std::vector<float>& scores,
-            std::vector<float>& acc, std::vector<float>& sums, std::vector<uint16_t>& half) {
+void attend(const Problem& p, int s, int h0, int nh, int row, int len, std::vector<float>& qf,
+            std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& sums, std::vector<uint16_t>& half) {
     constexpr bool bf16_dot = sizeof(T) == 2 && bf16_dot_path(kD);
-    const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, bs = p.block_size;
-    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.num_heads + h * G) * D;
+    const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, bs = p.block_size, R = nh * G;
+    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.num_heads + h0 * G) * D;
     const int lo = p.sliding_window > 0 ? std::max(0, len - p.sliding_window) : 0;
     const int n = len - lo;
     if (n <= 0) {
-        for (int i = 0; i < G * D; ++i) store(out + i, 0.0f);
+        for (int i = 0; i < R * D; ++i) store(out + i, 0.0f);
         return;
     }
-    const T* q = static_cast<const T*>(p.query) + row * p.q_stride_token + h * G * p.q_stride_head;
+    const T* q = static_cast<const T*>(p.query) + row * p.q_stride_token + h0 * G * p.q_stride_head;
     const float qscale = p.softcap > 0 ? p.scale / p.softcap : p.scale;
     uint16_t* qh = half.data();  // bf16_dot: the raw queries
-    for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r)
         for (int d = 0; d < D; ++d) {
             if constexpr (bf16_dot)
-                std::memcpy(qh + g * D + d, q + g * p.q_stride_head + d, sizeof(uint16_t));
+                std::memcpy(qh + r * D + d, q + r * p.q_stride_head + d, sizeof(uint16_t));
             else
-                qf[g * D + d] = to_float(q[g * p.q_stride_head + d]) * qscale;
+                qf[r * D + d] = to_float(q[r * p.q_stride_head + d]) * qscale;
         }
 
-    const T* kbase = static_cast<const T*>(p.k_cache) + h * p.c_stride_head;
-    const T* vbase = static_cast<const T*>(p.v_cache) + h * p.c_stride_head;
+    const T* kbase = static_cast<const T*>(p.k_cache) + h0 * p.c_stride_head;
+    const T* vbase = static_cast<const T*>(p.v_cache) + h0 * p.c_stride_head;
     const int32_t* table = p.block_tables + s * p.bt_stride;
     const int row_bytes = D * static_cast<int>(sizeof(T));
     const int first = lo / bs, last = (len - 1) / bs;
-    // Scores [G, n], block by block: each key row is read once for all the query heads of its group.
+    // Scores [R, n]: each key row is read once for all the query heads of its group.
     for (int b = first; b <= last; ++b) {
-        if (b < last) prefetch_rows(kbase + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
         const int t0 = std::max(lo, b * bs), t1 = std::min(len, (b + 1) * bs);
-        const T* k = kbase + table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
-        if constexpr (bf16_dot)
-            score_block_bf16<kD>(qh, reinterpret_cast<const uint16_t*>(k), p.c_stride_row, t1 - t0,
-                                 scores.data() + (t0 - lo), n, G, qscale);
-        else
-            score_block<kD>(qf.data(), k, p.c_stride_row, t1 - t0, scores.data() + (t0 - lo), n, G, D);
+        const int64_t at = table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
+        for (int i = 0; i < nh; ++i) {
+            const T* k = kbase + i * p.c_stride_head;
+            if (b < last) prefetch_rows(k + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
+            if constexpr (bf16_dot)
+                score_block_bf16<kD>(qh + i * G * D, reinterpret_cast<const uint16_t*>(k + at), p.c_stride_row,
+                                     t1 - t0, scores.data() + i * G * n + (t0 - lo), n, G, qscale);
+            else
+                score_block<kD>(qf.data() + i * G * D, k + at, p.c_stride_row, t1 - t0,
+                                scores.data() + i * G * n + (t0 - lo), n, G, D);
+        }
     }
-    for (int g = 0; g < G; ++g) {
-        float* x = scores.data() + g * n;
+    for (int r = 0; r < R; ++r) {
+        float* x = scores.data() + r * n;
         if (p.softcap > 0)
             for (int i = 0; i < n; ++i) x[i] = std::tanh(x[i]) * p.softcap;
         float mx = x[0];
@@ -332,23 +337,50 @@ void attend(const Problem& p, int s, int h, int row, int len, std::vector<float>
             x[i] = std::exp(x[i] - mx);
             total += x[i];
         }
-        sums[g] = total;
+        sums[r] = total;
     }
-    std::fill(acc.begin(), acc.begin() + G * D, 0.0f);
+    std::fill(acc.begin(), acc.begin() + R * D, 0.0f);
     for (int b = first; b <= last; ++b) {
-        if (b < last) prefetch_rows(vbase + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
         const int t0 = std::max(lo, b * bs), t1 = std::min(len, (b + 1) * bs);
-        const T* v = vbase + table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
-        accumulate_block<kD>(scores.data() + (t0 - lo), n, v, p.c_stride_row, t1 - t0, acc.data(), G, D);
+        const int64_t at = table[b] * p.c_stride_block + (t0 - b * bs) * p.c_stride_row;
+        for (int i = 0; i < nh; ++i) {
+            const T* v = vbase + i * p.c_stride_head;
+            if (b < last) prefetch_rows(v + table[b + 1] * p.c_stride_block, p.c_stride_row, bs, row_bytes);
+            accumulate_block<kD>(scores.data() + i * G * n + (t0 - lo), n, v + at, p.c_stride_row, t1 - t0,
+                                 acc.data() + i * G * D, G, D);
+        }
     }
-    for (int g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) store(out + g * D + d, acc[g * D + d] / sums[g]);
+    for (int r = 0; r < R; ++r)
+        for (int d = 0; d < D; ++d) store(out + r * D + d, acc[r * D + d] / sums[r]);
+}
+
+// One unit of work: the queries of sequence `s` against kv heads [h0, h0 + nh).
+struct Task {
+    int s, h0, nh;
+};
+
+// Multi-query sequences (prefill chunks) first and split by head, as they cost the most; then the decodes, each with
+// all its heads at once (their blocks are read as one run), or split by head while there are too few to share
+// between the threads.
+std::vector<Task> plan_tasks(const Problem& p) {
+    std::vector<Task> tasks;
+    int decodes = 0;
+    for (int s = 0; s < p.num_seqs; ++s) {
+        const int queries = p.query_start_loc[s + 1] - p.query_start_loc[s];
+        if (queries > 1)
+            for (int h = 0; h < p.num_kv_heads; ++h) tasks.push_back({s, h, 1});
+        decodes += queries == 1;
+    }
+    const int nh = decodes >= 2 * p.num_threads ? p.num_kv_heads : 1;
+    for (int s = 0; s < p.num_seqs; ++s)
+        if (p.query_start_loc[s + 1] - p.query_start_loc[s] == 1)
+            for (int h = 0; h < p.num_kv_heads; h += nh) tasks.push_back({s, h, nh});
+    return tasks;
 }
 
 template <typename T>
 void run(const Problem& p) {
-    const int G = p.num_heads / p.num_kv_heads;
-    const int tasks = p.num_seqs * p.num_kv_heads;
+    const std::vector<Task> tasks = plan_tasks(p);
 #pragma omp parallel num_threads(p.num_threads)
     {
         if (p.key) {
@@ -366,24 +398,25 @@ void run(const Problem& p) {
                 }
             }  // the barrier here: every new row is stored before any query reads it
         }
-        std::vector<float> qf(G * p.head_dim), acc(G * p.head_dim), sums(G), scores;
-        std::vector<uint16_t> half(sizeof(T) == 2 ? G * p.head_dim : 0);
+        const int R = p.num_heads;  // query heads of the largest task
+        std::vector<float> qf(R * p.head_dim), acc(R * p.head_dim), sums(R), scores;
+        std::vector<uint16_t> half(sizeof(T) == 2 ? R * p.head_dim : 0);
 #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < tasks; ++task) {
-            const int s = task / p.num_kv_heads, h = task % p.num_kv_heads;
+        for (size_t i = 0; i < tasks.size(); ++i) {
+            const auto [s, h0, nh] = tasks[i];
             const int seq_len = p.seq_lens[s], first = p.query_start_loc[s];
             const int num_queries = p.query_start_loc[s + 1] - first;
-            const size_t need = static_cast<size_t>(G) * std::max(seq_len, 1);
+            const size_t need = static_cast<size_t>(R) * std::max(seq_len, 1);
             if (scores.size() < need) scores.resize(need);
             for (int j = 0; j < num_queries; ++j) {
                 const int row = first + j, len = seq_len - num_queries + j + 1;  // causal: keys [.., len)
                 switch (p.head_dim) {  // kUnrolledHeadDims get unrolled vector loops
-                    case 64: attend<T, 64>(p, s, h, row, len, qf, scores, acc, sums, half); break;
-                    case 80: attend<T, 80>(p, s, h, row, len, qf, scores, acc, sums, half); break;
-                    case 96: attend<T, 96>(p, s, h, row, len, qf, scores, acc, sums, half); break;
-                    case 128: attend<T, 128>(p, s, h, row, len, qf, scores, acc, sums, half); break;
-                    case 256: attend<T, 256>(p, s, h, row, len, qf, scores, acc, sums, half); break;
-                    default: attend<T, 0>(p, s, h, row, len, qf, scores, acc, sums, half);
+                    case 64: attend<T, 64>(p, s, h0, nh, row, len, qf, scores, acc, sums, half); break;
+                    case 80: attend<T, 80>(p, s, h0, nh, row, len, qf, scores, acc, sums, half); break;
+                    case 96: attend<T, 96>(p, s, h0, nh, row, len, qf, scores, acc, sums, half); break;
+                    case 128: attend<T, 128>(p, s, h0, nh, row, len, qf, scores, acc, sums, half); break;
+                    case 256: attend<T, 256>(p, s, h0, nh, row, len, qf, scores, acc, sums, half); break;
+                    default: attend<T, 0>(p, s, h0, nh, row, len, qf, scores, acc, sums, half);
                 }
             }
         }

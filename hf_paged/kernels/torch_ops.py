@@ -4,8 +4,8 @@ Layout shared by every implementation:
 
 * ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); token ``i`` of a
   sequence lives at block ``block_tables[s, i // block_size]``, row ``i % block_size``. `PagedCache` stores them
-  head-major (``[num_kv_heads, num_blocks, block_size, head_dim]`` in memory, permuted), so that gathering a batch's
-  blocks gives each head's keys as one contiguous matrix per sequence, ready for a plain matmul.
+  ``[num_blocks, num_kv_heads, block_size, head_dim]`` in memory (transposed views): one head's rows of a block are
+  contiguous, and so are all the heads of a block, which the CPU kernel reads as one run.
 * Queries are packed without padding: ``query[query_start_loc[s]:query_start_loc[s + 1]]`` belong to sequence ``s``.
 * ``seq_lens[s]`` counts the keys of sequence ``s`` after this step's tokens were written. Query ``j`` of a sequence
   with ``q`` queries sees keys ``[lo, hi)`` with ``hi = seq_lens[s] - q + j + 1`` and ``lo = hi - sliding_window``
@@ -29,9 +29,11 @@ def reshape_and_cache(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    # (num_blocks, block_size) flatten to one slot axis as a view in both the contiguous and head-major layouts.
-    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    # (block, row) indices rather than one flat slot axis: in PagedCache's layout the two do not flatten to a view.
+    block_size = k_cache.shape[1]
+    index = (slot_mapping.div(block_size, rounding_mode="floor"), slot_mapping.remainder(block_size))
+    k_cache.index_put_(index, key.to(k_cache.dtype))
+    v_cache.index_put_(index, value.to(v_cache.dtype))
 
 
 def dense_attention(
