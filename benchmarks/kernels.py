@@ -57,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", default=None, help="query,kv heads (default: 32,8 on GPU, 4,2 on CPU)")
     parser.add_argument("--head-dim", type=int, default=None, help="head dimension (default: 128 on GPU, 32 on CPU)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--layout", choices=("head-major", "token-major"), default="head-major",
-                        help="cache memory layout: head-major is what PagedCache allocates")
+    parser.add_argument("--layout", choices=("block-major", "token-major"), default="block-major",
+                        help="cache memory layout: block-major ([blocks, kv heads, block_size, head_dim]) is what "
+                             "PagedCache allocates")
     parser.add_argument("--smoke", action="store_true", help="smallest grid only (quick check)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random queries and caches")
@@ -100,10 +101,10 @@ def paged_copy(args, dense: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     bs, nb = args.block_size, length // args.block_size
     num_blocks = batch * nb + 1
     blocks = dense.view(batch, hkv, nb, bs, d)
-    if args.layout == "head-major":
-        storage = torch.zeros(hkv, num_blocks, bs, d, dtype=dense.dtype, device=DEVICE)
-        storage[:, tables.flatten()] = blocks.permute(1, 0, 2, 3, 4).reshape(hkv, batch * nb, bs, d)
-        return storage.permute(1, 2, 0, 3)
+    if args.layout == "block-major":
+        storage = torch.zeros(num_blocks, hkv, bs, d, dtype=dense.dtype, device=DEVICE)
+        storage[tables.flatten()] = blocks.permute(0, 2, 1, 3, 4).reshape(batch * nb, hkv, bs, d)
+        return storage.transpose(1, 2)
     storage = torch.zeros(num_blocks, bs, hkv, d, dtype=dense.dtype, device=DEVICE)
     storage[tables.flatten()] = blocks.permute(0, 2, 3, 1, 4).reshape(batch * nb, bs, hkv, d)
     return storage
