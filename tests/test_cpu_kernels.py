@@ -48,17 +48,16 @@ def test_decode_matches_naive(case_args, window, softcap, paged_layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("chunks", [[], [1, 6, 12]], ids=["decodes", "decodes-and-chunks"])
+@pytest.mark.parametrize("chunks", [[], [6, 12]], ids=["decodes", "decodes-and-chunks"])
 @pytest.mark.parametrize("num_decodes", [1, "many"])
 def test_task_plans_match_naive(num_decodes, chunks, dtype):
-    """Decodes get one task per sequence and kv head while they are few, one per sequence with all its heads once
-    there are at least twice as many as threads; multi-query chunks always get one task per head."""
+    """Decodes get one task per sequence and kv head while they are few (one decode is always fewer than twice the
+    threads), one per sequence with all its heads once there are at least twice as many as threads; multi-query
+    chunks always get one task per head."""
     if num_decodes == "many":
         num_decodes = 2 * torch.get_num_threads() + 1
-    seq_lens = [5 + 13 * i % 70 for i in range(num_decodes)] + [20, 9, 33]
-    q_lens = [1] * num_decodes + [1, 1, 1]
-    for i, q in enumerate(chunks):
-        q_lens[num_decodes + i] = q
+    seq_lens = [5 + 13 * i % 70 for i in range(num_decodes)] + [20, 33][: len(chunks)]
+    q_lens = [1] * num_decodes + chunks
     case = make_case(seq_lens, q_lens, 3, 3, 64, 16, dtype=dtype, paged_layout=True)
     got = cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                           case["seq_lens"], case["query_start_loc"], case["max_query_len"], 0.125, 24)
