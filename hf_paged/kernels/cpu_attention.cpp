@@ -364,17 +364,17 @@ struct Task {
 // between the threads.
 std::vector<Task> plan_tasks(const Problem& p) {
     std::vector<Task> tasks;
-    int decodes = 0;
+    std::vector<int> decodes;
     for (int s = 0; s < p.num_seqs; ++s) {
         const int queries = p.query_start_loc[s + 1] - p.query_start_loc[s];
         if (queries > 1)
             for (int h = 0; h < p.num_kv_heads; ++h) tasks.push_back({s, h, 1});
-        decodes += queries == 1;
+        else if (queries == 1)
+            decodes.push_back(s);
     }
-    const int nh = decodes >= 2 * p.num_threads ? p.num_kv_heads : 1;
-    for (int s = 0; s < p.num_seqs; ++s)
-        if (p.query_start_loc[s + 1] - p.query_start_loc[s] == 1)
-            for (int h = 0; h < p.num_kv_heads; h += nh) tasks.push_back({s, h, nh});
+    const int nh = static_cast<int>(decodes.size()) >= 2 * p.num_threads ? p.num_kv_heads : 1;
+    for (const int s : decodes)
+        for (int h = 0; h < p.num_kv_heads; h += nh) tasks.push_back({s, h, nh});
     return tasks;
 }
 
