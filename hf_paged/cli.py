@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
                             "default model's name)")
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0,
+                       help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
+                            "(default: 5)")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: info)")
 
@@ -137,7 +140,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     app = create_app(generator, name, api_key=args.api_key)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout)
     return 0
 
 

@@ -132,6 +132,28 @@ def test_failed_step_leaves_no_prefix_behind(smollm2, chat_prompts, monkeypatch)
     assert_no_leak(gen)
 
 
+def test_a_failed_step_takes_back_its_admissions(smollm2, chat_prompts, monkeypatch):
+    """B matched the prompt blocks A committed in the same step; the step failed and A left, so B must recompute
+    them rather than attend to blocks that were never written."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    expected = make_generator(smollm2).run([chat_prompts[6]], params, use_tqdm=False)[0].outputs[0].token_ids
+    gen = make_generator(smollm2)
+    a, b = gen.add_request(chat_prompts[6], params), gen.add_request(chat_prompts[6], params)
+    original = gen.runner.execute
+    monkeypatch.setattr(gen.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        gen.step()
+    monkeypatch.setattr(gen.runner, "execute", original)
+    assert all(seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0 for seq in gen.scheduler.waiting)
+    assert gen.kv.pool.num_used_blocks == 0
+    gen.abort_request(a)
+    outputs = {}
+    while gen.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in gen.step())
+    assert outputs[b].outputs[0].token_ids == expected
+    assert_no_leak(gen)
+
+
 def test_seeded_sampling_is_independent_of_the_batch(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=16)
@@ -140,7 +162,34 @@ def test_seeded_sampling_is_independent_of_the_batch(smollm2, chat_prompts):
     batch = gen.run([chat_prompts[1]] + chat_prompts[:15], [params] + others, use_tqdm=False)
     assert batch[0].outputs[0].text == alone
     assert len({o.outputs[0].text for o in batch}) > 5
+    # A request without top-k/top-p beside one with them (which draws from sorted probabilities).
+    plain = SamplingParams(temperature=1.0, seed=42, max_tokens=16)
+    alone = gen.run([chat_prompts[1]], plain, use_tqdm=False)[0].outputs[0].text
+    beside = gen.run([chat_prompts[1], chat_prompts[2]], [plain, params], use_tqdm=False)[0].outputs[0].text
+    assert beside == alone
     assert_no_leak(gen)
+
+
+def test_tiny_temperatures_are_greedy_and_huge_values_refused(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    greedy = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    tiny = gen.run([chat_prompts[1]], SamplingParams(temperature=1e-30, seed=3, max_tokens=12), use_tqdm=False)[0]
+    assert tiny.outputs[0].token_ids == greedy.outputs[0].token_ids
+    for name in ("temperature", "repetition_penalty"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite float32 number"):
+            SamplingParams(**{name: 1e39})
+    assert_no_leak(gen)
+
+
+def test_a_stop_string_is_matched_only_where_it_ends_in_new_text():
+    from types import SimpleNamespace
+
+    from hf_paged.generation.detokenizer import find_stop_string
+
+    # "th" ended in text checked earlier (or skipped under min_tokens); a long second stop must not widen its window.
+    seq = SimpleNamespace(text="The waves of the sea")
+    assert find_stop_string(seq, " sea", ["th", "Q" * 40], include_stop=False) is None
+    assert find_stop_string(seq, "e sea", ["he s"], include_stop=False) == "he s" and seq.text == "The waves of t"
 
 
 def test_stop_strings_cut_exactly(smollm2, chat_prompts):
@@ -285,11 +334,20 @@ def test_bad_input_fails_alone(smollm2, chat_prompts, bad, message):
 
 
 @pytest.mark.parametrize("option", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(num_blocks=0),
-                                    dict(block_size=0)])
+                                    dict(block_size=0), dict(max_model_len=0), dict(max_model_len=-5)])
 def test_engine_sizes_must_be_positive(smollm2, option):
     name = next(iter(option))
     with pytest.raises(ValueError, match=name):
         make_generator(smollm2, **option)
+
+
+def test_prompt_tokens_beyond_the_model_vocabulary_are_refused(smollm2, monkeypatch):
+    """A tokenizer may know more tokens than the model embeds: text prompts are checked as token ids are."""
+    gen = make_generator(smollm2)
+    monkeypatch.setattr(gen, "vocab_size", 1000)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        gen.add_request("Photosynthesis", SamplingParams(max_tokens=2))
+    assert not gen.has_unfinished_requests()
 
 
 def test_logprobs_and_timings(smollm2, chat_prompts):

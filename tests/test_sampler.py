@@ -13,7 +13,8 @@ def batch_for(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, 
         min_p=full(min_p, torch.float32),
         seeds=torch.tensor(seeds if seeds is not None else list(range(rows))),
         counters=torch.tensor(counters if counters is not None else [0] * rows),
-        all_greedy=temperature == 0, needs_sort=top_k > 0 or top_p < 1, needs_min_p=min_p > 0, **extra,
+        all_greedy=temperature == 0, sort_rows=torch.arange(rows) if top_k > 0 or top_p < 1 else None,
+        needs_min_p=min_p > 0, **extra,
     )
 
 
@@ -76,3 +77,24 @@ def test_banned_tokens_are_never_drawn():
     logits = torch.tensor([[10.0, 0.0, 0.0]]).expand(100, 3)
     banned = (torch.arange(100), torch.zeros(100, dtype=torch.long))
     assert 0 not in sample(logits, batch_for(100, banned=banned)).token_ids
+
+
+def test_extreme_values_draw_real_tokens():
+    """A repetition penalty near 0 makes a seen token's logit overflow float32, a small temperature makes them all
+    overflow; neither may turn the row into NaN (which would always draw the last token id)."""
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]]).expand(50, 4)
+    penalties = dict(repetition_penalty=torch.full((50,), 1e-39), presence_penalty=torch.zeros(50),
+                     frequency_penalty=torch.zeros(50), prompt_tokens=torch.zeros(50, 1, dtype=torch.long),
+                     output_tokens=torch.full((50, 1), -1))
+    assert set(sample(logits, batch_for(50, **penalties)).token_ids) == {0}
+    assert set(sample(logits, batch_for(50, temperature=1e-39)).token_ids) <= {0, 1, 3}
+
+
+def test_sorted_draws_are_chosen_per_row():
+    """Rows without top-k/top-p draw the same token whether or not another row of the batch sorts."""
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(2))
+    alone = sample(logits, batch_for(8)).token_ids
+    mixed = batch_for(8)
+    mixed.top_k = torch.tensor([0] * 7 + [5])
+    mixed.sort_rows = torch.tensor([7])
+    assert sample(logits, mixed).token_ids[:7] == alone[:7]

@@ -215,7 +215,8 @@ def test_errors_have_openai_shape(server):
     completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
     assert_error(post(server, "/v1/completions", {**completion, "seed": 2**63}), 400, words="seed")
     assert_error(post(server, "/v1/completions", {**completion, "logprobs": 10**7}), 400, words="logprobs")
-    assert_error(post(server, "/v1/completions", {**completion, "n": 10**4}), 400, words="max_num_seqs")
+    assert_error(post(server, "/v1/completions", {**completion, "n": 10**4}), 400, "n", "max_num_seqs")
+    assert_error(post(server, "/v1/chat/completions", {**chat, "stop_token_ids": [10**6]}), 400, "stop_token_ids")
     assert_error(post(server, "/v1/chat/completions", chat, key=None), 401)["code"] == "invalid_api_key"
     assert_error(post(server, "/v1/chat/completions", chat, key="wrong"), 401)
     assert httpx.get(f"{server.base}/v1/models").status_code == 401
@@ -239,6 +240,42 @@ def test_client_disconnect_aborts_the_request(server):
         assert server.generator.stats().num_used_blocks > 0  # still generating when the client leaves
     wait_until_idle(server.generator, timeout=15)
     assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+def test_non_streaming_client_disconnect_aborts_the_request(server):
+    aborted_before = metric(server, "hf_paged:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=2)
+    wait_until_idle(server.generator, timeout=15)
+    assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+@pytest.mark.parametrize("extra", [
+    {"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    {"tool_choice": "required"}, {"logit_bias": {"42": 10}}, {"best_of": 3}, {"guided_regex": "[0-9]+"},
+], ids=lambda extra: next(iter(extra)))
+def test_unsupported_fields_are_refused_by_name(server, extra):
+    name = next(iter(extra))
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra}
+    assert_error(post(server, "/v1/chat/completions", chat), 400, name, "not supported")
+
+
+def test_harmless_and_unknown_fields_are_accepted(server):
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    assert_error(post(server, "/v1/completions", {**completion, "echo": True}), 400, "echo", "not supported")
+    assert_error(post(server, "/v1/completions", {**completion, "stream_options": {"include_usage": True}}), 400,
+                 "stream_options", "stream is true")
+    harmless = {"response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {}, "best_of": 1,
+                "metadata": {"anything": "goes"}}
+    assert post(server, "/v1/completions", {**completion, **harmless}).status_code == 200
+
+
+def test_a_refused_prompt_list_leaves_nothing_queued(server):
+    body = {"model": MODEL, "prompt": [PROMPT, "x " * (server.generator.max_model_len + 10)], "max_tokens": 2}
+    assert_error(post(server, "/v1/completions", body), 400, "prompt", "max_model_len")
+    wait_until_idle(server.generator, timeout=5)
 
 
 def test_a_failing_step_fails_its_requests_but_not_the_server(server, client, monkeypatch):
@@ -280,3 +317,46 @@ def test_cli_generate_with_engine_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "hi", "--kv-cache-dtype", "int8"])
     assert exit_info.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err
+
+
+def test_cli_server_stops_promptly_with_a_stream_in_flight(smollm2_path):
+    """Ctrl+C cuts off what is in flight after --shutdown-timeout instead of waiting for it to finish."""
+    import signal
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    command = [sys.executable, "-m", "hf_paged.cli", "serve", smollm2_path, "--port", str(port), "--num-blocks", "256",
+               "--shutdown-timeout", "1", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None, process.stderr.read().decode()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break
+            process.send_signal(signal.SIGINT)
+            stopped = time.monotonic()
+            assert process.wait(timeout=30) == 0
+        assert time.monotonic() - stopped < 15
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()

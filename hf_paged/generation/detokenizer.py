@@ -37,11 +37,10 @@ def find_stop_string(seq: Sequence, new_text: str, stops: list[str], include_sto
     """If a stop string appears in the text that ``new_text`` completed, cut ``seq.text`` there and return it."""
     if not new_text or not stops:
         return None
-    longest = max(len(s) for s in stops)
-    search_from = max(0, len(seq.text) - len(new_text) - longest + 1)
     best: tuple[int, str] | None = None
     for stop in stops:
-        pos = seq.text.find(stop, search_from)
+        # Only matches that end in the new text: older text was checked already, or was never to be (min_tokens).
+        pos = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop) + 1))
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, stop)
     if best is None:

@@ -86,6 +86,9 @@ class ContinuousBatchGenerator:
                 "so the paged backend cannot serve it"
             )
         scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 (a prompt token and an output token), "
+                             f"got {max_model_len!r}")
         kv_cache_dtype = self._kv_cache_dtype(kv_cache_dtype, model.dtype)
         if not uses_paged_attention(model):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -102,7 +105,7 @@ class ContinuousBatchGenerator:
         self.detokenizer = Detokenizer(tokenizer)
         text_config = model.config.get_text_config(decoder=True)
         limits = [self.cache.num_blocks * block_size, getattr(text_config, "max_position_embeddings", None), max_model_len]
-        self.max_model_len = min(limit for limit in limits if limit)
+        self.max_model_len = min(limit for limit in limits if limit is not None)
         self.eos_token_ids = self._eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.requests: dict[str, Request] = {}
@@ -162,16 +165,21 @@ class ContinuousBatchGenerator:
     # ------------------------------------------------------------------------------------------- requests
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+            text, token_ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            return text, self.tokenizer(text, add_special_tokens=False).input_ids
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
-            return None, list(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}")
+            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(
+                f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}"
+            )
+        # A tokenizer can know more tokens than the model embeds; such a prompt would fail every step it joins.
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary (size {self.vocab_size})")
+        return text, token_ids
 
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
@@ -199,14 +207,18 @@ class ContinuousBatchGenerator:
 
     def _check_params(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check on its own: the limits of this engine and this vocabulary."""
-        if params.n > self.scheduler.config.max_num_seqs:
-            raise ValueError(f"n={params.n} is more samples than this engine runs at once (max_num_seqs="
-                             f"{self.scheduler.config.max_num_seqs})")
+        # Worded as SamplingParams' own checks ("SamplingParams.<field> must be ..."), so callers can name the field.
+        max_num_seqs = self.scheduler.config.max_num_seqs
+        if params.n > max_num_seqs:
+            raise ValueError(f"SamplingParams.n must be at most this engine's max_num_seqs ({max_num_seqs}), the "
+                             f"most sequences it runs at once, got {params.n}")
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+            raise ValueError(f"SamplingParams.stop_token_ids must be in the vocabulary (0 to {self.vocab_size - 1}), "
+                             f"got {bad[:5]}")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens")
+            raise ValueError(f"SamplingParams.logprobs must be at most the vocabulary's {self.vocab_size} tokens, "
+                             f"got {params.logprobs}")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its blocks are freed at the next step, which reports it with ``finish_reason="abort"``."""
@@ -269,6 +281,9 @@ class ContinuousBatchGenerator:
         except BaseException:
             for seq in batch.seqs:  # the blocks this step was to fill must not serve later prefix matches
                 self.kv.uncommit(seq.seq_id, seq.num_computed_tokens)
+            # A sequence admitted this step may have matched blocks that another one committed in the same step,
+            # which were never written: it goes back to waiting and matches again.
+            self.scheduler.unadmit(batch.admitted)
             raise
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
@@ -321,9 +336,11 @@ class ContinuousBatchGenerator:
         sampling = [p for p in params if not p.greedy]
         batch = SamplingBatch(all_greedy=not sampling)
         if sampling:  # the draw tensors, only when some row samples
-            batch.needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
+            # Chosen per row, never per batch: the same uniform number picks another token in sorted order.
+            sort_rows = [row for row, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
+            batch.sort_rows = column(sort_rows, torch.long) if sort_rows else None
             batch.needs_min_p = any(p.min_p > 0 for p in sampling)
-            batch.temperature = column([p.temperature for p in params], torch.float32)
+            batch.temperature = column([0.0 if p.greedy else p.temperature for p in params], torch.float32)
             batch.top_k = column([p.top_k for p in params], torch.long)
             batch.top_p = column([p.top_p for p in params], torch.float32)
             batch.min_p = column([p.min_p for p in params], torch.float32)

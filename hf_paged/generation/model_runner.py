@@ -34,6 +34,9 @@ class ModelRunner:
 
         The scheduler puts the decodes (one token each) first, which is the order `PagedMetadata` expects.
         """
+        # Copy first: the scheduler has already pointed the tables at the new blocks, and a step that fails later
+        # must still leave them filled.
+        self.cache.copy_blocks(batch.block_copies)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -65,7 +68,6 @@ class ModelRunner:
             max_query_len=max(batch.num_tokens),
             num_decodes=num_decodes,
         )
-        self.cache.copy_blocks(batch.block_copies)
         self.cache.set_step(metadata)
         inputs = dict(
             input_ids=self._tensor(input_ids, torch.long).unsqueeze(0),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK31 = (1 << 31) - 1
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +40,7 @@ class SamplingBatch:
     """
 
     all_greedy: bool
-    needs_sort: bool = False
+    sort_rows: torch.Tensor | None = None  # [S] long: rows with top-k or top-p, which draw in sorted order
     needs_min_p: bool = False
     temperature: torch.Tensor | None = None  # [R] float, 0 = greedy
     top_k: torch.Tensor | None = None  # [R] long, 0 = off
@@ -79,7 +80,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     output_counts = _token_counts(batch.output_tokens, vocab)
     seen = (output_counts > 0) | (_token_counts(batch.prompt_tokens, vocab) > 0)
     rep = batch.repetition_penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep).clamp_(max=_FLOAT32_MAX)  # rep near 0
     logits = torch.where(seen, penalized, logits)
     logits = logits - batch.frequency_penalty.unsqueeze(1) * output_counts
     return logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0).float()
@@ -98,26 +99,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = greedy_tokens
     else:
         temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-        scaled = logits / temperature.unsqueeze(1)
-        if batch.needs_sort:
-            scaled, order = scaled.sort(dim=-1, descending=True)
-            vocab = scaled.shape[1]
-            k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab))
-            positions = torch.arange(vocab, device=scaled.device)
-            scaled = scaled.masked_fill(positions >= k.unsqueeze(1), float("-inf"))
-            probs = scaled.softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs
-            probs = probs.masked_fill(before > batch.top_p.unsqueeze(1), 0.0)
-        else:
-            probs = scaled.softmax(dim=-1)
+        scaled = (logits / temperature.unsqueeze(1)).clamp_(max=_FLOAT32_MAX)  # a small temperature overflows
+        probs = scaled.softmax(dim=-1)
+        rows = batch.sort_rows
+        if rows is not None:  # these rows' probabilities are replaced by their top-k / top-p ones, in sorted order
+            top, order = scaled[rows].sort(dim=-1, descending=True)
+            k = batch.top_k[rows]
+            k = torch.where(k > 0, k, torch.full_like(k, top.shape[1]))
+            positions = torch.arange(top.shape[1], device=top.device)
+            top = top.masked_fill(positions >= k.unsqueeze(1), float("-inf")).softmax(dim=-1)
+            before = top.cumsum(dim=-1) - top
+            probs = probs.index_copy(0, rows, top.masked_fill(before > batch.top_p[rows].unsqueeze(1), 0.0))
         if batch.needs_min_p:
             top = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
         cdf = probs.double().cumsum(dim=-1)
         threshold = uniform_from_counter(batch.seeds, batch.counters) * cdf[:, -1]
         picked = torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
-        if batch.needs_sort:
-            picked = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+        if rows is not None:
+            picked[rows] = order.gather(1, picked[rows].unsqueeze(1)).squeeze(1)
         tokens = torch.where(batch.temperature > 0, picked, greedy_tokens)
     token_list = tokens.tolist()
     if not batch.max_logprobs:

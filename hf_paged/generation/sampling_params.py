@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 from transformers import GenerationConfig
 
 _INT64_END = 2**63
+_FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy, as in vLLM: dividing by them overflows float32
 
 
 def _is_int(value) -> bool:
@@ -22,11 +23,11 @@ def _is_real(value) -> bool:
 class SamplingParams:
     """Decoding parameters of one request, with vLLM's names and meanings.
 
-    ``temperature=0`` is greedy. Penalties follow vLLM: ``repetition_penalty`` (> 1 discourages every token seen in
-    the prompt or output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, on output tokens). ``seed`` makes
-    a request's samples reproducible whatever else is in the batch. ``stop`` strings are matched on the detokenized
-    text and cut out unless ``include_stop_str_in_output``. ``logprobs=k`` returns the ``k`` most likely tokens'
-    log-probabilities (and the sampled one's) at each step.
+    ``temperature=0`` (or any temperature below 1e-5) is greedy. Penalties follow vLLM: ``repetition_penalty`` (> 1
+    discourages every token seen in the prompt or output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's,
+    on output tokens). ``seed`` makes a request's samples reproducible whatever else is in the batch. ``stop`` strings
+    are matched on the detokenized text and cut out unless ``include_stop_str_in_output``. ``logprobs=k`` returns the
+    ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step.
     """
 
     n: int = 1
@@ -80,7 +81,7 @@ class SamplingParams:
                 self._check(_is_int(value), name, value, "an integer")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            self._check(_is_real(value) and math.isfinite(value), name, value, "a finite number")
+            self._check(_is_real(value) and abs(value) <= _FLOAT32_MAX, name, value, "a finite float32 number")
         self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")
         self._check(all(isinstance(t, str) for t in self.stop), "stop", self.stop, "a string or a list of strings")
@@ -92,7 +93,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_generation_config(cls, config: GenerationConfig) -> "SamplingParams":

@@ -29,6 +29,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue for this step
 
     @property
     def total_tokens(self) -> int:
@@ -67,6 +68,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
         copies: list[BlockCopy] = []
+        admitted: list[Sequence] = []
         preempted = False
         for seq in list(self.running):
             if budget == 0:
@@ -108,23 +110,35 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            admitted.append(seq)
             picked.append((seq, n))
             budget -= n
         self.num_partial_prefills += sum(n < s.num_tokens - s.num_computed_tokens for s, n in picked)
         picked.sort(key=lambda item: item[1] != 1)
-        return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], copies)
+        return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], copies, admitted)
+
+    def unadmit(self, seqs: list[Sequence]) -> None:
+        """Undo the admission of ``seqs`` (a step that failed): free their blocks, back to the front of the queue."""
+        for seq in reversed(seqs):
+            if seq.status is SequenceStatus.RUNNING:
+                self._requeue(seq)
+                if seq.index == 0:
+                    seq.request.num_cached_tokens = 0
 
     def _headroom(self) -> int:
         """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""
         return len(self.running) // 2 + self.kv.pool.num_blocks // 100
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        self.num_preemptions += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""

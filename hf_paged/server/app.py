@@ -10,13 +10,17 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
   generation stops at the context's end with ``finish_reason="length"``.
 * ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
 * ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
+* A field that would change the output and is not implemented (``echo``, ``suffix``, ``logit_bias``, ``best_of``
+  above ``n``, a ``response_format`` other than text, ``tools``, guided decoding, ...) is a 400 naming it; a field
+  that is not known at all is ignored, as vLLM does.
 * With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or body
   (FastAPI's 422 included), 401 for a missing or wrong key, 404 for an unknown model, 500 when the engine failed.
   A stream that fails after it began sends one ``data: {"error": ...}`` event, then ``data: [DONE]``.
 * While a stream uses stop strings, the last ``len(longest stop) - 1`` characters are held back until they cannot
   be the start of a stop string, so no text is ever sent that the stop would have cut.
-* A client that disconnects aborts its requests, which frees their KV blocks.
+* A client that disconnects aborts its requests, which frees their KV blocks (a non-streaming call notices within
+  a second).
 """
 
 from __future__ import annotations
@@ -101,10 +105,15 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
+    def check_request(body: GenerationRequest) -> None:
+        if body.model is not None and body.model != served_model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
+        field = body.unsupported_field()
+        if field is not None:
+            raise APIError(400, f"{field} is not supported by this server", param=field)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
     async def serve(body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
                     prefix: str, prompt_param: str, request: Request) -> Response:
@@ -159,11 +168,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
+        check_request(body)
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -176,7 +181,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        check_request(body)
         try:
             params = body.to_sampling_params()
             messages = [message.to_template_dict() for message in body.messages]

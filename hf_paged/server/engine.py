@@ -43,15 +43,22 @@ class RequestStream:
     async def outputs(
         self, is_disconnected: Callable[[], Awaitable[bool]] | None = None, poll_s: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield outputs until all requests finish; with ``is_disconnected``, stop (and abort) once it says so."""
+        """Yield outputs until all requests finish; with ``is_disconnected``, asked every ``poll_s`` seconds whether
+        or not outputs arrive, stop (and abort) once it says so."""
+        next_check = self.loop.time() + poll_s
         while self.pending:
             getter = asyncio.ensure_future(self.queue.get())
             try:
-                while is_disconnected is not None and not getter.done():
-                    await asyncio.wait({getter}, timeout=poll_s)
-                    if not getter.done() and await is_disconnected():
-                        self.close()
-                        return
+                while is_disconnected is not None:
+                    if not getter.done():
+                        await asyncio.wait({getter}, timeout=max(0.0, next_check - self.loop.time()))
+                    if self.loop.time() >= next_check:
+                        next_check = self.loop.time() + poll_s
+                        if await is_disconnected():
+                            self.close()
+                            return
+                    if getter.done():
+                        break
                 items = [await getter]
             finally:
                 getter.cancel()
@@ -122,9 +129,10 @@ class EngineLoop:
                 for prompt, request_id in zip(prompts, request_ids):
                     self.generator.add_request(prompt, params, request_id)
             except BaseException:
-                self._unroute(request_ids)
+                self._unroute(request_ids)  # queues aborts for the prompts already added
                 raise
-        self._wake.set()
+            finally:
+                self._wake.set()
         return stream
 
     def abort(self, request_ids: list[str]) -> None:

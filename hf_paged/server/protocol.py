@@ -24,9 +24,29 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+# Fields of OpenAI's or vLLM's API that change the output and that this server does not implement, with the values
+# that ask for nothing more than it does. Any other value is refused by name rather than ignored; fields that are
+# not known at all are ignored, as vLLM does.
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": lambda value: not value,
+    "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
+    "tools": lambda value: not value,
+    "tool_choice": lambda value: value in (None, "none"),
+    "functions": lambda value: not value,
+    "function_call": lambda value: value in (None, "none"),
+    "prompt_logprobs": lambda value: value is None,
+    "structured_outputs": lambda value: value is None,
+    "guided_json": lambda value: value is None,
+    "guided_regex": lambda value: value is None,
+    "guided_choice": lambda value: value is None,
+    "guided_grammar": lambda value: value is None,
+}
+
+
 class GenerationRequest(BaseModel):
     """The fields shared by both endpoints."""
 
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     n: int | None = None
     stream: bool | None = False
@@ -66,6 +86,16 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def unsupported_field(self) -> str | None:
+        """The first field whose value asks for something this server does not do, or None."""
+        extra = self.model_extra or {}
+        for name, harmless in _UNSUPPORTED.items():
+            if name in extra and not harmless(extra[name]):
+                return name
+        if extra.get("best_of") not in (None, 1, self.n):
+            return "best_of"
+        return None
+
 
 class CompletionRequest(GenerationRequest):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
@@ -74,6 +104,13 @@ class CompletionRequest(GenerationRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = False
     suffix: str | None = None
+
+    def unsupported_field(self) -> str | None:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        return super().unsupported_field()
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str):
