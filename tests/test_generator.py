@@ -388,6 +388,30 @@ def test_multibyte_characters_detokenize_whole(smollm2):
     assert seq.status is SequenceStatus.WAITING and gen.kv.pool.num_used_blocks == 0
 
 
+def test_a_skipped_special_token_keeps_the_next_tokens_space():
+    """A SentencePiece-style decoder drops the leading space of the first token it decodes, so the token after a
+    skipped special token must still be decoded with the tokens before it as context."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_paged.generation.detokenizer import Detokenizer
+    from hf_paged.generation.sequence import Request
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<x>": 3, "\u2581hello": 4, "\u2581world": 5, "\u2581again": 6}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(prepend_scheme="always")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>", additional_special_tokens=["<x>"])
+    assert tokenizer.decode([5]) == "world"  # the space goes when a token is decoded alone
+    seq = Request("x", None, [1], SamplingParams(), seed=0).seqs[0]
+    detokenizer = Detokenizer(tokenizer)
+    for token in [4, 3, 5, 6]:
+        seq.token_ids.append(token)
+        detokenizer.step(seq, True)
+    assert seq.text == "hello world again"
+
+
 def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     from transformers import GenerationConfig
 

@@ -20,7 +20,8 @@ class Detokenizer:
         """
         tokens = seq.token_ids
         if skip_special_tokens and tokens[-1] in self.special_ids:
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
+            # The left context stays: decoded alone, the next token could lose its leading space (SentencePiece).
+            seq.read_offset = len(tokens)
             return ""
         decode = self.tokenizer.decode
         prefix = decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens)
