@@ -227,6 +227,20 @@ def test_n_samples_share_prompt_blocks(smollm2, chat_prompts):
     assert_no_leak(gen)
 
 
+def test_n_samples_count_against_max_num_seqs(smollm2, chat_prompts):
+    gen = make_generator(smollm2, max_num_seqs=4)
+    params = [SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6), SamplingParams(n=3, seed=2, max_tokens=6),
+              SamplingParams(temperature=0, max_tokens=6)]
+    ids = [gen.add_request(prompt, p) for prompt, p in zip(chat_prompts[:3], params)]
+    finals, most = {}, 0
+    while gen.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in gen.step() if o.finished)
+        most = max(most, len(gen.scheduler.running))
+    assert most == 4
+    assert [len(finals[i].outputs) for i in ids] == [3, 3, 1]
+    assert_no_leak(gen)
+
+
 def test_n_samples_start_from_the_prompt(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
