@@ -161,6 +161,12 @@ def test_logprobs(server, client):
         assert len(top) <= 3 and logprob <= 0
         assert logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
     assert "".join(lp.tokens) == done.choices[0].text
+    # Streamed with a stop string that holds text back: the same tokens at the same offsets.
+    args = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12, logprobs=1, stop=["#####"])
+    whole = client.completions.create(**args).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True) if c.choices]
+    assert [t for c in chunks if c for t in c.tokens] == whole.tokens
+    assert [o for c in chunks if c for o in c.text_offset] == whole.text_offset
 
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=6, logprobs=True,
                                           top_logprobs=2)

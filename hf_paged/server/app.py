@@ -205,6 +205,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
     first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
     sent_chars: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    token_chars: dict[int, int] = {}  # where the next token's text starts; ahead of sent_chars while text is held back
     prompt_tokens: dict[str, int] = {}
     completion_tokens = 0
     try:
@@ -223,11 +224,13 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 if end <= start and not finished:
                     continue
                 first_token = sent_tokens.get(index, 0)
+                token_ids = choice.token_ids[first_token:]
                 logprobs = choice.logprobs[first_token:] if choice.logprobs is not None else None
-                yield event([fmt.chunk_choice(index, choice.text[start:end], choice.token_ids[first_token:],
-                                              logprobs, start, choice.finish_reason)])
+                yield event([fmt.chunk_choice(index, choice.text[start:end], token_ids, logprobs,
+                                              token_chars.get(index, 0), choice.finish_reason)])
                 sent_chars[index] = -1 if finished else max(start, end)
                 sent_tokens[index] = len(choice.token_ids)
+                token_chars[index] = token_chars.get(index, 0) + sum(len(fmt.decode(t)) for t in token_ids)
                 if finished:
                     completion_tokens += len(choice.token_ids)
         if include_usage:
