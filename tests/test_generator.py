@@ -170,6 +170,22 @@ def test_seeded_sampling_is_independent_of_the_batch(smollm2, chat_prompts):
     assert_no_leak(gen)
 
 
+def test_logit_bias(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    free = gen.run([chat_prompts[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forced = gen.run([chat_prompts[0], chat_prompts[0]], [greedy.replace(logit_bias={42: 100}), greedy],
+                     use_tqdm=False)
+    assert forced[0].outputs[0].token_ids == [42] * 6 and forced[1].outputs[0].token_ids == free
+    banned = gen.run([chat_prompts[0]], greedy.replace(logit_bias={free[0]: -100}), use_tqdm=False)[0]
+    assert banned.outputs[0].token_ids[0] != free[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={42: 101})
+    with pytest.raises(ValueError, match="logit_bias must name token ids in the vocabulary"):
+        gen.add_request(chat_prompts[0], SamplingParams(logit_bias={10**7: 1}))
+    assert_no_leak(gen)
+
+
 def test_tiny_temperatures_are_greedy_and_huge_values_refused(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     greedy = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]

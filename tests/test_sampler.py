@@ -98,3 +98,12 @@ def test_sorted_draws_are_chosen_per_row():
     mixed.top_k = torch.tensor([0] * 7 + [5])
     mixed.sort_rows = torch.tensor([7])
     assert sample(logits, mixed).token_ids[:7] == alone[:7]
+
+
+def test_logit_bias_adds_to_its_rows_only():
+    logits = torch.tensor([[5.0, 0.0, 0.0], [5.0, 0.0, 0.0]])
+    bias = (torch.tensor([0, 0]), torch.tensor([0, 2]), torch.tensor([-100.0, 100.0]))
+    assert sample(logits, batch_for(2, temperature=0, logit_bias=bias)).token_ids == [2, 0]
+    draws = sample(logits[:1].expand(200, 3), batch_for(200, logit_bias=(torch.zeros(1, dtype=torch.long),
+                                                                      torch.tensor([0]), torch.tensor([-100.0]))))
+    assert draws.token_ids[0] != 0 and 0 in draws.token_ids[1:]

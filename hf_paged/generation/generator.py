@@ -216,6 +216,10 @@ class ContinuousBatchGenerator:
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids must be in the vocabulary (0 to {self.vocab_size - 1}), "
                              f"got {bad[:5]}")
+        bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
+                             f"{self.vocab_size - 1}), got {bad[:5]}")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"SamplingParams.logprobs must be at most the vocabulary's {self.vocab_size} tokens, "
                              f"got {params.logprobs}")
@@ -362,6 +366,10 @@ class ContinuousBatchGenerator:
                 banned_tokens += sorted(stops)
         if banned_rows:
             batch.banned = (column(banned_rows, torch.long), column(banned_tokens, torch.long))
+        bias = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias.items()]
+        if bias:
+            rows, tokens, values = zip(*bias)
+            batch.logit_bias = (column(rows, torch.long), column(tokens, torch.long), column(values, torch.float32))
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         if wanted:
             batch.max_logprobs = max(1, *wanted)

@@ -56,6 +56,8 @@ class SamplingBatch:
     output_tokens: torch.Tensor | None = None  # [R, O] padded with -1
     # Tokens forbidden for a row this step (min_tokens not reached): (row indices, token ids).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # logit_bias entries of all rows: (row indices, token ids, biases).
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     max_logprobs: int = 0
 
 
@@ -92,6 +94,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw = logits
     if batch.repetition_penalty is not None:
         logits = apply_penalties(logits, batch)
+    if batch.logit_bias is not None:
+        rows, ids, bias = batch.logit_bias
+        logits = logits.index_put((rows, ids), bias, accumulate=True)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
     greedy_tokens = logits.argmax(dim=-1)

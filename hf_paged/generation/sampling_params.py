@@ -27,7 +27,8 @@ class SamplingParams:
     discourages every token seen in the prompt or output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's,
     on output tokens). ``seed`` makes a request's samples reproducible whatever else is in the batch. ``stop`` strings
     are matched on the detokenized text and cut out unless ``include_stop_str_in_output``. ``logprobs=k`` returns the
-    ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step.
+    ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
+    distribution. ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
     """
 
     n: int = 1
@@ -47,12 +48,14 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self._check_types()
         self._check(self.n >= 1, "n", self.n, "an integer >= 1")
         self._check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
@@ -71,6 +74,8 @@ class SamplingParams:
             self._check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens")
         self._check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
+        self._check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias", self.logit_bias,
+                    "a map of token ids to numbers in [-100, 100]")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -85,6 +90,8 @@ class SamplingParams:
         self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")
         self._check(all(isinstance(t, str) for t in self.stop), "stop", self.stop, "a string or a list of strings")
+        self._check(all(_is_int(t) and _is_real(v) for t, v in self.logit_bias.items()), "logit_bias",
+                    self.logit_bias, "a map of token ids to numbers in [-100, 100]")
 
     @staticmethod
     def _check(ok: bool, name: str, value, allowed: str) -> None:

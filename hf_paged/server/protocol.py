@@ -28,7 +28,6 @@ class StreamOptions(BaseModel):
 # that ask for nothing more than it does. Any other value is refused by name rather than ignored; fields that are
 # not known at all are ignored, as vLLM does.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": lambda value: not value,
     "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
     "tools": lambda value: not value,
     "tool_choice": lambda value: value in (None, "none"),
@@ -67,6 +66,7 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request as `SamplingParams`; raises ``ValueError`` naming the bad field."""
@@ -77,10 +77,21 @@ class GenerationRequest(BaseModel):
             "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids,
             "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
-            "skip_special_tokens": self.skip_special_tokens,
+            "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias(),
         }
         values = {name: value for name, value in given.items() if value is not None}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, so as strings."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(
+                f"SamplingParams.logit_bias keys must be token ids, got {list(self.logit_bias)[:5]}"
+            ) from None
 
     @property
     def include_usage(self) -> bool:
