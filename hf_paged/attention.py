@@ -17,6 +17,14 @@ def _closure_value(function, name: str):
     return cells[name].cell_contents if name in cells else None
 
 
+def _sliding_window_of(mask_function) -> int | None:
+    """The window of a causal mask cut by Transformers' sliding-window overlay, or None."""
+    for part in _closure_value(mask_function, "mask_functions") or ():
+        if getattr(part, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask":
+            return _closure_value(part, "sliding_window")
+    return None
+
+
 def is_causal_pattern(mask_function) -> bool:
     """Whether a Transformers mask function is the causal pattern, alone or cut by a sliding window: the patterns the
     kernels apply themselves. Packed sequences, bidirectional blocks (image tokens), chunked attention and custom
@@ -46,19 +54,27 @@ def padding_mask(
     """Mask function for ``"paged"``: the 2-D padding mask ``[batch, kv_length]``, or None when nothing is padding.
 
     Causality, sliding windows and sequence boundaries are handled by the kernels, so no 4-D mask is ever built; a
-    forward that asks for any other mask pattern is refused rather than run causally.
+    forward that asks for any other mask pattern is refused rather than run causally. A sliding-window mask carries
+    its window to the attention function (``paged_sliding_window``), since some models set the window only here.
     """
     if mask_function is not None and not is_causal_pattern(mask_function):
         raise NotImplementedError(
             "the paged attention backend applies causal and sliding-window masks only; this forward asks for another "
             "mask pattern (packed sequences, bidirectional blocks, chunked attention or a custom mask function)"
         )
-    if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:]
-    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
-        return None
-    return attention_mask
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+        if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+            attention_mask = None
+    window = _sliding_window_of(mask_function) if mask_function is not None else None
+    if window is None:
+        return attention_mask
+    mask = attention_mask
+    if mask is None:
+        mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+    mask.paged_sliding_window = window
+    mask.paged_is_padding = attention_mask is not None
+    return mask
 
 
 def _check_supported(module: torch.nn.Module, attention_mask, dropout: float, kwargs: dict) -> None:
@@ -116,6 +132,10 @@ def paged_attention_forward(
     ``[B, S, Hq, D]`` as Transformers' attention functions do.
     """
     _check_supported(module, attention_mask, dropout, kwargs)
+    if hasattr(attention_mask, "paged_sliding_window"):  # the mask's window is what eager and sdpa would apply
+        sliding_window = attention_mask.paged_sliding_window
+        if not attention_mask.paged_is_padding:
+            attention_mask = None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if paged_cache is None:
         return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None

@@ -9,7 +9,8 @@ COMMON = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512, 
 
 def _configs():
     from transformers import (
-        Gemma2Config, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config,
+        Gemma2Config, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, PhimoeConfig, Qwen2Config,
+        Qwen2MoeConfig, Qwen3Config,
     )
 
     llama_like = dict(hidden_size=64, intermediate_size=128, **COMMON)
@@ -27,10 +28,18 @@ def _configs():
         "gemma2": (Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
                                 attn_logit_softcapping=5.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
                                 **llama_like), "eager"),
+        # Sliding windows that only the mask carries (the attention is not passed sliding_window=); in Qwen2-MoE
+        # the first layer slides and the second does not.
+        "qwen2_moe": (Qwen2MoeConfig(num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32,
+                                     shared_expert_intermediate_size=32, num_experts=2, num_experts_per_tok=1,
+                                     use_sliding_window=True, sliding_window=6, max_window_layers=1, **llama_like),
+                      "sdpa"),
+        "phimoe": (PhimoeConfig(num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                num_experts_per_tok=1, sliding_window=6, **llama_like), "sdpa"),
     }
 
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma", "gemma2"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma", "gemma2", "qwen2_moe", "phimoe"]
 
 
 def tiny_model(name: str, attn_implementation: str = "paged"):
