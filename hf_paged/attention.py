@@ -137,6 +137,10 @@ def paged_attention_forward(
         if not attention_mask.paged_is_padding:
             attention_mask = None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if paged_cache is None and hasattr(key, "paged_source"):
+        # A layer reusing another layer's keys and values attends to that layer's blocks; storing them there again
+        # rewrites the same values into the same slots.
+        paged_cache, paged_layer_idx = key.paged_source
     if paged_cache is None:
         return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
 

@@ -9,8 +9,8 @@ COMMON = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512, 
 
 def _configs():
     from transformers import (
-        Gemma2Config, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config, PhimoeConfig, Qwen2Config,
-        Qwen2MoeConfig, Qwen3Config,
+        Gemma2Config, Gemma3nTextConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config,
+        PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
     )
 
     llama_like = dict(hidden_size=64, intermediate_size=128, **COMMON)
@@ -36,10 +36,18 @@ def _configs():
                       "sdpa"),
         "phimoe": (PhimoeConfig(num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
                                 num_experts_per_tok=1, sliding_window=6, **llama_like), "sdpa"),
+        # Its last two layers attend with the keys and values of the two before them (KV sharing).
+        "gemma3n": (Gemma3nTextConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+                                      num_kv_shared_layers=2, vocab_size_per_layer_input=256,
+                                      hidden_size_per_layer_input=8, laurel_rank=8,
+                                      activation_sparsity_pattern=[0.0] * 4,
+                                      layer_types=["sliding_attention", "full_attention"] * 2,
+                                      **{**llama_like, "num_hidden_layers": 4}), "sdpa"),
     }
 
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma", "gemma2", "qwen2_moe", "phimoe"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma", "gemma2", "qwen2_moe", "phimoe",
+                 "gemma3n"]
 
 
 def tiny_model(name: str, attn_implementation: str = "paged"):
