@@ -11,6 +11,9 @@ from .cache.paged_cache import PagedCache
 
 ATTN_IMPLEMENTATION = "paged"
 DEFAULT_BLOCK_SIZE = 16
+# Tokens per row the cache `generate` builds starts with; it doubles when they run out, so a large max_length does
+# not reserve its worst case up front.
+INITIAL_TOKENS_PER_ROW = 512
 
 _original_prepare_cache = GenerationMixin._prepare_cache_for_generation
 
@@ -22,10 +25,17 @@ def uses_paged_attention(model) -> bool:
 
 
 def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
-    """Give a paged model a `PagedCache` sized for this `generate` call where Transformers would build a dynamic one."""
+    """Give a paged model a growable `PagedCache` where Transformers would build a dynamic one."""
     paged = (
         uses_paged_attention(self) and model_kwargs.get("cache") is None and generation_config.use_cache is not False
     )
+    given = model_kwargs.get("cache")
+    if uses_paged_attention(self) and getattr(given, "is_compileable", False) and not isinstance(given, PagedCache):
+        # Static caches (the compileable kind) hand attention every slot, filled or not, with no way to tell.
+        raise NotImplementedError(
+            f"{type(given).__name__}: a model with the paged attention backend keeps its KV cache in a PagedCache or, "
+            "outside it, in a DynamicCache (pass cache=PagedCache(...), or none)"
+        )
     implementation = generation_config.cache_implementation
     if paged and implementation not in (None, "dynamic"):
         raise NotImplementedError(
@@ -35,7 +45,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     if not (paged and self._supports_default_dynamic_cache()):
         return _original_prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
-    blocks_per_row = -(-max_cache_length // DEFAULT_BLOCK_SIZE) + 1
+    blocks_per_row = -(-min(max_cache_length, INITIAL_TOKENS_PER_ROW) // DEFAULT_BLOCK_SIZE) + 1
     model_kwargs["cache"] = PagedCache(
         self.config, num_blocks=rows * blocks_per_row, block_size=DEFAULT_BLOCK_SIZE, dtype=self.dtype,
         device=self.device, growable=True,

@@ -126,6 +126,27 @@ def test_continuing_from_a_returned_cache_matches_a_fresh_run():
     assert first.cache.num_blocks > 2 and first.cache.pool.num_used_blocks == -(-(again.shape[1] - 1) // 16)
 
 
+def test_a_large_max_length_does_not_reserve_its_worst_case():
+    """The cache `generate` builds starts at INITIAL_TOKENS_PER_ROW tokens per row and doubles as it fills."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from hf_paged.integration import INITIAL_TOKENS_PER_ROW
+
+    class AtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 600, dtype=torch.bool)
+
+    model, _ = tiny_model("llama")
+    ids, mask = _left_padded_batch(lengths=(9, 5))
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0, max_length=100_000,
+                  stopping_criteria=StoppingCriteriaList([AtLength()]))
+    out = model.generate(**kwargs, return_dict_in_generate=True)
+    assert out.sequences.shape[1] == 600
+    initial = 2 * (INITIAL_TOKENS_PER_ROW // 16 + 1)
+    assert initial < out.cache.num_blocks <= 4 * initial  # grew past the start, far from 100k tokens per row
+    assert torch.equal(out.sequences, generate_with(model, "sdpa", **kwargs))
+
+
 def test_a_paged_assistant_model_matches_plain_greedy():
     model, _ = tiny_model("llama")
     assistant, _ = tiny_model("qwen2")
@@ -138,6 +159,16 @@ def test_other_cache_implementations_are_refused():
     with pytest.raises(NotImplementedError, match="cache_implementation='static'"):
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, cache_implementation="static",
                        pad_token_id=0)
+    from transformers import DynamicCache, StaticCache
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(NotImplementedError, match="StaticCache"):
+        model.generate(input_ids=ids, max_new_tokens=3, pad_token_id=0,
+                       cache=StaticCache(config=model.config, max_cache_len=32))
+    # A DynamicCache holds exactly the past tokens, which the plain attention path reads.
+    kwargs = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**kwargs, cache=DynamicCache(config=model.config)),
+                       generate_with(model, "sdpa", **kwargs))
 
 
 def test_text_streamer_streams_the_same_text(smollm2, chat_prompts, capsys):
