@@ -128,6 +128,20 @@ def test_truncate_and_select():
     assert manager.pool.num_used_blocks == 0
 
 
+def test_truncating_into_a_committed_block_unindexes_it():
+    """A block kept in part is rewritten in place, so its old hash must not lead a later prompt to it."""
+    manager = KVCacheManager(BlockPool(8, block_size=4), enable_prefix_caching=True)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    manager.allocate("a", 0, 9)
+    manager.commit("a", first, 9)
+    manager.truncate("a", 6)
+    rewritten = [1, 2, 3, 4, 5, 6, 70, 80, 90]
+    manager.allocate("a", 6, 9)
+    manager.commit("a", rewritten, 9)
+    assert manager.match_prefix("b", first + [0]) == 4
+    assert manager.match_prefix("c", rewritten + [0]) == 8
+
+
 def test_grow_adds_free_blocks_first_in_line():
     pool = BlockPool(2, block_size=4)
     assert pool.allocate(2) == [0, 1]

@@ -143,6 +143,18 @@ def test_inconsistent_shapes_are_refused_not_read():
         cpu_ops.paged_decode_attention(case["query"], k, v, tables[:1], lens, 0.125)
     with pytest.raises(ValueError, match="must not decrease"):
         cpu_ops.paged_prefill_attention(torch.randn(2, 6, 64), k, v, tables, lens, torch.tensor([0, 3, 2]), 3, 0.125)
+    # What the pointer arithmetic would misread: another dtype, K and V laid out differently, a strided head_dim.
+    layouts = "one dtype, K and V laid out alike, with contiguous head_dim"
+    with pytest.raises(ValueError, match=layouts):
+        cpu_ops.paged_decode_attention(case["query"], k.bfloat16(), v.bfloat16(), tables, lens, 0.125)
+    with pytest.raises(ValueError, match=layouts):
+        cpu_ops.paged_decode_attention(case["query"], k, v.contiguous(), tables, lens, 0.125)
+    with pytest.raises(ValueError, match=layouts):
+        cpu_ops.paged_decode_attention(torch.randn(2, 6, 128)[..., ::2], k, v, tables, lens, 0.125)
+    with pytest.raises(ValueError, match="outside int32"):
+        cpu_ops.paged_decode_attention(case["query"], k, v, tables.long() + 2**32, lens, 0.125)
+    with pytest.raises(ValueError, match="no sequences"):
+        cpu_ops.paged_prefill_attention(torch.randn(3, 6, 64), k, v, tables[:0], lens[:0], torch.tensor([0]), 3, 0.125)
 
 
 def _step_with_new_rows(seq_lens, q_lens, dtype=torch.float32):

@@ -147,11 +147,14 @@ class KVCacheManager:
         """Keep only the blocks that hold the first ``num_tokens`` tokens."""
         table = self.tables[seq_id]
         keep = self._blocks_for(num_tokens)
-        self.pool.free(table[keep:])
-        del table[keep:]
         hashes = self._hashes.get(seq_id)
         if hashes is not None:
-            del hashes[num_tokens // self.block_size :]
+            full = num_tokens // self.block_size
+            for block in table[full : min(keep, len(hashes))]:  # kept in part: its other rows will be overwritten
+                self.pool.uncache(block)
+            del hashes[full:]
+        self.pool.free(table[keep:])
+        del table[keep:]
 
     def free(self, seq_id: Hashable) -> None:
         """Release every block of ``seq_id`` (cached full blocks stay revivable until evicted)."""

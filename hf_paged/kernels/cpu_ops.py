@@ -120,18 +120,29 @@ def max_query_len(dtype: torch.dtype, head_dim: int) -> int:
     return MAX_NATIVE_QUERY_LEN
 
 
-def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether these tensors can take the native kernel (CPU, fp32 or bf16, head_dim contiguous, K and V laid out
-    alike)."""
+def _fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """CPU tensors, fp32 or bf16 alike, head_dim contiguous, K and V laid out alike: what the kernel's pointer
+    arithmetic assumes."""
     return (
-        query.device.type == "cpu"
+        query.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and query.dtype in _DTYPES
         and k_cache.dtype == v_cache.dtype == query.dtype
         and query.stride(-1) == 1
         and k_cache.stride(-1) == 1
         and k_cache.stride() == v_cache.stride()
-        and available()
     )
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether these tensors can take the native kernel (see `_fits`), and the kernel is built."""
+    return _fits(query, k_cache, v_cache) and available()
+
+
+def _int32(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype != torch.int32 and tensor.numel():
+        if not -(2**31) <= int(tensor.min()) <= int(tensor.max()) < 2**31:
+            raise ValueError(f"paged attention: {name} holds values outside int32")
+    return tensor.to(torch.int32).contiguous()
 
 
 def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
@@ -140,13 +151,18 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         raise RuntimeError("the native CPU attention kernel is not available (see the warning above)")
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
-    if num_tokens == 0 or seq_lens.numel() == 0:
+    if num_tokens == 0:
         return out
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
-    query_start_loc = query_start_loc.to(torch.int32).contiguous()
-    # The kernel reads and writes raw memory: refuse inconsistent shapes and tables that point outside the cache
-    # instead of crashing the process.
+    # The kernel reads and writes raw memory: refuse what it would misread (layouts, inconsistent shapes, tables
+    # that point outside the cache) instead of crashing the process or returning garbage.
+    if not _fits(query, k_cache, v_cache):
+        raise ValueError("paged attention: the native kernel takes CPU fp32/bf16 queries and caches of one dtype, "
+                         "K and V laid out alike, with contiguous head_dim")
+    if seq_lens.numel() == 0:
+        raise ValueError(f"paged attention: {num_tokens} query rows but no sequences")
+    block_tables = _int32("block_tables", block_tables)
+    seq_lens = _int32("seq_lens", seq_lens)
+    query_start_loc = _int32("query_start_loc", query_start_loc)
     num_seqs = seq_lens.numel()
     if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
         raise ValueError(f"paged attention: queries {tuple(query.shape)} do not fit the cache {tuple(k_cache.shape)} "
