@@ -43,15 +43,15 @@ def test_refcounts_keep_shared_blocks_alive():
 def test_cached_blocks_are_evicted_last_and_least_recently_used_first():
     pool = BlockPool(4, block_size=2)
     a, b, c, d = pool.allocate(4)
-    pool.cache(a, 111)
-    pool.cache(b, 222)
+    pool.cache(a, b"first")
+    pool.cache(b, b"second")
     pool.free([a])
     pool.free([b])
     pool.free([c, d])  # uncached: allocated before any cached block
     assert set(pool.allocate(2)) == {c, d}
-    assert pool.lookup(111) == a and pool.lookup(222) == b
+    assert pool.lookup(b"first") == a and pool.lookup(b"second") == b
     assert pool.allocate(1) == [a]  # least recently released cached block goes first
-    assert pool.lookup(111) is None and pool.lookup(222) == b
+    assert pool.lookup(b"first") is None and pool.lookup(b"second") == b
     assert pool.num_cached_blocks == 1
 
 
@@ -126,6 +126,15 @@ def test_truncate_and_select():
     assert manager.block_table(0) == manager.block_table(1) and manager.pool.num_used_blocks == 3
     manager.free_all()
     assert manager.pool.num_used_blocks == 0
+
+
+def test_block_keys_chain_to_their_parent():
+    from hf_paged.cache.kv_cache_manager import block_hash
+
+    root = block_hash(None, [1, 2, 3, 4])
+    assert block_hash(None, [1, 2, 3, 4]) == root and len(root) == 32
+    assert block_hash(root, [5, 6, 7, 8]) != block_hash(block_hash(None, [9, 9, 9, 9]), [5, 6, 7, 8])
+    assert block_hash(None, [1, 2, 3, 4]) != block_hash(None, [4, 3, 2, 1])
 
 
 def test_truncating_into_a_committed_block_unindexes_it():

@@ -31,9 +31,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[bytes, int] = {}
 
     def grow(self, n: int) -> None:
         """Add ``n`` free blocks (ids ``num_blocks ..``), first in line for allocation."""
@@ -91,11 +91,11 @@ class BlockPool:
                 if self.block_hashes[block] is None:
                     self._free.move_to_end(block, last=False)
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         """The block holding the content identified by ``block_hash``, if it is still cached."""
         return self._hash_to_block.get(block_hash)
 
-    def cache(self, block: int, block_hash: int) -> None:
+    def cache(self, block: int, block_hash: bytes) -> None:
         """Index a full block's content under ``block_hash`` (the first block with that content wins)."""
         if self.block_hashes[block] is None and block_hash not in self._hash_to_block:
             self._hash_to_block[block_hash] = block

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Hashable, Sequence
 
 from .block_pool import BlockPool, NoFreeBlocksError
 
 BlockCopy = tuple[int, int]
+
+
+def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: SHA-256 over its parent's key and its token ids.
+
+    A cryptographic hash, because a hit hands over another request's KV without comparing tokens: with Python's
+    ``hash`` a crafted prompt could collide with someone else's prefix and read answers conditioned on it.
+    """
+    return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
 class KVCacheManager:
@@ -22,7 +33,7 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[Hashable, list[int]] = {}
-        self._hashes: dict[Hashable, list[int]] = {}
+        self._hashes: dict[Hashable, list[bytes]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -82,13 +93,13 @@ class KVCacheManager:
         blocks, hashes, parent = [], [], None
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            block_hash = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            block = self.pool.lookup(block_hash)
+            key = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.lookup(key)
             if block is None:
                 break
             blocks.append(block)
-            hashes.append(block_hash)
-            parent = block_hash
+            hashes.append(key)
+            parent = key
         self.pool.incref(blocks)
         self.tables[seq_id] = blocks
         self._hashes[seq_id] = hashes
@@ -113,10 +124,9 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(seq_id, [])
         table, bs = self.tables[seq_id], self.block_size
         for i in range(len(hashes), num_computed // bs):
-            parent = hashes[-1] if hashes else None
-            block_hash = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            hashes.append(block_hash)
-            self.pool.cache(table[i], block_hash)
+            key = block_hash(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(key)
+            self.pool.cache(table[i], key)
 
     def uncommit(self, seq_id: Hashable, num_computed: int) -> None:
         """Unindex the blocks of ``seq_id`` committed beyond its first ``num_computed`` tokens."""
