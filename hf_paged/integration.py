@@ -7,7 +7,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import padding_mask, paged_attention_forward
-from .cache.paged_cache import PagedCache
+from .cache.paged_cache import PagedCache, unpaged_layer_types
 
 ATTN_IMPLEMENTATION = "paged"
 DEFAULT_BLOCK_SIZE = 16
@@ -42,7 +42,8 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
             f"cache_implementation={implementation!r}: a model with the paged attention backend keeps its KV cache in "
             "a PagedCache (leave cache_implementation unset, or pass cache=PagedCache(...))"
         )
-    if not (paged and self._supports_default_dynamic_cache()):
+    # A hybrid model keeps Transformers' own cache: its attention layers then attend without paging.
+    if not (paged and self._supports_default_dynamic_cache()) or unpaged_layer_types(self.config):
         return _original_prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
     blocks_per_row = -(-min(max_cache_length, INITIAL_TOKENS_PER_ROW) // DEFAULT_BLOCK_SIZE) + 1

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import TextStreamer, pipeline
+from transformers import AutoModelForCausalLM, TextStreamer, pipeline
 
 from hf_paged import PagedCache
 from reference import generate_with
@@ -124,6 +124,26 @@ def test_continuing_from_a_returned_cache_matches_a_fresh_run():
     again = model.generate(**kwargs, cache=first.cache)
     assert torch.equal(again, generate_with(model, "sdpa", **kwargs))
     assert first.cache.num_blocks > 2 and first.cache.pool.num_used_blocks == -(-(again.shape[1] - 1) // 16)
+
+
+def test_a_hybrid_model_generates_with_transformers_cache_and_the_engine_refuses_it(smollm2):
+    """LFM2 mixes convolution layers (with their own states) into its attention layers: `generate` keeps
+    Transformers' cache for it, and a PagedCache or the engine refuses it by name."""
+    from transformers import Lfm2Config
+
+    from hf_paged import ContinuousBatchGenerator
+
+    config = Lfm2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=512, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2, layer_types=["conv", "full_attention"] * 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged", dtype=torch.float32).eval()
+    kwargs = dict(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**kwargs), generate_with(model, "eager", **kwargs))
+    with pytest.raises(NotImplementedError, match=r"\['conv'\] layers"):
+        PagedCache(config, num_blocks=4)
+    with pytest.raises(NotImplementedError, match="hybrid models"):
+        ContinuousBatchGenerator(model, smollm2[1], num_blocks=4)
 
 
 def test_a_large_max_length_does_not_reserve_its_worst_case():

@@ -30,6 +30,16 @@ class PagedMetadata:
     num_decodes: int
 
 
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
+    """The layer types of ``config`` that keep no plain KV (convolutions, recurrent and linear attention states, ...):
+    hybrid models whose layers a `PagedCache` cannot hold."""
+    types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
+    return sorted(set(types) - set(PAGED_LAYER_TYPES))
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The shape of a model's KV cache, read from its config."""
@@ -80,6 +90,12 @@ class PagedCache(Cache):
         growable: bool = False,
     ):
         super().__init__(layers=[])
+        unpaged = unpaged_layer_types(config)
+        if unpaged:
+            raise NotImplementedError(
+                f"PagedCache holds attention keys and values only; this model also has {unpaged} layers, whose "
+                "states it cannot keep (hybrid models are not supported by the paged backend's cache)"
+            )
         self.growable = growable
         self.spec = KVCacheSpec.from_config(config)
         if not isinstance(block_size, int) or block_size < 1:
