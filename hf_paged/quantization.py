@@ -6,7 +6,9 @@ special case is *loading* on CPU: gptqmodel's default CPU kernels (AVX-512) comp
 fastest here (SmolLM2-135M GPTQ, 30 tokens, one thread: 1.3 s against 8.5 s for ``backend="torch"``). The fused
 kernels compute at reduced precision: with them Transformers' own eager and sdpa attention differ by up to 0.2 in the
 logits of SmolLM2-GPTQ, so token-exact comparisons use ``backend="torch"`` / ``"torch_awq"`` (fp32
-dequantize-and-matmul), which agree to 1e-4. Requires the ``quant`` extra (``pip install "hf-paged[quant]"``).
+dequantize-and-matmul), which agree to 1e-4. The fused kernels take 4-bit weights in groups of up to 128 (AWQ: the
+GEMM format) only; other checkpoints get the plain torch kernels. Requires the ``quant`` extra
+(``pip install "hf-paged[quant]"``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 from pathlib import Path
 
 QUANT_METHODS = ("gptq", "awq")
+_FUSED_GROUP_SIZES = (-1, 16, 32, 64, 128)
 
 
 def _set_cpu_workers() -> None:
@@ -37,20 +40,24 @@ def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", ba
     """Extra `from_pretrained` arguments for a GPTQ/AWQ checkpoint (empty for anything else, or off CPU).
 
     ``backend`` overrides gptqmodel's kernel (e.g. ``"torch"`` for exact fp32 GPTQ math); by default the fused torch
-    kernels.
+    kernels where the checkpoint fits them, else the plain torch ones.
     """
     method = quantization_method(model_path)
     if method is None or str(device) != "cpu":
         return {}
     _set_cpu_workers()
     config = json.loads((Path(model_path) / "config.json").read_text())["quantization_config"]
+    fused = config.get("bits") == 4 and config.get("group_size", 128) in _FUSED_GROUP_SIZES
     if method == "gptq":
         from transformers import GPTQConfig
 
-        return {"quantization_config": GPTQConfig(bits=config["bits"], backend=backend or "torch_fused")}
+        default = "torch_fused" if fused else "torch"
+        return {"quantization_config": GPTQConfig(bits=config["bits"], backend=backend or default)}
     from transformers import AwqConfig
 
-    return {"quantization_config": AwqConfig(bits=config["bits"], backend=backend or "torch_fused_awq")}
+    fused = fused and str(config.get("version", config.get("format", "gemm"))).lower() == "gemm"
+    default = "torch_fused_awq" if fused else "torch_awq"
+    return {"quantization_config": AwqConfig(bits=config["bits"], backend=backend or default)}
 
 
 def quantize_checkpoint(

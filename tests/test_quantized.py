@@ -51,6 +51,16 @@ def test_quantized_checkpoint_uses_quantized_linears(quantized):
     assert linear != "Linear" and ("Awq" in linear) == ("awq" in name)
 
 
+def test_a_checkpoint_the_fused_kernel_cannot_take_loads_with_the_plain_one(chat_prompts):
+    """8-bit GPTQ: gptqmodel's fused CPU kernel takes 4 bits only, so loading picks the plain torch kernel."""
+    model, tokenizer = load_model(fixture_path("tiny-gptq-8bit"))
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "TorchLinear"
+    tokenizer.padding_side = "left"
+    batch = tokenizer(chat_prompts[:4], return_tensors="pt", padding=True)
+    kwargs = dict(**batch, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(model.generate(**kwargs), generate_with(model, "sdpa", **kwargs))
+
+
 def _new_tokens(out, width):
     return [row[width:].tolist() for row in out.sequences], [torch.stack(out.logits)[:, i] for i in range(len(out.sequences))]
 
