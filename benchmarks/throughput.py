@@ -251,7 +251,10 @@ class StepClock:
 
 
 def generate_batch(model, tokenizer, prompts: list[list[int]], wanted: list[int]):
-    """One left-padded ``generate`` call run to the batch's longest request (EOS cannot stop it earlier).
+    """One left-padded ``generate`` call run to the batch's longest request.
+
+    EOS is disabled (-1), as in the other engines (ours ``ignore_eos``, Transformers CB -1): it neither stops a row
+    nor is banned, so greedy tokens after a predicted EOS stay comparable.
 
     Returns each request's requested tokens, the step clock and the generated tensor's shape.
     """
@@ -261,8 +264,7 @@ def generate_batch(model, tokenizer, prompts: list[list[int]], wanted: list[int]
     enc = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
     most = max(wanted)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    config = GenerationConfig(do_sample=False, max_new_tokens=most, min_new_tokens=most, pad_token_id=pad,
-                              eos_token_id=tokenizer.eos_token_id)
+    config = GenerationConfig(do_sample=False, max_new_tokens=most, pad_token_id=pad, eos_token_id=-1)
     clock = StepClock()
     with torch.inference_mode():
         out = model.generate(**enc, generation_config=config, streamer=clock)
@@ -369,6 +371,9 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
     errors = [o.error for o in outputs if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests refused, e.g. {errors[0]}")
+    short = sum(len(o.outputs[0].token_ids) != m for o, m in zip(outputs, workload["output_lens"]))
+    if short:  # e.g. cut at max_model_len (--kv-tokens): the rows count requested tokens
+        raise RuntimeError(f"hf_paged returned the wrong number of tokens for {short} requests")
     metrics = [o.metrics for o in outputs]
     ttft = [m.first_token_time - m.arrival_time for m in metrics]
     tpot = [per_token_time(m.first_token_time, m.finished_time, len(o.outputs[0].token_ids))
@@ -492,12 +497,16 @@ def decode_buckets(steps: list) -> dict[int, dict]:
 
 
 def efficiency_report(steps: list, forward_s: dict) -> dict:
-    """Ours' decode tokens/s per batch-size bucket against the bare forward at that bucket's mean batch size."""
+    """Ours' decode tokens/s per batch-size bucket against the bare forward at that bucket's mean batch size.
+
+    Efficiency is time over time: the bucket's steps at the bare forward's step time against ours' seconds (the
+    ceiling's tokens/s are the bucket's tokens in that ideal time), so a rounded mean batch size does not skew it.
+    """
     rows, ideal, actual, tokens = [], 0.0, 0.0, 0
     for bucket, b in decode_buckets(steps).items():
         t_forward = forward_s.get(str(b["batch_size"]))
         ours = b["tokens"] / b["seconds"]
-        ceiling = b["batch_size"] / t_forward if t_forward else None
+        ceiling = b["tokens"] / (b["steps"] * t_forward) if t_forward else None
         rows.append(dict(bucket=f"{bucket}-{2 * bucket - 1}", batch_size=b["batch_size"], steps=b["steps"],
                          ours_tok_s=ours, ceiling_tok_s=ceiling, efficiency=ours / ceiling if ceiling else None))
         if t_forward:

@@ -56,6 +56,18 @@ def test_throughput_smoke_reports_every_engine(smollm2_path, tmp_path):
 
 
 @pytest.mark.slow
+def test_outputs_cut_short_are_an_error_not_a_speed(smollm2_path, tmp_path):
+    """A cache too small for the requested lengths cuts ours' outputs at max_model_len: the row must say so instead
+    of counting tokens that were never made."""
+    out = tmp_path / "short.json"
+    run_script("throughput.py", "--smoke", "--model", smollm2_path, "--engines", "ours", "--kv-tokens", "32",
+               "--min-prompt", "20", "--max-prompt", "24", "--min-output", "12", "--max-output", "12",
+               "--json", str(out), timeout=300)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "wrong number of tokens" in row["error"] and "output_tok_s" not in row
+
+
+@pytest.mark.slow
 def test_serve_load_smoke_drives_a_real_server(smollm2_path, tmp_path):
     out = tmp_path / "serve_load.json"
     run_script("serve_load.py", "--start-server", "--offline", "--model", smollm2_path, "--clients", "3",
@@ -97,6 +109,16 @@ def test_round_parameters_leaves_only_representable_values():
         torch.testing.assert_close(param, before[name], rtol=2**-8, atol=0)
         changed += not torch.equal(param, before[name])
     assert changed > 0
+
+
+def test_bucket_efficiency_agrees_with_the_overall_one():
+    """Steps of 2 and 3 sequences at the 2-sequence forward time: ours ran exactly as fast as the ceiling's steps."""
+    throughput = load_benchmark("throughput")
+    report = throughput.efficiency_report([(2, 0, 0.1), (3, 0, 0.1), (1, 8, 0.5)], {"2": 0.1})
+    (bucket,) = report["buckets"]
+    assert bucket["efficiency"] == pytest.approx(1.0) == report["efficiency"]
+    assert bucket["ceiling_tok_s"] == pytest.approx(25.0) == report["ceiling_decode_tok_s"]
+    assert report["prefill_step_share"] == pytest.approx(0.5 / 0.7)
 
 
 def test_kernels_smoke_is_correct(tmp_path):
