@@ -7,7 +7,8 @@
 
 Each client sends one request (``--requests`` to send more, ``--clients`` at a time). Prints completion tokens/s,
 TTFT p50/p99 (first content token, seen by the client), wall time and failures. ``--offline`` runs the same
-requests through `ContinuousBatchGenerator.run` in this process, with the same engine options as ``--start-server``.
+requests through a `ContinuousBatchGenerator` in this process, with the same engine options as ``--start-server``
+and at most ``--clients`` requests in flight.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ async def run_http(base_url: str, model: str | None, prompts: list[str], max_tok
 
 # --------------------------------------------------------------------------------------------------- offline
 def run_offline(args: argparse.Namespace, prompts: list[str]) -> Summary:
-    """The same requests through `ContinuousBatchGenerator.run` in this process."""
+    """The same requests through a `ContinuousBatchGenerator` in this process."""
     from hf_paged import SamplingParams
     from hf_paged.cli import build_parser, load_generator
 
@@ -139,10 +140,18 @@ def run_offline(args: argparse.Namespace, prompts: list[str]) -> Summary:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
     def timed_run() -> tuple[list, float]:
+        """At most --clients requests in flight, as over HTTP; each one's TTFT counts from its submission."""
         generator.run([[{"role": "user", "content": "Hello!"}]], params.replace(max_tokens=4), use_tqdm=False)
         start = time.perf_counter()
-        outputs = generator.run(chats, params, use_tqdm=False)
-        return outputs, time.perf_counter() - start
+        waiting, live, finished = list(enumerate(chats)), {}, {}
+        while waiting or live:
+            while waiting and len(live) < args.clients:
+                index, chat = waiting.pop(0)
+                live[generator.add_request(chat, params)] = index
+            for output in generator.step():
+                if output.finished:
+                    finished[live.pop(output.request_id)] = output
+        return [finished[i] for i in range(len(chats))], time.perf_counter() - start
 
     # On a worker thread, as the server's engine runs: on a busy CPU, torch's intra-op threads can make the very
     # same steps several times slower from the main thread than from any other one.
@@ -210,23 +219,21 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests or args.clients)]
 
     report: dict = {"clients": args.clients, "requests": len(prompts), "max_tokens": args.max_tokens}
-    http = None
-    if args.start_server or not args.offline:
-        process, base_url = start_server(args) if args.start_server else (None, args.base_url)
-        try:
-            http = asyncio.run(run_http(base_url, args.served_model_name, prompts, args.max_tokens, args.clients,
-                                        args.api_key))
-        finally:
-            if process is not None:
-                process.terminate()
-                process.wait(30)
-        http.show()
-        report["http"] = asdict(http)
+    process, base_url = start_server(args) if args.start_server else (None, args.base_url)
+    try:
+        http = asyncio.run(run_http(base_url, args.served_model_name, prompts, args.max_tokens, args.clients,
+                                    args.api_key))
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(30)
+    http.show()
+    report["http"] = asdict(http)
     if args.offline:
         offline = run_offline(args, prompts)
         offline.show()
         report["offline"] = asdict(offline)
-        if http is not None and offline.tokens_per_s:
+        if offline.tokens_per_s:
             report["http_over_offline"] = http.tokens_per_s / offline.tokens_per_s
             print(f"HTTP throughput is {100 * report['http_over_offline']:.1f}% of offline")
     if args.json:
