@@ -112,7 +112,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
     try:
         path = resolve_model(args.model)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         parser.error(str(err))
     try:
         model, tokenizer = load_model(path, dtype=args.dtype)
@@ -123,7 +123,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             enable_prefix_caching=not args.no_prefix_caching, prepack_weights=not args.no_prepack_weights,
             kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         )
-    except (OSError, ValueError) as err:
+    except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
 
 

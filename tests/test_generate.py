@@ -271,3 +271,29 @@ def test_assisted_decoding_crops_the_cache():
     assert torch.equal(got, generate_with(model, "sdpa", **kwargs))
     assert any(n < 0 for n in crops), "no candidate was rejected: the test does not exercise crop"
     assert cache.pool.num_used_blocks == -(-(got.shape[1] - 1) // 4)
+
+
+def test_a_damaged_default_model_copy_is_rebuilt(tmp_path, monkeypatch):
+    """Conversions are staged and renamed into place, so a copy missing a file was damaged by hand: rebuild it."""
+    from pathlib import Path
+
+    import hf_paged.default_model as default_model
+
+    monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path))
+    target = tmp_path / default_model.DEFAULT_MODEL_NAME
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # no weights
+    (target / "stale").write_text("x")
+    built = []
+
+    def fake_convert(gguf, out):
+        out.mkdir()
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (out / name).write_text("ok")
+        built.append(out)
+
+    monkeypatch.setattr(default_model, "_convert", fake_convert)
+    monkeypatch.setattr(default_model, "_gguf_file", lambda: Path("model.gguf"))
+    assert default_model.resolve_model(Path("smollm2")) == str(target) and built == [target]
+    assert not (target / "stale").exists()
+    assert default_model.default_model_path() == str(target) and len(built) == 1  # complete now: kept

@@ -324,6 +324,29 @@ def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):
     assert exit_info.value.code == 2 and "is not a size" in capsys.readouterr().err
 
 
+def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsys):
+    """A model the engine refuses (here a hybrid one) or broken weights: a message and exit code 2, no traceback."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Lfm2Config
+
+    from hf_paged.cli import main
+
+    config = Lfm2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, num_hidden_layers=2, layer_types=["conv", "full_attention"])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hybrid")
+    broken = tmp_path / "broken"
+    shutil.copytree(smollm2_path, broken)
+    (broken / "model.safetensors").write_bytes(b"\0" * 64)
+    for name in ("hybrid", "broken"):
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(f"{smollm2_path}/{file}", tmp_path / name / file)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", str(tmp_path / name), "hi", "--max-tokens", "2"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"cannot load {tmp_path / name}" in err and "Traceback" not in err
+
+
 def test_cli_generate_with_engine_options(capsys):
     from hf_paged.cli import main
 
