@@ -65,7 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random queries and caches")
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if GPU else "float32"))
-    args.heads = tuple(int(h) for h in (args.heads or ("32,8" if GPU else "4,2")).split(","))
+    try:
+        args.heads = tuple(int(h) for h in (args.heads or ("32,8" if GPU else "4,2")).split(","))
+    except ValueError:
+        args.heads = ()
+    if len(args.heads) != 2 or min(args.heads) < 1 or args.heads[0] % args.heads[1]:
+        parser.error("--heads takes QUERY,KV head counts, positive, with QUERY a multiple of KV (e.g. 32,8)")
     args.head_dim = args.head_dim or (128 if GPU else 32)
     return args
 
