@@ -566,13 +566,15 @@ def throughput_row(engine: str, result: dict, workload: dict) -> dict:
     return row
 
 
+def workload_summary(workload: dict) -> dict:
+    return dict(num_requests=len(workload["prompts"]), prompt_tokens=sum(len(p) for p in workload["prompts"]),
+                output_tokens=sum(workload["output_lens"]))
+
+
 def build_report(args, workload: dict, results: dict) -> dict:
     rows = [throughput_row(e, results[e], workload) for e in args.engines if e != "ceiling"]
     report = dict(settings={k: v for k, v in vars(args).items() if not k.startswith("worker")},
-                  workload=dict(num_requests=len(workload["prompts"]),
-                                prompt_tokens=sum(len(p) for p in workload["prompts"]),
-                                output_tokens=sum(workload["output_lens"])),
-                  rows=rows, ratios={}, agreement={}, kv_memory={})
+                  workload=workload_summary(workload), rows=rows, ratios={}, agreement={}, kv_memory={})
     ours = results.get("ours", {})
     if "hf_cb" in results and "config" in results["hf_cb"]:
         report["hf_cb_config"] = results["hf_cb"]["config"]
@@ -663,6 +665,10 @@ def main(argv=None) -> dict | None:
 
     args.model = resolve_model(args.model)
     workload = make_workload(args, AutoTokenizer.from_pretrained(args.model))
+    earlier = json.loads(Path(args.compare_with).read_text()) if args.compare_with else None
+    if earlier is not None and earlier["workload"] != workload_summary(workload):
+        raise SystemExit(f"--compare-with {args.compare_with} ran another workload ({earlier['workload']}, this one "
+                         f"{workload_summary(workload)}): give the same model, seed, request count and lengths")
     job = dict(workload=workload, ceiling_batches=[])
     results = {}
     for engine in [e for e in ENGINES if e in args.engines]:
@@ -672,8 +678,8 @@ def main(argv=None) -> dict | None:
         print(f"running {engine} ...", file=sys.stderr, flush=True)
         results[engine] = spawn_engine(engine, worker_argv(args), job, args.engine_timeout)
     report = build_report(args, workload, results)
-    if args.compare_with:
-        compare_runs(report, json.loads(Path(args.compare_with).read_text()))
+    if earlier is not None:
+        compare_runs(report, earlier)
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -53,6 +53,11 @@ def test_throughput_smoke_reports_every_engine(smollm2_path, tmp_path):
     label = "ours float32+kv-bfloat16+weights-bfloat16/float32"
     assert compared["ratios"][label] > 0
     assert 0 <= compared["agreement"][label]["identical"] <= 1
+    # Another workload cannot be compared request by request: refused before any engine runs.
+    other = subprocess.run([sys.executable, str(BENCHMARKS / "throughput.py"), "--smoke", "--model", smollm2_path,
+                            "--num-requests", "3", "--compare-with", str(out)], capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode != 0 and "ran another workload" in other.stderr
 
 
 @pytest.mark.slow
