@@ -30,6 +30,20 @@ PROMPT = "The three primary colors are"
 GREEDY_TOKENS = 12
 
 
+def wait_until_up(base: str, timeout: float, process=None) -> None:
+    """Poll ``/health`` until it answers 200 (and, for a server ``process``, while that has not exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert process is None or process.poll() is None, process.stderr.read().decode()
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def server(smollm2):
     """The real server on a free port, with greedy reference outputs computed by its own generator beforehand."""
@@ -45,15 +59,7 @@ def server(smollm2):
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.05)
+    wait_until_up(base, timeout=30)
     yield SimpleNamespace(base=base, generator=generator, app=app, chat_ref=chat_ref.outputs[0],
                           prompt_ref=prompt_ref.outputs[0])
     uv.should_exit = True
@@ -373,16 +379,7 @@ def test_cli_server_stops_promptly_with_a_stream_in_flight(smollm2_path):
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None, process.stderr.read().decode()
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        wait_until_up(base, timeout=120, process=process)
         body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
             events = 0
