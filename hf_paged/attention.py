@@ -54,8 +54,9 @@ def padding_mask(
     """Mask function for ``"paged"``: the 2-D padding mask ``[batch, kv_length]``, or None when nothing is padding.
 
     Causality, sliding windows and sequence boundaries are handled by the kernels, so no 4-D mask is ever built; a
-    forward that asks for any other mask pattern is refused rather than run causally. A sliding-window mask carries
-    its window to the attention function (``paged_sliding_window``), since some models set the window only here.
+    forward that asks for any other mask pattern is refused rather than run causally. A sliding-window pattern is
+    always answered with a 2-D bool tensor (all True when nothing is padding) that carries its window to the
+    attention function (``paged_sliding_window``, ``paged_is_padding``), since some models set the window only here.
     """
     if mask_function is not None and not is_causal_pattern(mask_function):
         raise NotImplementedError(

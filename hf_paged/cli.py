@@ -112,7 +112,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
     try:
         path = resolve_model(args.model)
-    except (ValueError, OSError) as err:
+    except Exception as err:  # e.g. the default model's conversion failing
         parser.error(str(err))
     try:
         model, tokenizer = load_model(path, dtype=args.dtype)
@@ -134,6 +134,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .default_model import DEFAULT_MODEL_NAME
     from .server import create_app
 
+    if not args.shutdown_timeout >= 0:
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     generator = load_generator(parser, args)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME

@@ -33,6 +33,10 @@ def _gguf_file() -> Path:
     return files[0]
 
 
+def _is_complete(converted: Path) -> bool:
+    return all((converted / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
 def _convert(gguf: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -49,18 +53,17 @@ def _convert(gguf: Path, target: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        for path in staging.iterdir():  # mkdtemp and save_pretrained make them private; the cache may be shared
+            path.chmod(0o644)
+        staging.chmod(0o755)
         staging.rename(target)
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():  # not another process finishing the same conversion first
+        if not _is_complete(target):  # not another process finishing the same conversion first
             raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-_CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
 def default_model_path() -> str:
@@ -69,7 +72,7 @@ def default_model_path() -> str:
     A copy that lacks any of its files (damaged by hand: conversions are staged and renamed into place) is rebuilt.
     """
     target = cache_root() / DEFAULT_MODEL_NAME
-    if not all((target / name).exists() for name in _CONVERTED_FILES):
+    if not _is_complete(target):
         if target.exists():
             shutil.rmtree(target)
         _convert(_gguf_file(), target)

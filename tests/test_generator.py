@@ -144,7 +144,9 @@ def test_a_failed_step_takes_back_its_admissions(smollm2, chat_prompts, monkeypa
     with pytest.raises(RuntimeError, match="boom"):
         gen.step()
     monkeypatch.setattr(gen.runner, "execute", original)
-    assert all(seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0 for seq in gen.scheduler.waiting)
+    waiting = list(gen.scheduler.waiting)
+    assert len(waiting) == 2 and not gen.scheduler.running
+    assert all(seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0 for seq in waiting)
     assert gen.kv.pool.num_used_blocks == 0
     gen.abort_request(a)
     outputs = {}

@@ -266,7 +266,8 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
 
 @pytest.mark.parametrize("extra", [
     {"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"tool_choice": "required"}, {"best_of": 3}, {"guided_regex": "[0-9]+"},
+    {"tool_choice": "required"}, {"best_of": 3}, {"guided_regex": "[0-9]+"}, {"use_beam_search": True},
+    {"add_generation_prompt": False},
 ], ids=lambda extra: next(iter(extra)))
 def test_unsupported_fields_are_refused_by_name(server, extra):
     name = next(iter(extra))
@@ -279,7 +280,7 @@ def test_harmless_and_unknown_fields_are_accepted(server):
     assert_error(post(server, "/v1/completions", {**completion, "echo": True}), 400, "echo", "not supported")
     assert_error(post(server, "/v1/completions", {**completion, "stream_options": {"include_usage": True}}), 400,
                  "stream_options", "stream is true")
-    harmless = {"response_format": {"type": "text"}, "tool_choice": "none", "logit_bias": {}, "best_of": 1,
+    harmless = {"response_format": {"type": "text"}, "tool_choice": "auto", "logit_bias": {}, "best_of": 1,
                 "metadata": {"anything": "goes"}}
     assert post(server, "/v1/completions", {**completion, **harmless}).status_code == 200
 

@@ -316,9 +316,7 @@ class ContinuousBatchGenerator:
         """A request with ``n > 1`` draws ``n`` first tokens from its prompt's logits; its samples then diverge."""
         rows, draws = [], []
         for row, seq in enumerate(sampled):
-            request = seq.request
-            count = request.params.n if len(request.seqs) == 1 and seq.num_output_tokens == 0 else 1
-            for k in range(count):
+            for k in range(seq.num_samples):
                 rows.append(row)
                 draws.append((seq, k))
         return rows, draws

@@ -90,10 +90,10 @@ class Scheduler:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
                 picked.append((seq, n))
                 budget -= n
-        seats = sum(self._seats(seq) for seq in self.running)
+        seats = sum(seq.num_samples for seq in self.running)  # n > 1 forks after the prompt
         while not preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seats + self._seats(seq) > self.config.max_num_seqs:
+            if seats + seq.num_samples > self.config.max_num_seqs:
                 break
             seq.num_computed_tokens = num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -113,7 +113,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            seats += self._seats(seq)
+            seats += seq.num_samples
             admitted.append(seq)
             picked.append((seq, n))
             budget -= n
@@ -128,12 +128,6 @@ class Scheduler:
                 self._requeue(seq)
                 if seq.index == 0:
                     seq.request.num_cached_tokens = 0
-
-    @staticmethod
-    def _seats(seq: Sequence) -> int:
-        """Running sequences ``seq`` will take: a request with ``n > 1`` forks into ``n`` after its prompt."""
-        request = seq.request
-        return request.params.n if len(request.seqs) == 1 and seq.num_output_tokens == 0 else 1
 
     def _headroom(self) -> int:
         """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""

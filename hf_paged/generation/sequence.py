@@ -96,6 +96,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def num_samples(self) -> int:
+        """Sequences this one will be once it has a token: ``n`` for a request's first, not yet forked, else 1."""
+        return self.request.params.n if len(self.request.seqs) == 1 and self.num_output_tokens == 0 else 1
+
     def fork(self, index: int) -> "Sequence":
         """A sibling sample that shares everything computed so far."""
         child = Sequence(self.request, index, list(self.token_ids))

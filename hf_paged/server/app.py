@@ -10,9 +10,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
   generation stops at the context's end with ``finish_reason="length"``.
 * ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
 * ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
-* A field that would change the output and is not implemented (``echo``, ``suffix``, ``best_of`` above ``n``, a
-  ``response_format`` other than text, ``tools``, guided decoding, ...) is a 400 naming it; a field that is not
-  known at all is ignored, as vLLM does.
+* A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``echo``,
+  ``suffix``, ``best_of`` above ``n``, a ``response_format`` other than text, ``tools``, guided decoding, beam
+  search, ...; see ``protocol._UNSUPPORTED``) is a 400 naming it; a field that is not known at all is ignored, as
+  vLLM does.
 * With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or body
   (FastAPI's 422 included), 401 for a missing or wrong key, 404 for an unknown model, 500 when the engine failed.

@@ -24,21 +24,31 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-# Fields of OpenAI's or vLLM's API that change the output and that this server does not implement, with the values
-# that ask for nothing more than it does. Any other value is refused by name rather than ignored; fields that are
-# not known at all are ignored, as vLLM does.
+# Fields of OpenAI's API and of vLLM's extensions to it that change the output and that this server does not
+# implement, with the values that ask for nothing more than it does. Any other value is refused by name rather than
+# ignored; fields that are not known at all are ignored, as vLLM does.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
     "tools": lambda value: not value,
-    "tool_choice": lambda value: value in (None, "none"),
+    "tool_choice": lambda value: value in (None, "none", "auto"),
     "functions": lambda value: not value,
-    "function_call": lambda value: value in (None, "none"),
+    "function_call": lambda value: value in (None, "none", "auto"),
     "prompt_logprobs": lambda value: value is None,
     "structured_outputs": lambda value: value is None,
     "guided_json": lambda value: value is None,
     "guided_regex": lambda value: value is None,
     "guided_choice": lambda value: value is None,
     "guided_grammar": lambda value: value is None,
+    "use_beam_search": lambda value: not value,
+    "bad_words": lambda value: not value,
+    "allowed_token_ids": lambda value: value is None,
+    "truncate_prompt_tokens": lambda value: value is None,
+    "echo": lambda value: not value,
+    "add_generation_prompt": lambda value: value in (None, True),
+    "continue_final_message": lambda value: not value,
+    "chat_template": lambda value: value is None,
+    "chat_template_kwargs": lambda value: not value,
+    "documents": lambda value: not value,
 }
 
 
