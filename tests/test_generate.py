@@ -273,6 +273,17 @@ def test_assisted_decoding_crops_the_cache():
     assert cache.pool.num_used_blocks == -(-(got.shape[1] - 1) // 4)
 
 
+def test_kv_shared_layers_hold_no_blocks():
+    """Gemma3n's last layers reuse earlier layers' keys and values: the cache holds blocks for the others only."""
+    model, reference = tiny_model("gemma3n")
+    kwargs = dict(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]), max_new_tokens=10, do_sample=False,
+                  pad_token_id=0)
+    out = model.generate(**kwargs, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, generate_with(model, reference, **kwargs))
+    assert model.config.num_hidden_layers == 4 and len(out.cache.key_cache) == len(out.cache.value_cache) == 2
+    assert out.cache.spec.bytes_per_block(16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
+
+
 def test_a_damaged_default_model_copy_is_rebuilt(tmp_path, monkeypatch):
     """Conversions are staged and renamed into place, so a copy missing a file was damaged by hand: rebuild it."""
     from pathlib import Path

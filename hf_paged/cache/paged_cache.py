@@ -42,11 +42,16 @@ def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The shape of a model's KV cache, read from its config."""
+    """The shape of a model's KV cache, read from its config.
+
+    The last ``num_shared_layers`` layers (Gemma3n's KV sharing) attend with earlier layers' keys and values, so only
+    the first ``num_cached_layers`` hold blocks.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_shared_layers: int = 0
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> "KVCacheSpec":
@@ -54,11 +59,16 @@ class KVCacheSpec:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        return cls(config.num_hidden_layers, num_kv_heads, head_dim)
+        shared = getattr(config, "num_kv_shared_layers", None) or 0
+        return cls(config.num_hidden_layers, num_kv_heads, head_dim, shared)
+
+    @property
+    def num_cached_layers(self) -> int:
+        return self.num_layers - self.num_shared_layers
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_cached_layers * block_size * self.num_kv_heads * self.head_dim * element
 
 
 class PagedCache(Cache):
@@ -130,7 +140,7 @@ class PagedCache(Cache):
         self.dtype = self.dtype or dtype
         self.device = self.device or device
         shape = (self.num_blocks, self.spec.num_kv_heads, self.block_size, self.spec.head_dim)
-        for _ in range(self.spec.num_layers):
+        for _ in range(self.spec.num_cached_layers):
             # Zeros, not empty: attention reads whole blocks and masks the unused rows, which must stay finite.
             self.key_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
             self.value_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -146,6 +156,9 @@ class PagedCache(Cache):
         """The ``(k, v)`` block tensors of ``layer_idx`` as ``[num_blocks, block_size, num_kv_heads, head_dim]`` views,
         checked against the new ``key`` ``[B, Hkv, S, D]``."""
         self.allocate(key.dtype, key.device)
+        if layer_idx >= len(self.key_cache):
+            raise ValueError(f"layer {layer_idx} stores keys, but the config says only the first {len(self.key_cache)} "
+                             "layers do (num_kv_shared_layers)")
         k_cache = self.key_cache[layer_idx]
         if key.shape[1] != k_cache.shape[1] or key.shape[3] != k_cache.shape[3]:
             raise ValueError(
