@@ -146,8 +146,7 @@ def paged_attention_forward(
         return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
 
     batch, num_heads, q_len, head_dim = query.shape
-    valid = None if attention_mask is None else attention_mask[:, -q_len:]
-    meta = paged_cache.step_metadata(batch, q_len, valid)
+    meta = paged_cache.step_metadata(batch, q_len, attention_mask)
     k_cache, v_cache = paged_cache.layer(paged_layer_idx, key)
 
     num_tokens = batch * q_len

@@ -167,6 +167,23 @@ def test_a_large_max_length_does_not_reserve_its_worst_case():
     assert torch.equal(out.sequences, generate_with(model, "sdpa", **kwargs))
 
 
+def test_continuing_with_a_mask_the_cache_does_not_match_is_refused():
+    """Padding is never stored, so a continuation whose mask marks other cached tokens as real (or as padding)
+    cannot be computed as sdpa would: refused instead of answered differently."""
+    model, _ = tiny_model("llama")
+    ids, mask = _left_padded_batch(lengths=(9, 5))
+    first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True)
+    turn = torch.cat([first.sequences, torch.tensor([[11, 12], [13, 14]])], dim=1)
+    full = torch.cat([mask, torch.ones(2, 6, dtype=mask.dtype)], dim=1)
+    hole = full.clone()
+    hole[0, 2] = 0  # a prompt token the cache holds, now marked as padding
+    for bad in (hole, torch.ones_like(full)):  # all ones: the padding of row 1 as real tokens
+        with pytest.raises(ValueError, match="cached tokens per row as real"):
+            model.generate(input_ids=turn, attention_mask=bad, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           cache=first.cache)
+
+
 def test_a_paged_assistant_model_matches_plain_greedy():
     model, _ = tiny_model("llama")
     assistant, _ = tiny_model("qwen2")

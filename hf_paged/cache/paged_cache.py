@@ -201,20 +201,28 @@ class PagedCache(Cache):
         key_states.paged_source = (self, layer_idx)
         return key_states, value_states
 
-    def step_metadata(self, batch_size: int, query_len: int, valid: torch.Tensor | None) -> PagedMetadata:
+    def step_metadata(self, batch_size: int, query_len: int, mask: torch.Tensor | None) -> PagedMetadata:
         """This forward's metadata; under ``generate`` planned on first use from the batch rows.
 
-        ``valid`` (``[batch, query_len]`` bool, or None when nothing is padding) marks the new tokens to store.
+        ``mask`` (``[batch, past + query_len]`` bool, or None when nothing is padding) marks the tokens that are not
+        padding: the new ones to store, and the cached ones, which must be those this cache stored.
         """
         if self._step is None:
-            self._step = self._plan_rows(batch_size, query_len, valid)
+            self._step = self._plan_rows(batch_size, query_len, mask)
         return self._step
 
-    def _plan_rows(self, batch_size: int, query_len: int, valid: torch.Tensor | None) -> PagedMetadata:
+    def _plan_rows(self, batch_size: int, query_len: int, mask: torch.Tensor | None) -> PagedMetadata:
         if not self._row_lens:
             self._row_lens = [0] * batch_size
         if batch_size != len(self._row_lens):
             raise ValueError(f"PagedCache holds {len(self._row_lens)} rows but the batch has {batch_size}")
+        past = [self._seen_tokens] * batch_size if mask is None else mask[:, :-query_len].sum(dim=1).tolist()
+        if past != self._row_lens:
+            raise ValueError(
+                f"the attention mask marks {past} cached tokens per row as real, but this PagedCache stored "
+                f"{self._row_lens} (padding is never stored: continue with the mask the cached tokens had)"
+            )
+        valid = None if mask is None else mask[:, -query_len:]
         if valid is None:
             counts = [query_len] * batch_size
         else:
