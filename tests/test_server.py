@@ -290,7 +290,8 @@ def test_logit_bias(server, client):
     done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=3, logit_bias={token: 100})
     assert done.choices[0].text == " Paris" * 3
     completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
-    assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {"the": 1}}), 400, "logit_bias")
+    for key in ("the", "1_0", " 7 "):
+        assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {key: 1}}), 400, "logit_bias")
     assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {"10000000": 1}}), 400, "logit_bias")
     assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {"42": 500}}), 400, "logit_bias")
 

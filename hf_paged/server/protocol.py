@@ -96,12 +96,10 @@ class GenerationRequest(BaseModel):
         """OpenAI sends token ids as JSON object keys, so as strings."""
         if self.logit_bias is None:
             return None
-        try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
-        except ValueError:
-            raise ValueError(
-                f"SamplingParams.logit_bias keys must be token ids, got {list(self.logit_bias)[:5]}"
-            ) from None
+        bad = [token for token in self.logit_bias if not (token.isascii() and token.isdigit())]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {bad[:5]}")
+        return {int(token): bias for token, bias in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:
