@@ -196,9 +196,10 @@ class PagedCache(Cache):
             self._step, self._next_step = self._next_step, None
         kwargs["paged_cache"] = self
         kwargs["paged_layer_idx"] = layer_idx
-        # Models that share KV across layers (Gemma3n) hand these same tensors to later layers' attention, which
-        # then finds their blocks through this tag.
-        key_states.paged_source = (self, layer_idx)
+        if self.spec.num_shared_layers:
+            # Models that share KV across layers (Gemma3n) hand these same tensors to later layers' attention, which
+            # then finds their blocks through this tag.
+            key_states.paged_source = (self, layer_idx)
         return key_states, value_states
 
     def step_metadata(self, batch_size: int, query_len: int, mask: torch.Tensor | None) -> PagedMetadata:

@@ -176,7 +176,7 @@ class ContinuousBatchGenerator:
                 f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}"
             )
         # A tokenizer can know more tokens than the model embeds; such a prompt would fail every step it joins.
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        bad = self._outside_vocabulary(token_ids)
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary (size {self.vocab_size})")
         return text, token_ids
@@ -205,6 +205,9 @@ class ContinuousBatchGenerator:
         self._inbox.put(("add", Request(request_id, text, token_ids, params, seed)))
         return request_id
 
+    def _outside_vocabulary(self, token_ids) -> list[int]:
+        return [t for t in token_ids if not 0 <= t < self.vocab_size]
+
     def _check_params(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check on its own: the limits of this engine and this vocabulary."""
         # Worded as SamplingParams' own checks ("SamplingParams.<field> must be ..."), so callers can name the field.
@@ -212,11 +215,11 @@ class ContinuousBatchGenerator:
         if params.n > max_num_seqs:
             raise ValueError(f"SamplingParams.n must be at most this engine's max_num_seqs ({max_num_seqs}), the "
                              f"most sequences it runs at once, got {params.n}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        bad = self._outside_vocabulary(params.stop_token_ids)
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids must be in the vocabulary (0 to {self.vocab_size - 1}), "
                              f"got {bad[:5]}")
-        bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+        bad = self._outside_vocabulary(params.logit_bias)
         if bad:
             raise ValueError(f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
                              f"{self.vocab_size - 1}), got {bad[:5]}")

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling_params import FLOAT32_MAX
+
 _MASK31 = (1 << 31) - 1
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     output_counts = _token_counts(batch.output_tokens, vocab)
     seen = (output_counts > 0) | (_token_counts(batch.prompt_tokens, vocab) > 0)
     rep = batch.repetition_penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep).clamp_(max=_FLOAT32_MAX)  # rep near 0
+    penalized = torch.where(logits > 0, logits / rep, logits * rep).clamp_(max=FLOAT32_MAX)  # rep near 0
     logits = torch.where(seen, penalized, logits)
     logits = logits - batch.frequency_penalty.unsqueeze(1) * output_counts
     return logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0).float()
@@ -104,7 +105,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = greedy_tokens
     else:
         temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-        scaled = (logits / temperature.unsqueeze(1)).clamp_(max=_FLOAT32_MAX)  # a small temperature overflows
+        scaled = (logits / temperature.unsqueeze(1)).clamp_(max=FLOAT32_MAX)  # a small temperature overflows
         probs = scaled.softmax(dim=-1)
         rows = batch.sort_rows
         if rows is not None:  # these rows' probabilities are replaced by their top-k / top-p ones, in sorted order

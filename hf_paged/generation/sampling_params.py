@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from transformers import GenerationConfig
 
 _INT64_END = 2**63
-_FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32
+FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy, as in vLLM: dividing by them overflows float32
 
 
@@ -86,7 +86,7 @@ class SamplingParams:
                 self._check(_is_int(value), name, value, "an integer")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            self._check(_is_real(value) and abs(value) <= _FLOAT32_MAX, name, value, "a finite float32 number")
+            self._check(_is_real(value) and abs(value) <= FLOAT32_MAX, name, value, "a finite float32 number")
         self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")
         self._check(all(isinstance(t, str) for t in self.stop), "stop", self.stop, "a string or a list of strings")

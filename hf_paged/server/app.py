@@ -231,7 +231,8 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                                               token_chars.get(index, 0), choice.finish_reason)])
                 sent_chars[index] = -1 if finished else max(start, end)
                 sent_tokens[index] = len(choice.token_ids)
-                token_chars[index] = token_chars.get(index, 0) + sum(len(fmt.decode(t)) for t in token_ids)
+                if logprobs is not None:  # text_offset is only reported with logprobs
+                    token_chars[index] = token_chars.get(index, 0) + sum(len(fmt.decode(t)) for t in token_ids)
                 if finished:
                     completion_tokens += len(choice.token_ids)
         if include_usage:
