@@ -19,6 +19,11 @@ __all__ = ["PrepackedLinear", "available", "prepack_linear_layers", "unpack_line
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _linear_pointwise(*args):
+    # The resolved overload: calling it skips the operator packet's overload lookup (a few microseconds a call).
+    return torch.ops.mkldnn._linear_pointwise.default(*args)
+
+
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether this torch build and CPU can run packed oneDNN linear layers in ``dtype``."""
     if dtype not in _DTYPES or not torch.backends.mkldnn.is_available():
@@ -55,17 +60,19 @@ class PrepackedLinear(nn.Linear):
         return self._packed
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # Kept lean: a decode step calls this for every linear layer, and at one row the checks and the operator
+        # lookup cost as much as a small layer's multiply.
         weight = self.weight
         if (
-            input.device.type != "cpu"
-            or weight.device.type != "cpu"
-            or input.dtype != weight.dtype
-            or weight.dtype not in _DTYPES
-            or (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
-            or torch.is_autocast_enabled("cpu")
+            input.is_cpu
+            and weight.is_cpu
+            and input.dtype == weight.dtype
+            and weight.dtype in _DTYPES
+            and not (torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad))
+            and not torch.is_autocast_enabled("cpu")
         ):
-            return F.linear(input, weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(input, self._pack(), self.bias, "none", [], "")
+            return _linear_pointwise(input, self._pack(), self.bias, "none", [], "")
+        return F.linear(input, weight, self.bias)
 
 
 def prepack_linear_layers(model: nn.Module) -> int:
