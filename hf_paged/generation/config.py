@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -23,6 +24,66 @@ def parse_memory(text: str) -> int:
     if unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB, 1GB or a byte count")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` fields for prompt lookup. Invalid values raise ``ValueError`` naming the field.
+
+    ``disable_by_batch_size``: no sequence speculates while more than this many run. Verifying ``k`` guesses costs a
+    forward over ``k + 1`` tokens per sequence; at one sequence that is nearly free (the weights are read once
+    either way), at a large batch it is extra compute that guesses rarely repay (vLLM measured speculation 1.4-1.8x
+    slower at high load). Default 4: on a 2-core CPU a decode step of 4 sequences with 4 guesses each (20 tokens)
+    took about 1.6x the step without guesses, so each sequence must keep more than half a guess per step to gain.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """From a `SpeculativeConfig`, a dict of its fields, its JSON text, or None (no speculation)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative_config is not valid JSON: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict of its fields, got {type(value).__name__}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}; it takes "
+                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        return cls(**value)
+
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``: the JSON of a `SpeculativeConfig`'s fields."""
+    try:
+        return SpeculativeConfig.from_value(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _option(help_text: str, default=None, flag: str | None = None, type_=None):
@@ -52,6 +113,10 @@ class EngineConfig:
     prepack_weights: bool = _option(
         "on CPU, run linear layers through plain torch instead of oneDNN with weights packed once (packing is "
         "faster and costs the linear weights' memory once more)", True, flag="--no-prepack-weights")
+    speculative_config: SpeculativeConfig | None = _option(
+        "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4} (prompt lookup; "
+        "greedy outputs stay token-identical; default: off)", type_=parse_speculative_config)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory"):
@@ -63,6 +128,7 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2 (a prompt token and an output "
                              f"token), got {self.max_model_len!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         if isinstance(self.kv_cache_dtype, torch.dtype):  # accepted as a dtype, kept as its name
             object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).removeprefix("torch."))
         if self.kv_cache_dtype == "auto":

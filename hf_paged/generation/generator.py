@@ -23,8 +23,9 @@ from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput
 from .sampler import build_sampling_batch, sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
+from .spec_decode import Speculator, verify_drafts
 
 DEFAULT_CPU_KV_MEMORY = 2 << 30
 
@@ -42,6 +43,20 @@ class EngineStats:
     prefix_cache_hits: int
     prompt_tokens: int
     generation_tokens: int
+    # Speculative decoding: steps that verified guesses of a sequence, guesses verified, guesses kept.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Kept guesses over verified guesses (None before any)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens a sequence gained per step that verified its guesses: the kept guesses and the model's own."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
 
 class ContinuousBatchGenerator:
@@ -78,6 +93,8 @@ class ContinuousBatchGenerator:
                                      self._eos_token_ids(model, tokenizer))
         self.scheduler = Scheduler(config, self.kv, Detokenizer(tokenizer), self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, self.kv)
+        spec = config.speculative_config
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
@@ -166,16 +183,15 @@ class ContinuousBatchGenerator:
         """Run one engine step; returns the outputs of the requests that changed (new tokens, finished, aborted), as
         each request's ``output_kind`` asks."""
         changed = self._drain_inbox()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule() if self.scheduler.has_work() else None
         if out is not None and out.seqs:
             now = time.monotonic()
             for seq in out.seqs:
                 seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             try:  # nothing about a sequence changes until `update`; a step that raises is undone
-                logits = self.runner.execute(out)
-                if len(out.draw_rows) != logits.shape[0]:
-                    logits = logits[out.draw_rows]
-                sampled = sample(logits, build_sampling_batch(out.draws, logits.device)) if out.draws else None
+                sampled = self._sample(out, self.runner.execute(out))
             except BaseException:
                 self.scheduler.rollback(out)
                 raise
@@ -188,6 +204,15 @@ class ContinuousBatchGenerator:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
+        if not out.draws:
+            return None
+        if out.spec_token_ids:
+            return verify_drafts(logits, out, self.speculator)
+        if len(out.draw_rows) != logits.shape[0]:
+            logits = logits[out.draw_rows]
+        return sample(logits, build_sampling_batch(out.draws, logits.device))
 
     def _retire(self, request_id: str) -> None:
         with self._ids_lock:
@@ -266,4 +291,12 @@ class ContinuousBatchGenerator:
             prefix_cache_hits=self.kv.prefix_hits,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self.scheduler.num_generated_tokens,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        s = self.speculator
+        if s is None:
+            return {}
+        return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens)

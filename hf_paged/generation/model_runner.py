@@ -38,13 +38,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         for seq, n in zip(out.seqs, out.num_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
+            guesses = out.spec_token_ids.get(seq.seq_id, [])  # speculative guesses, computed after its last token
+            input_ids += seq.token_ids[start:end] + guesses
             positions += range(start, end)
             slots += self.kv_manager.slots(seq.seq_id, start, end)
             seq_lens.append(end)
             tables.append(self.kv_manager.block_table(seq.seq_id))
-            if end == seq.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            if end >= seq.num_tokens:  # its last token's logits, and each guess's
+                sample_rows += range(len(input_ids) - 1 - len(guesses), len(input_ids))
         metadata = PagedMetadata.build(self.kv, tables, seq_lens, out.num_tokens, slots)
         inputs = dict(
             input_ids=torch.tensor([input_ids], device=self.device),
@@ -61,7 +62,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns ``logits [sampled sequences, vocab]`` in step order."""
+        """Run the step; returns ``logits [sampled rows, vocab]`` in step order: one row per sampled sequence, and
+        one more per speculative guess it verifies."""
         inputs, rows = self.prepare(out)
         logits = self.model(**inputs).logits[0]
         return logits if self._keeps_logits else logits[rows]

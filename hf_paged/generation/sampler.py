@@ -21,15 +21,16 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """One uniform number in (0, 1) per row, a pure function of (seed, counter).
 
     A counter-based draw makes each request's samples depend only on its own seed and position, never on which
-    other requests share the batch, and needs no per-request generator object or Python loop.
+    other requests share the batch, and needs no per-request generator object or Python loop. Another ``stream``
+    gives other numbers for the same (seed, counter) (speculative decoding's accept tests).
     """
     h = _mix((seeds & _MASK31) ^ _mix((seeds >> 31) & _MASK31))
     h = _mix(h ^ (counters & _MASK31))
-    h = _mix(h ^ 0x2545F491)
+    h = _mix(h ^ (0x2545F491 + stream))
     return (h.double() + 0.5) / float(1 << 31)
 
 
@@ -70,16 +71,21 @@ class SamplerOutput:
     sampled_logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Speculative decoding: the guesses each row kept, appended before its token (see spec_decode.verify_drafts).
+    accepted: list[list[int]] | None = None
 
 
-def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device) -> SamplingBatch:
+def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device,
+                         offsets: list[int] | None = None) -> SamplingBatch:
     """The sampling tensors of one step: one row per draw ``(sequence, k)``, the ``k``-th sample drawn from that
-    sequence's logits (a request with ``n > 1`` draws its ``n`` first tokens from its prompt's logits)."""
+    sequence's logits (a request with ``n > 1`` draws its ``n`` first tokens from its prompt's logits).
+    ``offsets[row]``: the row decides the output token that many positions after the sequence's next one
+    (speculative decoding verifies several positions of a sequence in one step)."""
     params = [seq.request.params for seq, _ in draws]
     sampling = [p for p in params if not p.greedy]
     batch = SamplingBatch(all_greedy=not sampling)
     if sampling:
-        _add_draw_tensors(batch, draws, device)
+        _add_draw_tensors(batch, draws, device, offsets or [0] * len(draws))
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
         _add_penalty_tensors(batch, draws, device)
     rows = [row for row, (seq, _) in enumerate(draws) if seq.num_output_tokens < seq.request.params.min_tokens]
@@ -102,7 +108,7 @@ def _rows_of(rows: list[int], per_row: list[torch.Tensor], device) -> torch.Tens
     return torch.tensor(rows, dtype=torch.long).repeat_interleave(counts).to(device)
 
 
-def _add_draw_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], device) -> None:
+def _add_draw_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], device, offsets: list[int]) -> None:
     params = [seq.request.params for seq, _ in draws]
 
     def column(values, dtype):
@@ -118,8 +124,8 @@ def _add_draw_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], d
     batch.min_p = column([p.min_p for p in params], torch.float32)
     batch.seeds = column([seq.request.seed for seq, _ in draws], torch.long)
     # Distinct for every draw of a request: sample k of n at output position t.
-    batch.counters = column([seq.num_output_tokens * p.n + seq.index + k for (seq, k), p in zip(draws, params)],
-                            torch.long)
+    batch.counters = column([(seq.num_output_tokens + j) * p.n + seq.index + k
+                             for (seq, k), p, j in zip(draws, params, offsets)], torch.long)
 
 
 def _add_penalty_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], device) -> None:
@@ -152,10 +158,8 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits - batch.presence_penalty.unsqueeze(1) * (output_counts > 0).float()
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Pick one token per row of ``logits [R, vocab]``."""
-    logits = logits.float()
-    raw = logits
+def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits after penalties, biases and bans: what greedy rows take the argmax of."""
     if batch.repetition_penalty is not None:
         logits = apply_penalties(logits, batch)
     if batch.logit_bias is not None:
@@ -163,28 +167,52 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.index_put((rows, ids), bias, accumulate=True)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def _draw_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution each sampled row draws from: temperature, top-k/top-p, min-p. Rows in ``batch.sort_rows``
+    come in descending order, ``order`` (also returned) mapping them back to token ids."""
+    temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+    scaled = (logits / temperature.unsqueeze(1)).clamp_(max=FLOAT32_MAX)  # a small temperature overflows
+    probs = scaled.softmax(dim=-1)
+    rows, order = batch.sort_rows, None
+    if rows is not None:  # these rows' probabilities are replaced by their top-k / top-p ones, in sorted order
+        top, order = scaled[rows].sort(dim=-1, descending=True)
+        k = batch.top_k[rows]
+        k = torch.where(k > 0, k, torch.full_like(k, top.shape[1]))
+        positions = torch.arange(top.shape[1], device=top.device)
+        top = top.masked_fill(positions >= k.unsqueeze(1), float("-inf")).softmax(dim=-1)
+        before = top.cumsum(dim=-1) - top
+        probs = probs.index_copy(0, rows, top.masked_fill(before > batch.top_p[rows].unsqueeze(1), 0.0))
+    if batch.needs_min_p:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
+    return probs, order
+
+
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``[R, vocab]``: the distribution each sampled row draws from, in token order (for a batch that samples)."""
+    probs, order = _draw_probs(_adjusted(logits.float(), batch), batch)
+    if order is not None:
+        rows = batch.sort_rows
+        probs = probs.index_copy(0, rows, torch.zeros_like(order, dtype=probs.dtype).scatter(1, order, probs[rows]))
+    return probs
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Pick one token per row of ``logits [R, vocab]``."""
+    raw = logits = logits.float()
+    logits = _adjusted(logits, batch)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
-        temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-        scaled = (logits / temperature.unsqueeze(1)).clamp_(max=FLOAT32_MAX)  # a small temperature overflows
-        probs = scaled.softmax(dim=-1)
-        rows = batch.sort_rows
-        if rows is not None:  # these rows' probabilities are replaced by their top-k / top-p ones, in sorted order
-            top, order = scaled[rows].sort(dim=-1, descending=True)
-            k = batch.top_k[rows]
-            k = torch.where(k > 0, k, torch.full_like(k, top.shape[1]))
-            positions = torch.arange(top.shape[1], device=top.device)
-            top = top.masked_fill(positions >= k.unsqueeze(1), float("-inf")).softmax(dim=-1)
-            before = top.cumsum(dim=-1) - top
-            probs = probs.index_copy(0, rows, top.masked_fill(before > batch.top_p[rows].unsqueeze(1), 0.0))
-        if batch.needs_min_p:
-            top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
+        probs, order = _draw_probs(logits, batch)
         cdf = probs.double().cumsum(dim=-1)
         threshold = uniform_from_counter(batch.seeds, batch.counters) * cdf[:, -1]
         picked = torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        rows = batch.sort_rows
         if rows is not None:
             picked[rows] = order.gather(1, picked[rows].unsqueeze(1)).squeeze(1)
         tokens = torch.where(batch.temperature > 0, picked, greedy_tokens)

@@ -33,6 +33,9 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue for this step
     draws: list[tuple[Sequence, int]] = field(default_factory=list)
     draw_rows: list[int] = field(default_factory=list)
+    # Speculative guesses computed this step after a sequence's last token, by seq_id; ``num_tokens`` counts them and
+    # the logits have a row for each, after its sequence's draw row.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -86,7 +89,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             while copies is None and seq.status is SequenceStatus.RUNNING:
                 self._preempt(self.running[-1])
@@ -129,17 +132,20 @@ class Scheduler:
         out.seqs.append(seq)
         out.num_tokens.append(n)
         out.block_copies += copies
-        self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+        guesses = seq.num_computed_tokens + n - seq.num_tokens
+        if guesses > 0:
+            out.spec_token_ids[seq.seq_id] = seq.spec_token_ids[:guesses]
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens + n, seq.num_tokens))
 
     @staticmethod
     def _plan_draws(out: SchedulerOutput) -> None:
         row = 0
         for seq, n in zip(out.seqs, out.num_tokens):
-            if seq.num_computed_tokens + n == seq.num_tokens:  # its last known token is computed: sample the next
+            if seq.num_computed_tokens + n >= seq.num_tokens:  # its last known token is computed: sample the next
                 for k in range(seq.num_samples):
                     out.draws.append((seq, k))
                     out.draw_rows.append(row)
-                row += 1
+                row += 1 + len(out.spec_token_ids.get(seq.seq_id, ()))
 
     def _headroom(self) -> int:
         """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""
@@ -174,7 +180,10 @@ class Scheduler:
             if seq.is_finished:
                 continue  # its request failed on an earlier row of this step
             try:
-                self._append(seq, row, sampled, now)
+                for token in self._new_tokens(row, sampled):
+                    if not seq.is_finished:
+                        self._append(seq, token, row, sampled, now)
+                self._settle_guesses(seq, out)
             except Exception as err:  # noqa: BLE001 - any failure here is this request's alone
                 logger.exception("request %s failed while appending a token", request.request_id)
                 self.fail(request, f"generation failed: {type(err).__name__}: {err}")
@@ -186,8 +195,20 @@ class Scheduler:
         self.running.append(child)
         return child
 
-    def _append(self, seq: Sequence, row: int, sampled: SamplerOutput, now: float) -> None:
-        token, params, metrics = sampled.token_ids[row], seq.request.params, seq.request.metrics
+    @staticmethod
+    def _new_tokens(row: int, sampled: SamplerOutput) -> list[int]:
+        """A draw's new tokens: the speculative guesses it kept, then its sampled token."""
+        return (sampled.accepted[row] if sampled.accepted else []) + [sampled.token_ids[row]]
+
+    def _settle_guesses(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Give back the KV of a sequence's rejected guesses: it counts as computed only up to its kept tokens, and
+        blocks past them are freed (their slots are overwritten later, nothing is copied)."""
+        if seq.seq_id in out.spec_token_ids and not seq.is_finished:
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+
+    def _append(self, seq: Sequence, token: int, row: int, sampled: SamplerOutput, now: float) -> None:
+        params, metrics = seq.request.params, seq.request.metrics
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
         metrics.first_token_time = metrics.first_token_time or now

@@ -1,0 +1,146 @@
+"""Speculative decoding: cheap guesses of a sequence's next tokens, verified by the model in one step.
+
+A running sequence with proposals (``spec_token_ids``) computes its last token and its ``k`` guesses in one step, and
+the model's logits at those ``k + 1`` positions decide how many guesses it keeps (`verify_drafts`):
+
+* greedy rows keep guesses while each equals the model's argmax, then take the argmax where they differ (or after
+  the last guess): the tokens are exactly those of decoding one token at a time;
+* sampled rows use rejection sampling against the proposal, which for prompt lookup is certain (one-hot): guess
+  ``d`` is kept with probability ``p(d)``, and a rejected position draws from ``p`` without ``d``, renormalised. The
+  output has the model's distribution. Draws are counter-based, seeded per request, as in the sampler.
+
+The guesses' KV slots past the kept ones are given back by moving ``num_computed_tokens`` back (no copy; see
+`Scheduler.settle_drafts`). Method ``ngram`` (prompt lookup, `propose_ngram`) is the one implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as TokenList
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .config import SpeculativeConfig
+from .sampler import SamplerOutput, build_sampling_batch, sample, target_probs, uniform_from_counter
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerOutput
+    from .sequence import Sequence
+
+_ACCEPT_STREAM = 1  # the uniform numbers of the accept tests, apart from those that pick tokens
+
+
+def propose_ngram(token_ids: TokenList[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: the up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last
+    ``n`` tokens, for the longest ``n`` from ``max_n`` down to ``min_n`` that occurs; ``[]`` when none does."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram but the suffix
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+def accepted_greedy(drafts: list[int], targets: list[int]) -> list[int]:
+    """The tokens a greedy sequence keeps: its guesses while each equals the model's choice, then the model's choice
+    at the first difference (or after the last guess). ``targets`` has one more entry than ``drafts``."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return targets[: n + 1]
+
+
+def accepted_sampled(drafts: list[int], accept: list[bool], picks: list[int]) -> list[int]:
+    """Rejection sampling's result: guesses up to the first rejected one, then that position's pick (drawn without
+    the rejected guess) or, all kept, the pick after the last guess."""
+    n = 0
+    while n < len(drafts) and accept[n]:
+        n += 1
+    return drafts[:n] + [picks[n]]
+
+
+class Speculator:
+    """Proposes guesses for the running sequences before each step and counts how many the model kept."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_drafts = 0  # verifications of at least one guess
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def budget(self, seq: Sequence) -> int:
+        """How many guesses ``seq`` may take now: none while it is prefilling, asks for logprobs or penalties
+        (which change with every token), must not stop yet (min_tokens), or has too little room left."""
+        params = seq.request.params
+        if (seq.num_tokens - seq.num_computed_tokens != 1 or params.logprobs is not None
+                or params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
+                or seq.num_output_tokens < params.min_tokens):
+            return 0
+        room = self.max_model_len - seq.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(self.config.num_speculative_tokens, room))
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set each running sequence's ``spec_token_ids`` for the next step (none while the batch is large)."""
+        large = len(running) > self.config.disable_by_batch_size
+        c = self.config
+        for seq in running:
+            k = 0 if large else self.budget(seq)
+            seq.spec_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max) if k else []
+
+    def record(self, drafts: list[int], kept: list[int]) -> None:
+        if drafts:
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += len(kept) - 1
+
+
+def verify_drafts(logits: torch.Tensor, out: SchedulerOutput, speculator: Speculator) -> SamplerOutput:
+    """Sample a step that verifies guesses: ``logits`` has, for draw ``i``, rows ``draw_rows[i]`` onwards, one per
+    position from its last token to its last guess. Returns each draw's final token in ``token_ids`` and the guesses
+    it kept before it in ``accepted``."""
+    rows, draws, offsets, spans = [], [], [], []
+    for (seq, k), first in zip(out.draws, out.draw_rows):
+        drafts = out.spec_token_ids.get(seq.seq_id, [])
+        spans.append((len(rows), drafts))
+        for j in range(len(drafts) + 1):
+            rows.append(first + j)
+            draws.append((seq, k))
+            offsets.append(j)
+    logits = logits[rows]
+    batch = build_sampling_batch(draws, logits.device, offsets)
+    picked = sample(logits, batch)  # greedy rows: the argmax; sampled rows are redrawn below
+    accept, picks = (None, None) if batch.all_greedy else _rejection_draws(logits, batch, spans)
+    tokens, accepted = [], []
+    for (start, drafts), (seq, _) in zip(spans, out.draws):
+        if seq.request.params.greedy or accept is None:
+            kept = accepted_greedy(drafts, picked.token_ids[start : start + len(drafts) + 1])
+        else:
+            kept = accepted_sampled(drafts, accept[start : start + len(drafts)], picks[start : start + len(drafts) + 1])
+        speculator.record(drafts, kept)
+        tokens.append(kept[-1])
+        accepted.append(kept[:-1])
+    return SamplerOutput(tokens, accepted=accepted)
+
+
+def _rejection_draws(logits: torch.Tensor, batch, spans: list[tuple[int, list[int]]]) -> tuple[list, list]:
+    """For every row: whether its guess (if any) is kept, and a token drawn from the model's distribution without
+    that guess (renormalised; the plain distribution on a row without a guess)."""
+    probs = target_probs(logits, batch).double()
+    guess = torch.full((probs.shape[0],), -1, dtype=torch.long)
+    for start, drafts in spans:
+        guess[start : start + len(drafts)] = torch.tensor(drafts, dtype=torch.long)
+    has_guess = guess >= 0
+    p_guess = torch.where(has_guess, probs.gather(1, guess.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    accept = uniform_from_counter(batch.seeds, batch.counters, _ACCEPT_STREAM) < p_guess
+    residual = probs.scatter(1, guess.clamp(min=0).unsqueeze(1), 0.0)
+    residual = torch.where(has_guess.unsqueeze(1), residual, probs)
+    cdf = residual.cumsum(dim=-1)
+    threshold = uniform_from_counter(batch.seeds, batch.counters) * cdf[:, -1]
+    picks = torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    return accept.tolist(), picks.tolist()
