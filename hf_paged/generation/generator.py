@@ -44,19 +44,23 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     # Speculative decoding: steps that verified guesses of a sequence, guesses verified, guesses kept.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
-    def spec_acceptance_rate(self) -> float | None:
+    def spec_decode_acceptance_rate(self) -> float | None:
         """Kept guesses over verified guesses (None before any)."""
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+        if not self.spec_decode_num_draft_tokens:
+            return None
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
 
     @property
-    def spec_mean_accepted_length(self) -> float | None:
+    def spec_decode_mean_accepted_length(self) -> float | None:
         """Tokens a sequence gained per step that verified its guesses: the kept guesses and the model's own."""
-        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
+        if not self.spec_decode_num_drafts:
+            return None
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
 
 class ContinuousBatchGenerator:
@@ -298,5 +302,5 @@ class ContinuousBatchGenerator:
         s = self.speculator
         if s is None:
             return {}
-        return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
-                    spec_num_accepted_tokens=s.num_accepted_tokens)
+        return dict(spec_decode_num_drafts=s.num_drafts, spec_decode_num_draft_tokens=s.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=s.num_accepted_tokens)

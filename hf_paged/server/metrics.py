@@ -20,7 +20,8 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # Cumulative EngineStats fields, exported as counters of the same name.
-_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens")
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
+             "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class ServerMetrics:
@@ -37,6 +38,11 @@ class ServerMetrics:
             name: Counter(_PREFIX + name, f"EngineStats.{name} since the engine started.", registry=r)
             for name in _COUNTERS
         }
+        self.spec_acceptance = Gauge(_PREFIX + "spec_decode_acceptance_rate",
+                                     "Speculative guesses kept over guesses verified, since the engine started.",
+                                     registry=r)
+        self.spec_length = Gauge(_PREFIX + "spec_decode_mean_accepted_length",
+                                 "Tokens a sequence gained per step that verified its speculative guesses.", registry=r)
         self.request_success = Counter(_PREFIX + "request_success", "Finished requests by finish reason.",
                                        ["finished_reason"], registry=r)
         self.step_failures = Counter(_PREFIX + "engine_step_failures", "Engine steps that raised.", registry=r)
@@ -56,6 +62,9 @@ class ServerMetrics:
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        if stats.spec_decode_num_drafts:
+            self.spec_acceptance.set(stats.spec_decode_acceptance_rate)
+            self.spec_length.set(stats.spec_decode_mean_accepted_length)
         generated = stats.generation_tokens - self._last["generation_tokens"]
         for name in _COUNTERS:
             value = getattr(stats, name)

@@ -1,0 +1,202 @@
+"""Speculative decoding (prompt lookup): the proposer, acceptance, the scheduler's KV bookkeeping without a model, and
+the engine on the real SmolLM2, where greedy outputs must be token-identical to decoding without speculation."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged.generation import EngineConfig
+from hf_paged.generation.config import SpeculativeConfig
+from hf_paged.generation.sampler import SamplerOutput, SamplingBatch
+from hf_paged.generation.spec_decode import _rejection_draws, accepted_greedy, accepted_sampled, propose_ngram
+from hf_paged.server.metrics import ServerMetrics
+from test_scheduler import make_request, make_scheduler
+
+TEXT = ("The lighthouse on the northern cape was built in the spring of a wet year, when the fishing boats had lost "
+        "three crews to the rocks below the cliff. The builders carried every stone up the narrow path by hand, and "
+        "the keeper who came after them kept a careful journal of the weather and the passing ships.")
+CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+        "    return 2 * (width + height)\n")
+
+
+# ------------------------------------------------------------------------------------------------- pure parts
+def test_prompt_lookup_takes_the_longest_suffix_match_and_its_latest_occurrence():
+    tokens = [1, 2, 3, 9, 9, 4, 2, 3, 7, 8, 5, 1, 2, 3]
+    # The 3-gram [1, 2, 3] occurred at 0 (followed by 9, 9, 4); the 2-gram [2, 3] last at 6 (followed by 7, 8).
+    assert propose_ngram(tokens, k=3, min_n=2, max_n=3) == [9, 9, 4]
+    assert propose_ngram(tokens, k=3, min_n=2, max_n=2) == [7, 8, 5]
+    assert propose_ngram(tokens, k=1, min_n=2, max_n=2) == [7]
+    assert propose_ngram([5, 6, 7, 8], k=3, min_n=1, max_n=3) == []  # nothing repeats
+    assert propose_ngram([4, 4], k=3, min_n=1, max_n=3) == [4]  # what follows the match may be short
+    assert propose_ngram([1, 2, 1], k=2, min_n=2, max_n=4) == []  # shorter than prompt_lookup_min
+
+
+def test_greedy_keeps_guesses_while_they_equal_the_model_and_adds_its_token():
+    assert accepted_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accepted_greedy([5, 6, 7], [5, 9, 1, 2]) == [5, 9]
+    assert accepted_greedy([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accepted_greedy([], [3]) == [3]
+    assert accepted_sampled([5, 6], [True, False], [0, 11, 12]) == [5, 11]
+    assert accepted_sampled([5, 6], [True, True], [0, 11, 12]) == [5, 6, 12]
+
+
+def test_rejection_sampling_keeps_the_model_distribution():
+    """With a one-hot proposal, keep guess d with probability p(d), else draw from p without d: the first token is
+    distributed as p whatever the guess, and the second (after a kept guess) as the next position's p."""
+    torch.manual_seed(0)
+    vocab, draws = 5, 20000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, -0.5]])
+    p = logits.softmax(dim=-1).double()
+    rows = logits.repeat(draws, 1)  # draw i: rows 2i (its guess, token 1) and 2i + 1 (after the guess)
+    n = rows.shape[0]
+    batch = SamplingBatch(all_greedy=False, temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.long),
+                          top_p=torch.ones(n), min_p=torch.zeros(n),
+                          seeds=torch.arange(n, dtype=torch.long) // 2, counters=torch.arange(n) % 2)
+    accept, picks = _rejection_draws(rows, batch, [(2 * i, [1]) for i in range(draws)])
+    first = torch.tensor([1 if accept[2 * i] else picks[2 * i] for i in range(draws)])
+    second = torch.tensor([picks[2 * i + 1] for i in range(draws) if accept[2 * i]])
+    freq1 = torch.bincount(first, minlength=vocab).double() / draws
+    freq2 = torch.bincount(second, minlength=vocab).double() / len(second)
+    assert abs(len(second) / draws - p[0, 1]) < 0.015  # the guess is kept with probability p(guess)
+    torch.testing.assert_close(freq1, p[0], atol=0.015, rtol=0)
+    torch.testing.assert_close(freq2, p[1], atol=0.02, rtol=0)
+
+
+def test_config_is_validated_and_parsed():
+    config = EngineConfig(speculative_config='{"num_speculative_tokens": 3, "prompt_lookup_max": 3}')
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
+    assert EngineConfig(speculative_config={"method": "ngram"}).speculative_config == SpeculativeConfig()
+    assert EngineConfig().speculative_config is None
+    for bad, field in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                       ({"num_tokens": 2}, "unknown fields"), ("{not json", "not valid JSON"),
+                       ({"disable_by_batch_size": True}, "disable_by_batch_size")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(speculative_config=bad)
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps({"num_speculative_tokens": 2})])
+    assert EngineConfig.from_cli_args(args).speculative_config.num_speculative_tokens == 2
+    assert "--speculative-config" in parser.format_help()
+
+
+# ------------------------------------------------------------------------------------ scheduler, no model
+def test_rejected_guesses_give_back_their_kv_and_are_never_indexed():
+    scheduler = make_scheduler(block_size=4)
+    request = make_request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=20)
+    scheduler.add(request)
+    seq = request.seqs[0]
+    out = scheduler.schedule()
+    scheduler.update(out, SamplerOutput([8]))  # prompt computed, token 8 pending: 8 tokens, 7 computed
+    seq.spec_token_ids = [9, 10, 11, 12, 13]  # fill block 1 and three slots of block 2, then one of block 3
+    out = scheduler.schedule()
+    assert out.num_tokens == [6] and out.spec_token_ids == {seq.seq_id: [9, 10, 11, 12, 13]}
+    assert len(scheduler.kv.block_table(seq.seq_id)) == 4 and out.draws == [(seq, 0)] and out.draw_rows == [0]
+    assert len(scheduler.kv._hashes[seq.seq_id]) == 2  # only blocks of real tokens are indexed, not guesses
+    # The model kept guess 9 and chose 20 where 10 was guessed.
+    scheduler.update(out, SamplerOutput([20], accepted=[[9]]))
+    assert seq.token_ids[7:] == [8, 9, 20] and seq.num_computed_tokens == 9
+    assert len(scheduler.kv.block_table(seq.seq_id)) == 3  # the block that held only guesses is freed
+    seq.spec_token_ids = []
+    out = scheduler.schedule()
+    assert out.num_tokens == [1] and not out.spec_token_ids
+    scheduler.update(out, SamplerOutput([21]))
+    assert seq.num_computed_tokens == 10 and len(scheduler.kv._hashes[seq.seq_id]) == 2
+
+
+def test_a_stop_inside_the_kept_guesses_ends_the_sequence_there():
+    scheduler = make_scheduler(block_size=4)
+    request = make_request("a", [1, 2, 3], max_tokens=20, stop_token_ids=[50])
+    scheduler.add(request)
+    scheduler.update(scheduler.schedule(), SamplerOutput([8]))
+    seq = request.seqs[0]
+    seq.spec_token_ids = [50, 51, 52]
+    out = scheduler.schedule()
+    scheduler.update(out, SamplerOutput([53], accepted=[[50, 51, 52]]))
+    assert seq.output_token_ids == [8, 50] and seq.finish_reason == "stop" and seq.stop_reason == 50
+    assert not scheduler.has_work() and scheduler.kv.pool.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------------------------------ the real engine
+@pytest.fixture(scope="module")
+def grounded_prompts(smollm2):
+    _, tokenizer = smollm2
+    asks = [f"Repeat this text exactly:\n\n{TEXT}", f"Copy this code without changes:\n\n{CODE}"]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": a}], tokenize=False, add_generation_prompt=True)
+            for a in asks]
+
+
+def generate(smollm2, prompts, params, **options):
+    model, tokenizer = smollm2
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=256, **options)
+    outputs = gen.run(prompts, params, use_tqdm=False)
+    assert gen.kv.pool.num_used_blocks == 0 and all(count == 0 for count in gen.kv.pool.ref_counts)
+    return [o.outputs[0].token_ids for o in outputs], gen.stats()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
+def test_greedy_is_token_identical_to_no_speculation(smollm2, chat_prompts, grounded_prompts, batched):
+    prompts = grounded_prompts + chat_prompts[:4]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (48, 40, 24, 16, 20, 12)]
+    spec = dict(num_speculative_tokens=4, disable_by_batch_size=8)
+    if batched:  # speculating sequences share steps with decodes and prefill chunks
+        plain, _ = generate(smollm2, prompts, params, max_num_batched_tokens=64)
+        fast, stats = generate(smollm2, prompts, params, max_num_batched_tokens=64, speculative_config=spec)
+    else:
+        plain = [generate(smollm2, [p], [sp])[0][0] for p, sp in zip(prompts, params)]
+        fast = [generate(smollm2, [p], [sp], speculative_config=spec)[0][0] for p, sp in zip(prompts, params)]
+        stats = None
+    assert fast == plain
+    if stats is not None:
+        assert stats.spec_decode_num_drafts > 0 and 0 < stats.spec_decode_acceptance_rate <= 1
+        assert stats.spec_decode_mean_accepted_length > 1.5  # the copied text is mostly guessed right
+
+
+def test_speculation_is_off_while_the_batch_is_large(smollm2, chat_prompts, monkeypatch):
+    model, tokenizer = smollm2
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=256,
+                                   speculative_config=dict(disable_by_batch_size=2))
+    seen = []
+    schedule = gen.scheduler.schedule
+
+    def recording_schedule():
+        running = len(gen.scheduler.running)
+        out = schedule()
+        seen.append((running, bool(out.spec_token_ids)))
+        return out
+
+    monkeypatch.setattr(gen.scheduler, "schedule", recording_schedule)
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (8, 16, 24, 40)]
+    gen.run(chat_prompts[:4], params, use_tqdm=False)
+    assert not any(spec for running, spec in seen if running > 2)
+    assert any(spec for running, spec in seen if running <= 2)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(smollm2, grounded_prompts):
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7),
+              SamplingParams(temperature=0.5, max_tokens=40, seed=3)]
+    spec = dict(num_speculative_tokens=3)
+    first, stats = generate(smollm2, grounded_prompts, params, speculative_config=spec)
+    again, _ = generate(smollm2, grounded_prompts, params, speculative_config=spec)
+    assert first == again and all(len(tokens) == 40 for tokens in first)
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_metrics_report_acceptance(smollm2, grounded_prompts):
+    model, tokenizer = smollm2
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=256, speculative_config=dict())
+    metrics = ServerMetrics()
+    gen.add_request(grounded_prompts[0], SamplingParams(temperature=0, max_tokens=32))
+    while gen.has_unfinished_requests():
+        metrics.observe_step(gen.stats(), gen.step())
+    metrics.observe_step(gen.stats(), [])
+    stats = gen.stats()
+    text = generate_latest(metrics.registry).decode()
+    assert f"hf_paged:spec_decode_num_drafts_total {float(stats.spec_decode_num_drafts)}" in text
+    assert f"hf_paged:spec_decode_num_accepted_tokens_total {float(stats.spec_decode_num_accepted_tokens)}" in text
+    assert f"hf_paged:spec_decode_acceptance_rate {stats.spec_decode_acceptance_rate}" in text
+    assert stats.spec_decode_num_drafts > 0
