@@ -64,6 +64,38 @@ PARAGRAPH = (
     "When the electric lamp arrived many years later, the journal stopped, but people still say that on calm nights "
     "you can see a second, fainter beam turning slowly above the first, as if someone were still keeping watch. "
 )
+CODE = '''import json
+from pathlib import Path
+
+
+def load_orders(path):
+    orders = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            orders.append(json.loads(line))
+    return orders
+
+
+def total_by_customer(orders):
+    totals = {}
+    for order in orders:
+        name = order["customer"]
+        totals[name] = totals.get(name, 0) + order["quantity"] * order["price"]
+    return totals
+
+
+def largest_orders(orders, count=3):
+    ranked = sorted(orders, key=lambda order: order["quantity"] * order["price"], reverse=True)
+    return ranked[:count]
+
+
+def write_report(orders, path):
+    lines = [f"{name}: {total:.2f}" for name, total in sorted(total_by_customer(orders).items())]
+    Path(path).write_text("\\n".join(lines) + "\\n")
+'''
+# --workload grounded: requests alternate between these asks about a window of the paragraph or of the code.
+GROUNDED_ASKS = (("Rewrite this passage with British spelling, keeping every sentence as it is:", PARAGRAPH),
+                 ("Add a short docstring to every function of this code and give back the whole code:", CODE))
 SYSTEM_TEXT = (
     "You are a patient assistant who answers questions about coastal history, navigation and the sea. Keep every "
     "answer short, accurate and friendly, and say so plainly when you do not know something. "
@@ -85,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--max-output", type=int, default=256, help="most output tokens of a request")
     add("--seed", type=int, default=0, help="seed of the workload (prompt and output lengths, prompt offsets)")
     add("--shared-prefix", type=int, default=0, help="prepend the same N-token system prompt to every prompt")
+    add("--workload", choices=("windows", "grounded"), default="windows",
+        help="windows: each prompt a window of a paragraph, to be continued; grounded: chat requests to rewrite a "
+             "window of a paragraph or to add docstrings to a window of code, whose answers copy much of the "
+             "prompt (--min/--max-prompt size the window)")
+    add("--speculative-config", default=None,
+        help="ours: speculative decoding, as JSON (see `hf-paged serve --help`), e.g. '{\"method\": \"ngram\"}'")
     add("--static-batch-size", type=int, default=32, help="batch size of the static `generate` engine")
     add("--kv-tokens", type=int, default=32768, help="KV-cache capacity in tokens of both continuous engines")
     add("--block-size", type=int, default=16, help="KV block size of ours")
@@ -127,17 +165,36 @@ def repeat_to(tokens: list[int], length: int) -> list[int]:
 
 
 def make_workload(args, tokenizer) -> dict:
-    """Prompts (token ids) and output lengths; prompt ``i`` is a window of the repeated paragraph."""
+    """Prompts (token ids) and output lengths; prompt ``i`` is a window of the repeated paragraph (``--workload
+    grounded``: a chat request about a window of the paragraph or of the code)."""
     rng = random.Random(args.seed)
-    text = tokenizer(PARAGRAPH, add_special_tokens=False).input_ids
     n = args.num_requests
     prompt_lens = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(n)]
     output_lens = [rng.randint(args.min_output, args.max_output) for _ in range(n)]
+    if args.workload == "grounded":
+        return dict(prompts=grounded_prompts(tokenizer, rng, prompt_lens, args.shared_prefix), output_lens=output_lens)
+    text = tokenizer(PARAGRAPH, add_special_tokens=False).input_ids
     offsets = rng.sample(range(len(text)), n) if n <= len(text) else [rng.randrange(len(text)) for _ in range(n)]
     stream = repeat_to(text, len(text) + args.max_prompt)
     prefix = repeat_to(tokenizer(SYSTEM_TEXT, add_special_tokens=False).input_ids, args.shared_prefix)
     prompts = [prefix + stream[o : o + length] for o, length in zip(offsets, prompt_lens)]
     return dict(prompts=prompts, output_lens=output_lens)
+
+
+def grounded_prompts(tokenizer, rng: random.Random, window_lens: list[int], shared_prefix: int) -> list[list[int]]:
+    """Chat requests alternating between `GROUNDED_ASKS`, each about a window of its text (repeated as needed)."""
+    texts = [tokenizer(text, add_special_tokens=False).input_ids for _, text in GROUNDED_ASKS]
+    system = tokenizer.decode(repeat_to(tokenizer(SYSTEM_TEXT, add_special_tokens=False).input_ids, shared_prefix))
+    prompts = []
+    for i, length in enumerate(window_lens):
+        (ask, _), text = GROUNDED_ASKS[i % 2], texts[i % 2]
+        start = rng.randrange(len(text))
+        messages = [{"role": "user", "content": f"{ask}\n\n{tokenizer.decode(repeat_to(text[start:] + text, length))}"}]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        prompts.append(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                     return_dict=True)["input_ids"])
+    return prompts
 
 
 def warmup_workload(vocab_ids: list[int], seed: int = 1234) -> dict:
@@ -348,7 +405,8 @@ def make_generator(args, model, tokenizer):
 
     config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
-                          prepack_weights=not args.no_prepack_weights, kv_cache_dtype=args.kv_cache_dtype)
+                          prepack_weights=not args.no_prepack_weights, kv_cache_dtype=args.kv_cache_dtype,
+                          speculative_config=args.speculative_config)
     return ContinuousBatchGenerator(model, tokenizer, config)
 
 
@@ -380,6 +438,8 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
     return dict(wall_s=wall, tokens=[o.outputs[0].token_ids for o in outputs], steps=recorder.steps,
                 kv=recorder.kv_report(), num_preemptions=stats.num_preemptions,
                 prefix_cache_hit_tokens=stats.prefix_cache_hits,
+                spec_acceptance_rate=stats.spec_decode_acceptance_rate,
+                spec_mean_accepted_length=stats.spec_decode_mean_accepted_length,
                 **latency_summary(ttft, [t for t in tpot if t is not None]))
 
 
@@ -470,6 +530,8 @@ def worker_argv(args) -> list[str]:
         argv += ["--threads", str(args.threads)]
     if args.smoke:
         argv += ["--smoke"]
+    if args.speculative_config:
+        argv += ["--speculative-config", args.speculative_config]
     return argv
 
 
@@ -600,6 +662,9 @@ def build_report(args, workload: dict, results: dict) -> dict:
     if "num_preemptions" in ours:
         report["ours_preemptions"] = ours["num_preemptions"]
         report["ours_prefix_cache_hit_tokens"] = ours["prefix_cache_hit_tokens"]
+    if ours.get("spec_acceptance_rate") is not None:
+        report["ours_spec_decode"] = dict(acceptance_rate=ours["spec_acceptance_rate"],
+                                          mean_accepted_length=ours["spec_mean_accepted_length"])
     return report
 
 
@@ -638,6 +703,10 @@ def print_report(report: dict) -> None:
     if "ours_preemptions" in report:
         print(f"ours: {report['ours_preemptions']} preemptions, {report['ours_prefix_cache_hit_tokens']} prompt tokens "
               "served from the prefix cache")
+    if "ours_spec_decode" in report:
+        spec = report["ours_spec_decode"]
+        print(f"ours speculative decoding: {spec['acceptance_rate']:.0%} of guesses kept, "
+              f"{spec['mean_accepted_length']:.2f} tokens per verifying step")
     if report.get("ceiling_forward_s"):
         timings = ", ".join(f"B={b}: {s * 1000:.0f}" for b, s in report["ceiling_forward_s"].items())
         print(f"bare forward [B, 1], ms: {timings}")
