@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.generation import EngineConfig
 from hf_paged.generation.config import SpeculativeConfig
-from hf_paged.generation.sampler import SamplerOutput, SamplingBatch
+from hf_paged.generation.sampler import SamplerOutput, SamplingBatch, sample
 from hf_paged.generation.spec_decode import _rejection_draws, accepted_greedy, accepted_sampled, propose_ngram
 from hf_paged.server.metrics import ServerMetrics
 from test_scheduler import make_request, make_scheduler
@@ -57,8 +57,9 @@ def test_rejection_sampling_keeps_the_model_distribution():
                           top_p=torch.ones(n), min_p=torch.zeros(n),
                           seeds=torch.arange(n, dtype=torch.long) // 2, counters=torch.arange(n) % 2)
     accept, picks = _rejection_draws(rows, batch, [(2 * i, [1]) for i in range(draws)])
+    plain = sample(rows, batch).token_ids  # what the row after the last guess takes
     first = torch.tensor([1 if accept[2 * i] else picks[2 * i] for i in range(draws)])
-    second = torch.tensor([picks[2 * i + 1] for i in range(draws) if accept[2 * i]])
+    second = torch.tensor([plain[2 * i + 1] for i in range(draws) if accept[2 * i]])
     freq1 = torch.bincount(first, minlength=vocab).double() / draws
     freq2 = torch.bincount(second, minlength=vocab).double() / len(second)
     assert abs(len(second) / draws - p[0, 1]) < 0.015  # the guess is kept with probability p(guess)
@@ -130,30 +131,28 @@ def grounded_prompts(smollm2):
             for a in asks]
 
 
-def generate(smollm2, prompts, params, **options):
+def generate(smollm2, prompts, params, one_at_a_time=False, **options):
     model, tokenizer = smollm2
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=256, **options)
-    outputs = gen.run(prompts, params, use_tqdm=False)
+    if one_at_a_time:
+        outputs = [gen.run([prompt], [p], use_tqdm=False)[0] for prompt, p in zip(prompts, params)]
+    else:
+        outputs = gen.run(prompts, params, use_tqdm=False)
     assert gen.kv.pool.num_used_blocks == 0 and all(count == 0 for count in gen.kv.pool.ref_counts)
     return [o.outputs[0].token_ids for o in outputs], gen.stats()
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
-def test_greedy_is_token_identical_to_no_speculation(smollm2, chat_prompts, grounded_prompts, batched):
+@pytest.mark.parametrize("one_at_a_time", [True, False], ids=["one-at-a-time", "batched"])
+def test_greedy_is_token_identical_to_no_speculation(smollm2, chat_prompts, grounded_prompts, one_at_a_time):
     prompts = grounded_prompts + chat_prompts[:4]
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (48, 40, 24, 16, 20, 12)]
-    spec = dict(num_speculative_tokens=4, disable_by_batch_size=8)
-    if batched:  # speculating sequences share steps with decodes and prefill chunks
-        plain, _ = generate(smollm2, prompts, params, max_num_batched_tokens=64)
-        fast, stats = generate(smollm2, prompts, params, max_num_batched_tokens=64, speculative_config=spec)
-    else:
-        plain = [generate(smollm2, [p], [sp])[0][0] for p, sp in zip(prompts, params)]
-        fast = [generate(smollm2, [p], [sp], speculative_config=spec)[0][0] for p, sp in zip(prompts, params)]
-        stats = None
+    # Batched, speculating sequences share steps with decodes and prefill chunks.
+    options = dict(max_num_batched_tokens=64, one_at_a_time=one_at_a_time)
+    plain, _ = generate(smollm2, prompts, params, **options)
+    fast, stats = generate(smollm2, prompts, params, speculative_config=dict(disable_by_batch_size=8), **options)
     assert fast == plain
-    if stats is not None:
-        assert stats.spec_decode_num_drafts > 0 and 0 < stats.spec_decode_acceptance_rate <= 1
-        assert stats.spec_decode_mean_accepted_length > 1.5  # the copied text is mostly guessed right
+    assert stats.spec_decode_num_drafts > 0 and 0 < stats.spec_decode_acceptance_rate <= 1
+    assert stats.spec_decode_mean_accepted_length > 1.5  # the copied text is mostly guessed right
 
 
 def test_speculation_is_off_while_the_batch_is_large(smollm2, chat_prompts, monkeypatch):
@@ -184,6 +183,17 @@ def test_seeded_sampling_with_speculation_is_reproducible(smollm2, grounded_prom
     again, _ = generate(smollm2, grounded_prompts, params, speculative_config=spec)
     assert first == again and all(len(tokens) == 40 for tokens in first)
     assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_a_sequence_without_guesses_samples_as_without_speculation(smollm2, grounded_prompts, chat_prompts):
+    """Its rows in a verifying step draw with the plain sampler, so its seeded tokens do not depend on others
+    speculating beside it (logprobs keep it from speculating itself)."""
+    params = [SamplingParams(temperature=0, max_tokens=32),
+              SamplingParams(temperature=0.9, max_tokens=24, seed=11, logprobs=1)]
+    prompts = [grounded_prompts[0], chat_prompts[1]]
+    plain, _ = generate(smollm2, prompts, params)
+    fast, stats = generate(smollm2, prompts, params, speculative_config=dict())
+    assert fast == plain and stats.spec_decode_num_drafts > 0
 
 
 def test_metrics_report_acceptance(smollm2, grounded_prompts):

@@ -91,6 +91,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            if copies is None and seq.spec_token_ids:  # speculative guesses never cost anyone a preemption
+                seq.spec_token_ids = []
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             while copies is None and seq.status is SequenceStatus.RUNNING:
                 self._preempt(self.running[-1])
                 if seq.status is SequenceStatus.RUNNING:

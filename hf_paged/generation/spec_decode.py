@@ -114,33 +114,41 @@ def verify_drafts(logits: torch.Tensor, out: SchedulerOutput, speculator: Specul
             offsets.append(j)
     logits = logits[rows]
     batch = build_sampling_batch(draws, logits.device, offsets)
-    picked = sample(logits, batch)  # greedy rows: the argmax; sampled rows are redrawn below
-    accept, picks = (None, None) if batch.all_greedy else _rejection_draws(logits, batch, spans)
+    # Every row drawn as without speculation: the greedy rows' choices, and the sampled rows' tokens where no guess
+    # was rejected (a row without a guess draws exactly what it would have drawn in a step without any).
+    drawn = sample(logits, batch)
+    plain = drawn.token_ids
+    accept, residual = (None, None) if batch.all_greedy else _rejection_draws(logits, batch, spans)
     tokens, accepted = [], []
     for (start, drafts), (seq, _) in zip(spans, out.draws):
-        if seq.request.params.greedy or accept is None:
-            kept = accepted_greedy(drafts, picked.token_ids[start : start + len(drafts) + 1])
+        end = start + len(drafts)
+        if seq.request.params.greedy:
+            kept = accepted_greedy(drafts, plain[start : end + 1])
         else:
-            kept = accepted_sampled(drafts, accept[start : start + len(drafts)], picks[start : start + len(drafts) + 1])
+            kept = accepted_sampled(drafts, accept[start:end], residual[start:end] + [plain[end]])
         speculator.record(drafts, kept)
         tokens.append(kept[-1])
         accepted.append(kept[:-1])
-    return SamplerOutput(tokens, accepted=accepted)
+    # Logprobs: only sequences that do not speculate ask for them, and their one row is their first.
+    firsts = [start for start, _ in spans]
+
+    def first_rows(values):
+        return None if values is None else [values[row] for row in firsts]
+
+    return SamplerOutput(tokens, first_rows(drawn.sampled_logprobs), first_rows(drawn.top_ids),
+                         first_rows(drawn.top_logprobs), accepted=accepted)
 
 
 def _rejection_draws(logits: torch.Tensor, batch, spans: list[tuple[int, list[int]]]) -> tuple[list, list]:
-    """For every row: whether its guess (if any) is kept, and a token drawn from the model's distribution without
-    that guess (renormalised; the plain distribution on a row without a guess)."""
+    """For every row with a guess: whether the guess is kept (with probability ``p(guess)``), and a token drawn from
+    the model's distribution without the guess, renormalised (what a rejected position takes)."""
     probs = target_probs(logits, batch).double()
-    guess = torch.full((probs.shape[0],), -1, dtype=torch.long)
+    guess = torch.zeros(probs.shape[0], dtype=torch.long)
     for start, drafts in spans:
         guess[start : start + len(drafts)] = torch.tensor(drafts, dtype=torch.long)
-    has_guess = guess >= 0
-    p_guess = torch.where(has_guess, probs.gather(1, guess.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    p_guess = probs.gather(1, guess.unsqueeze(1)).squeeze(1)
     accept = uniform_from_counter(batch.seeds, batch.counters, _ACCEPT_STREAM) < p_guess
-    residual = probs.scatter(1, guess.clamp(min=0).unsqueeze(1), 0.0)
-    residual = torch.where(has_guess.unsqueeze(1), residual, probs)
-    cdf = residual.cumsum(dim=-1)
+    cdf = probs.scatter(1, guess.unsqueeze(1), 0.0).cumsum(dim=-1)
     threshold = uniform_from_counter(batch.seeds, batch.counters) * cdf[:, -1]
     picks = torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
     return accept.tolist(), picks.tolist()
