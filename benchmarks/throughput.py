@@ -94,8 +94,9 @@ def write_report(orders, path):
     Path(path).write_text("\\n".join(lines) + "\\n")
 '''
 # --workload grounded: requests alternate between these asks about a window of the paragraph or of the code.
-GROUNDED_ASKS = (("Rewrite this passage with British spelling, keeping every sentence as it is:", PARAGRAPH),
-                 ("Add a short docstring to every function of this code and give back the whole code:", CODE))
+# SmolLM2-135M-Instruct answers both by copying most of the window (asks it did not follow were left out).
+GROUNDED_ASKS = (("Fix any spelling mistakes in this passage and give back the whole corrected passage:", PARAGRAPH),
+                 ("Add type hints to this Python code:", CODE))
 SYSTEM_TEXT = (
     "You are a patient assistant who answers questions about coastal history, navigation and the sea. Keep every "
     "answer short, accurate and friendly, and say so plainly when you do not know something. "
@@ -118,8 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seed of the workload (prompt and output lengths, prompt offsets)")
     add("--shared-prefix", type=int, default=0, help="prepend the same N-token system prompt to every prompt")
     add("--workload", choices=("windows", "grounded"), default="windows",
-        help="windows: each prompt a window of a paragraph, to be continued; grounded: chat requests to rewrite a "
-             "window of a paragraph or to add docstrings to a window of code, whose answers copy much of the "
+        help="windows: each prompt a window of a paragraph, to be continued; grounded: chat requests to correct "
+             "a window of a paragraph or to add type hints to a window of code, whose answers copy much of the "
              "prompt (--min/--max-prompt size the window)")
     add("--speculative-config", default=None,
         help="ours: speculative decoding, as JSON (see `hf-paged serve --help`), e.g. '{\"method\": \"ngram\"}'")
