@@ -44,17 +44,22 @@ def test_greedy_keeps_guesses_while_they_equal_the_model_and_adds_its_token():
     assert accepted_sampled([5, 6], [True, True], [0, 11, 12]) == [5, 6, 12]
 
 
-def test_rejection_sampling_keeps_the_model_distribution():
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_rejection_sampling_keeps_the_model_distribution(top_p):
     """With a one-hot proposal, keep guess d with probability p(d), else draw from p without d: the first token is
-    distributed as p whatever the guess, and the second (after a kept guess) as the next position's p."""
-    torch.manual_seed(0)
+    distributed as p whatever the guess, and the second (after a kept guess) as the next position's p. With top-p, p
+    is the truncated distribution, which the sampler keeps in sorted order and unnormalised."""
     vocab, draws = 5, 20000
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 1.0, -0.5]])
     p = logits.softmax(dim=-1).double()
+    top, order = p.sort(dim=-1, descending=True)
+    top[(top.cumsum(dim=-1) - top) > top_p] = 0
+    p = torch.zeros_like(p).scatter(1, order, top / top.sum(dim=-1, keepdim=True))
     rows = logits.repeat(draws, 1)  # draw i: rows 2i (its guess, token 1) and 2i + 1 (after the guess)
     n = rows.shape[0]
     batch = SamplingBatch(all_greedy=False, temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.long),
-                          top_p=torch.ones(n), min_p=torch.zeros(n),
+                          top_p=torch.full((n,), top_p), min_p=torch.zeros(n),
+                          sort_rows=torch.arange(n) if top_p < 1 else None,
                           seeds=torch.arange(n, dtype=torch.long) // 2, counters=torch.arange(n) % 2)
     accept, picks = _rejection_draws(rows, batch, [(2 * i, [1]) for i in range(draws)])
     plain = sample(rows, batch).token_ids  # what the row after the last guess takes

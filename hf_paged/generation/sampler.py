@@ -192,12 +192,13 @@ def _draw_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tenso
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """``[R, vocab]``: the distribution each sampled row draws from, in token order (for a batch that samples)."""
+    """``[R, vocab]``: the distribution each sampled row draws from, in token order and summing to 1 (for a batch
+    that samples; top-p and min-p leave `_draw_probs` unnormalised, which `sample` does not need)."""
     probs, order = _draw_probs(_adjusted(logits.float(), batch), batch)
     if order is not None:
         rows = batch.sort_rows
         probs = probs.index_copy(0, rows, torch.zeros_like(order, dtype=probs.dtype).scatter(1, order, probs[rows]))
-    return probs
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:

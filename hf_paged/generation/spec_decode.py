@@ -10,7 +10,7 @@ the model's logits at those ``k + 1`` positions decide how many guesses it keeps
   output has the model's distribution. Draws are counter-based, seeded per request, as in the sampler.
 
 The guesses' KV slots past the kept ones are given back by moving ``num_computed_tokens`` back (no copy; see
-`Scheduler.settle_drafts`). Method ``ngram`` (prompt lookup, `propose_ngram`) is the one implemented.
+`Scheduler._settle_guesses`). Method ``ngram`` (prompt lookup, `propose_ngram`) is the one implemented.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _rejection_draws(logits: torch.Tensor, batch, spans: list[tuple[int, list[in
     """For every row with a guess: whether the guess is kept (with probability ``p(guess)``), and a token drawn from
     the model's distribution without the guess, renormalised (what a rejected position takes)."""
     probs = target_probs(logits, batch).double()
-    guess = torch.zeros(probs.shape[0], dtype=torch.long)
+    guess = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
     for start, drafts in spans:
         guess[start : start + len(drafts)] = torch.tensor(drafts, dtype=torch.long)
     p_guess = probs.gather(1, guess.unsqueeze(1)).squeeze(1)
