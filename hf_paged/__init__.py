@@ -19,6 +19,7 @@ from .generation import (  # noqa: E402  (after registration: the generator reli
     EngineStats,
     RequestOutput,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "EngineStats",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "KVCacheManager",
     "NoFreeBlocksError",
     "PagedCache",

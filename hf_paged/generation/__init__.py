@@ -1,7 +1,7 @@
 """Continuous batching: requests, scheduling, the model runner, sampling and the public generator."""
 
 from .generator import ContinuousBatchGenerator, EngineStats
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = [
@@ -11,4 +11,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,8 @@ from .model_runner import ModelRunner
 from .sampler import SamplingBatch, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Request, RequestMetrics, RequestOutput, Sequence
+from .sequence import Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus
+from .structured_outputs import GrammarCompiler, fill_bitmask
 
 Prompt = str | list[int] | list[dict]
 DEFAULT_CPU_KV_MEMORY = 2 << 30
@@ -109,6 +111,8 @@ class ContinuousBatchGenerator:
         self.eos_token_ids = self._eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._compiling: list[Request] = []  # requests whose grammar compiles; they join the scheduler when it is done
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
         self._ids_lock = threading.Lock()
@@ -202,7 +206,10 @@ class ContinuousBatchGenerator:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
-        self._inbox.put(("add", Request(request_id, text, token_ids, params, seed)))
+        request = Request(request_id, text, token_ids, params, seed)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.compile(params.structured_outputs)
+        self._inbox.put(("add", request))
         return request_id
 
     def _outside_vocabulary(self, token_ids) -> list[int]:
@@ -250,10 +257,12 @@ class ContinuousBatchGenerator:
             action, item = self._inbox.get()
             if action == "add":
                 self.requests[item.request_id] = item
-                self.scheduler.add(item.seqs[0])
+                (self.scheduler.add if item.grammar is None else self._compiling.append)(item.seqs[0])
                 self._prompt_tokens += item.num_prompt_tokens
             elif item in self.requests:
                 request = self._retire(item)
+                if request.seqs[0] in self._compiling:
+                    self._compiling.remove(request.seqs[0])
                 for seq in request.seqs:
                     if not seq.is_finished:
                         seq.finish_reason = "abort"
@@ -268,6 +277,8 @@ class ContinuousBatchGenerator:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that changed (new tokens, finished or aborted)."""
         outputs = self._drain_inbox()
+        if self._compiling:
+            outputs += self._admit_compiled()
         if not self.scheduler.has_work():
             return outputs
         batch = self.scheduler.schedule()
@@ -309,6 +320,29 @@ class ContinuousBatchGenerator:
                 self._retire(request.request_id)
             outputs.append(request.to_output())
         return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the requests whose grammar has compiled to the scheduler; fail those whose grammar did not compile.
+
+        With nothing else to run, wait a little for a grammar rather than spin.
+        """
+        if not self.scheduler.has_work():
+            wait([seq.request.grammar for seq in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed = []
+        for seq in [seq for seq in self._compiling if seq.request.grammar.done()]:
+            self._compiling.remove(seq)
+            error = seq.request.grammar.exception()
+            if error is None:
+                seq.matcher = self.grammars.matcher(seq.request.grammar.result())
+                self.scheduler.add(seq)
+                continue
+            request = self._retire(seq.request.request_id)
+            seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
+            request.metrics.finished_time = time.monotonic()
+            output = request.to_output()
+            output.finished, output.outputs, output.error = True, [], str(error)
+            failed.append(output)
+        return failed
 
     def _retire(self, request_id: str) -> Request:
         with self._ids_lock:
@@ -359,9 +393,14 @@ class ContinuousBatchGenerator:
             batch.frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
             batch.prompt_tokens = self._padded([seq.request.prompt_token_ids for seq, _ in draws])
             batch.output_tokens = self._padded([seq.output_token_ids for seq, _ in draws])
+        constrained = [row for row, (seq, _) in enumerate(draws) if seq.matcher is not None]
+        if constrained:
+            matchers = [draws[row][0].matcher for row in constrained]
+            batch.token_bitmask = (fill_bitmask(matchers, constrained, len(draws), self.vocab_size), constrained)
         banned_rows, banned_tokens = [], []
         for row, ((seq, _), p) in enumerate(zip(draws, params)):
-            if seq.num_output_tokens < p.min_tokens:
+            # A constrained row's grammar decides when it may end: banning its end token could leave nothing allowed.
+            if seq.num_output_tokens < p.min_tokens and seq.matcher is None:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
                 banned_rows += [row] * len(stops)
                 banned_tokens += sorted(stops)
@@ -392,7 +431,9 @@ class ContinuousBatchGenerator:
             seq.logprobs.append(top)
             seq.cumulative_logprob += result.sampled_logprobs[row]
         new_text = self.detokenizer.step(seq, params.skip_special_tokens)
-        if seq.num_output_tokens >= params.min_tokens:
+        if seq.matcher is not None and (not seq.matcher.accept(token) or seq.matcher.is_terminated()):
+            seq.finish_reason = "stop"  # complete (a token outside the grammar cannot be sampled: it is masked)
+        elif seq.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", token
             elif token in self.eos_token_ids and not params.ignore_eos:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import FLOAT32_MAX
+from .structured_outputs import apply_bitmask
 
 _MASK31 = (1 << 31) - 1
 
@@ -59,6 +60,8 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # logit_bias entries of all rows: (row indices, token ids, biases).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured outputs: a bitmask of the tokens each constrained row allows, and those rows.
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
     max_logprobs: int = 0
 
 
@@ -93,6 +96,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of ``logits [R, vocab]``."""
     logits = logits.float()
     raw = logits
+    if batch.token_bitmask is not None:  # first: penalties, temperature and top-k/p only see allowed tokens
+        logits = logits.clone() if batch.max_logprobs else logits  # logprobs are the model's own distribution
+        apply_bitmask(logits, *batch.token_bitmask)
     if batch.repetition_penalty is not None:
         logits = apply_penalties(logits, batch)
     if batch.logit_bias is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
@@ -79,6 +80,7 @@ class Sequence:
         self.text = ""
         self.prefix_offset = max(0, request.num_prompt_tokens - 5)
         self.read_offset = request.num_prompt_tokens
+        self.matcher = None  # a structured_outputs.GrammarMatcher over the output tokens, for constrained requests
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +112,7 @@ class Sequence:
         if self.logprobs is not None:
             child.logprobs = list(self.logprobs)
         child.cumulative_logprob = self.cumulative_logprob
+        child.matcher = self.matcher.fork() if self.matcher is not None else None
         return child
 
     def to_output(self) -> CompletionOutput:
@@ -137,6 +140,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    grammar: Future | None = None  # the compiled constraint of structured outputs, while it compiles and after
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
