@@ -14,17 +14,22 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import xgrammar
 
 from .sampling_params import StructuredOutputsParams
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:42: " before a message
 
 
+def _xgrammar():
+    import xgrammar  # takes about a second: imported when the first constrained request comes
+
+    return xgrammar
+
+
 class GrammarMatcher:
     """Where one sequence's output stands in its grammar."""
 
-    def __init__(self, matcher: xgrammar.GrammarMatcher):
+    def __init__(self, matcher: "xgrammar.GrammarMatcher"):
         self._matcher = matcher
 
     def accept(self, token_id: int) -> bool:
@@ -48,14 +53,14 @@ class GrammarCompiler:
     ``end_token_ids`` are the tokens a finished grammar allows (the model's end-of-sequence tokens).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, end_token_ids, cache_size: int = 256, num_threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, end_token_ids, cache_size: int = 256):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.end_token_ids = sorted(end_token_ids)
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hf-paged-grammar")
-        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use: it reads the whole vocabulary
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")  # one: _compile is not reentrant
+        self._compiler = None  # an xgrammar.GrammarCompiler, built on first use: it reads the whole vocabulary
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar; it raises ``ValueError`` naming the field if the constraint is invalid."""
@@ -69,7 +74,8 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return future
 
-    def _compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+    def _compile(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+        xgrammar = _xgrammar()
         if self._compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                            stop_token_ids=self.end_token_ids)
@@ -92,14 +98,14 @@ class GrammarCompiler:
             message = _LOG_PREFIX.sub("", str(err)).strip()
             raise ValueError(f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
 
-    def matcher(self, grammar: xgrammar.CompiledGrammar) -> GrammarMatcher:
-        return GrammarMatcher(xgrammar.GrammarMatcher(grammar))
+    def matcher(self, grammar: "xgrammar.CompiledGrammar") -> GrammarMatcher:
+        return GrammarMatcher(_xgrammar().GrammarMatcher(grammar))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_batch_matcher: xgrammar.BatchGrammarMatcher | None = None
+_batch_matcher = None  # an xgrammar.BatchGrammarMatcher (it owns a thread pool), made once
 
 
 def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int, vocab_size: int) -> torch.Tensor:
@@ -108,6 +114,7 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int,
     Rows not in ``rows`` are left all-allowed; the matchers are filled in parallel on xgrammar's threads.
     """
     global _batch_matcher
+    xgrammar = _xgrammar()
     if _batch_matcher is None:
         _batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
     bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size)
@@ -117,5 +124,5 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int,
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of ``rows`` that their bitmask rows forbid."""
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                          vocab_size=logits.shape[-1], indices=rows)
