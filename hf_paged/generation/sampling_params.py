@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 from transformers import GenerationConfig
 
+from .outputs import RequestOutputKind
+
 _INT64_END = 2**63
 FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy, as in vLLM: dividing by them overflows float32
@@ -101,6 +103,7 @@ class SamplingParams:
     ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
     and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.
+    ``output_kind`` says what each output of the request carries (see `RequestOutputKind`).
     """
 
     n: int = 1
@@ -122,6 +125,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,6 +155,8 @@ class SamplingParams:
                     "a map of token ids to numbers in [-100, 100]")
         self._check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                     "structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+        self._check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
+                    "a RequestOutputKind")
         if self.top_k == -1:
             self.top_k = 0
 

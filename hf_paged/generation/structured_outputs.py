@@ -29,8 +29,13 @@ def _xgrammar():
 class GrammarMatcher:
     """Where one sequence's output stands in its grammar."""
 
-    def __init__(self, matcher: "xgrammar.GrammarMatcher"):
-        self._matcher = matcher
+    def __init__(self, matcher: "xgrammar.GrammarMatcher", vocab_size: int):
+        self._matcher, self.vocab_size = matcher, vocab_size
+
+    @classmethod
+    def of(cls, grammar: "xgrammar.CompiledGrammar") -> "GrammarMatcher":
+        """A matcher at the start of a compiled grammar (what `GrammarCompiler.compile` gives)."""
+        return cls(_xgrammar().GrammarMatcher(grammar), grammar.tokenizer_info.vocab_size)
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and no change) if the grammar does not allow it."""
@@ -40,11 +45,17 @@ class GrammarMatcher:
         """The grammar is complete and its end token was accepted."""
         return self._matcher.is_terminated()
 
+    def advance(self, token_id: int) -> bool:
+        """Accept a sampled token; False when the output must end here: its grammar is complete (the token was an
+        end token), or the token is outside the grammar, which masking makes impossible."""
+        return self.accept(token_id) and not self.is_terminated()
+
     def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
         self._matcher.rollback(num_tokens)
 
     def fork(self) -> "GrammarMatcher":
-        return GrammarMatcher(self._matcher.fork())
+        return GrammarMatcher(self._matcher.fork(), self.vocab_size)
 
 
 class GrammarCompiler:
@@ -98,9 +109,6 @@ class GrammarCompiler:
             message = _LOG_PREFIX.sub("", str(err)).strip()
             raise ValueError(f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
 
-    def matcher(self, grammar: "xgrammar.CompiledGrammar") -> GrammarMatcher:
-        return GrammarMatcher(_xgrammar().GrammarMatcher(grammar))
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -108,7 +116,7 @@ class GrammarCompiler:
 _batch_matcher = None  # an xgrammar.BatchGrammarMatcher (it owns a thread pool), made once
 
 
-def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int, vocab_size: int) -> torch.Tensor:
+def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int) -> torch.Tensor:
     """A ``[num_rows, ceil(vocab_size / 32)]`` int32 bitmask whose ``rows`` allow what ``matchers`` allow next.
 
     Rows not in ``rows`` are left all-allowed; the matchers are filled in parallel on xgrammar's threads.
@@ -117,7 +125,7 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int,
     xgrammar = _xgrammar()
     if _batch_matcher is None:
         _batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
-    bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size)
+    bitmask = xgrammar.allocate_token_bitmask(num_rows, matchers[0].vocab_size)
     _batch_matcher.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, rows)
     return bitmask
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..generation import CompletionOutput, SamplingParams, StructuredOutputsParams
+from ..generation import CompletionOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .tool_calls import ToolCallParser, calls_schema, tool_functions
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
@@ -190,7 +190,8 @@ class GenerationRequest(BaseModel):
         }
         values = {name: value for name, value in given.items() if value is not None}
         constraint = self.constraint()
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+        # The server merges each request's deltas itself (see `engine.RequestStream`).
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
                               structured_outputs=constraint.spec if constraint else None, **values)
 
     def _logit_bias(self) -> dict[int, float] | None:
