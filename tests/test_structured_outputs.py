@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
-from structured_schemas import SCHEMAS
+from structured_schemas import AGE, SCHEMAS
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams
-from hf_paged.generation.structured_outputs import GrammarCompiler
+from hf_paged.generation.structured_outputs import GrammarCompiler, GrammarMatcher
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +142,62 @@ def test_a_grammar_that_does_not_compile_fails_only_its_request(generator):
     assert good.error is None and good.outputs[0].finish_reason == "stop"
     assert bad.finished and "structured_outputs.regex is invalid" in bad.error
     assert not generator.has_unfinished_requests() and generator.kv.pool.num_used_blocks == 0
+
+
+def test_a_failed_step_leaves_the_matchers_as_they_were(generator, monkeypatch):
+    """Matchers advance only in `Scheduler.update`, after the step can no longer fail: a step that raises and is
+    rolled back leaves them untouched, and the retried run samples the same tokens as one that never failed."""
+    params = [constrained(seed, json=PERSON) for seed in range(3)]
+    expected = generator.run([PROMPT] * 3, params, use_tqdm=False)
+    execute, calls = generator.runner.execute, []
+
+    def fail_the_fifth_step(out):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected failure")
+        return execute(out)
+
+    monkeypatch.setattr(generator.runner, "execute", fail_the_fifth_step)
+    for request_id, p in zip("abc", params):
+        generator.add_request(PROMPT, p, request_id=request_id)
+    with pytest.raises(RuntimeError, match="injected"):
+        while generator.has_unfinished_requests():
+            generator.step()
+    outputs = {}
+    while generator.has_unfinished_requests():
+        for output in generator.step():
+            outputs[output.request_id] = output.outputs[0].token_ids  # cumulative outputs: the last is all
+    assert len(calls) > 5
+    assert [outputs[r] for r in "abc"] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_request_waits_for_its_grammar_without_stalling_the_batch(generator, monkeypatch):
+    release = threading.Event()
+    compile_grammar = generator.grammars._compile
+    monkeypatch.setattr(generator.grammars, "_compile", lambda spec: release.wait(30) and compile_grammar(spec))
+    slow = generator.add_request(PROMPT, constrained(0, json={"type": "object", "properties": {"slow": AGE},
+                                                               "required": ["slow"]}))
+    free = generator.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=8))
+    finished = []
+    while free not in finished:
+        finished += [o.request_id for o in generator.step() if o.finished]
+    assert slow not in finished and generator.scheduler.compiling  # the free request ran to its end meanwhile
+    release.set()
+    while slow not in finished:
+        for output in generator.step():
+            text = output.outputs[0].text  # cumulative outputs: the last is all
+            finished += [output.request_id] if output.finished else []
+    assert 0 <= json.loads(text)["slow"] <= 120
+
+
+def test_matcher_rollback_and_fork(generator):
+    grammar = generator.grammars.compile(StructuredOutputsParams(choice=["yes", "no"])).result()
+    matcher = GrammarMatcher.of(grammar)
+    tokenizer = generator.tokenizer
+    [y, *rest] = tokenizer("yes", add_special_tokens=False).input_ids
+    assert matcher.accept(y) and not matcher.accept(tokenizer("no", add_special_tokens=False).input_ids[0])
+    twin = matcher.fork()
+    matcher.rollback(1)
+    assert matcher.accept(tokenizer("no", add_special_tokens=False).input_ids[0])  # back at the start
+    assert all(twin.accept(t) for t in rest) and twin.advance(tokenizer.eos_token_id) is False
+    assert twin.is_terminated() and not matcher.is_terminated()
