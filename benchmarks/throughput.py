@@ -33,6 +33,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -689,6 +690,38 @@ def array_of(schema: dict, items: int) -> dict:
     return {"type": "array", "items": inner, "minItems": items, "maxItems": items, **defs}
 
 
+class GrammarClock:
+    """Times the structured-output work of the engine (bitmask filling, masking, matchers accepting tokens) while
+    ``counting``: its share of a run's time is the overhead, measured in the same moments as the run, which a shared
+    machine's drift between runs cannot blur."""
+
+    def __init__(self):
+        from hf_paged.generation import sampler
+        from hf_paged.generation.structured_outputs import GrammarMatcher
+
+        self.seconds, self.on = 0.0, False
+        for owner, name in ((sampler, "fill_bitmask"), (sampler, "apply_bitmask"), (GrammarMatcher, "advance")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += (time.perf_counter() - start) if self.on else 0.0
+
+        return timed
+
+    @contextlib.contextmanager
+    def counting(self, on: bool):
+        self.on = on
+        try:
+            yield
+        finally:
+            self.on = False
+
+
 def timed_run(generator, prompts, params) -> tuple[float, list]:
     start = time.perf_counter()
     outputs = generator.run(prompts, params, use_tqdm=False)
@@ -722,15 +755,16 @@ def run_structured(args) -> dict:
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     valid = sum(o.outputs[0].finish_reason == "stop" and _parses(o.outputs[0].text) for o in outputs)
     free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
-    seconds = dict(free=[], constrained=[])
+    seconds, grammar_clock = dict(free=[], constrained=[]), GrammarClock()
     for _ in range(args.rounds):
         for name, params in (("free", free), ("constrained", constrained)):
-            wall, outputs = timed_run(generator, prompts, params)
+            with grammar_clock.counting(name == "constrained"):
+                wall, outputs = timed_run(generator, prompts, params)
             if [len(o.outputs[0].token_ids) for o in outputs] != lengths:
                 raise RuntimeError(f"the {name} run produced other output lengths than the first constrained run")
             seconds[name].append(wall)
     tok_s = {name: sum(lengths) / min(walls) for name, walls in seconds.items()}
-    return dict(settings={k: v for k, v in vars(args).items() if not k.startswith("worker")},
+    return dict(grammar_share=grammar_clock.seconds / sum(seconds["constrained"]), settings={k: v for k, v in vars(args).items() if not k.startswith("worker")},
                 num_requests=len(schemas), output_tokens=sum(lengths), valid_json=valid / len(schemas),
                 seconds=seconds, output_tok_s=tok_s, ratio=tok_s["constrained"] / tok_s["free"],
                 compile=compile_times, num_schemas=len(SCHEMAS))
@@ -751,7 +785,8 @@ def print_structured(report: dict) -> None:
     for name, tok_s in report["output_tok_s"].items():
         rounds = ", ".join(f"{s:.2f}" for s in report["seconds"][name])
         print(f"{name:<12} {tok_s:8.1f} output tok/s (best of rounds: {rounds} s)")
-    print(f"ratio constrained/free: {report['ratio']:.1%}")
+    print(f"ratio constrained/free: {report['ratio']:.1%}; bitmask filling, masking and matcher updates took "
+          f"{report['grammar_share']:.1%} of the constrained runs' time")
     print(f"grammar compile per schema: first p50 {c['first_p50_s'] * 1000:.1f} ms (max {c['first_max_s'] * 1000:.1f}),"
           f" cached p50 {c['cached_p50_s'] * 1e6:.0f} us (max {c['cached_max_s'] * 1e6:.0f}); vocabulary set-up "
           f"{c['vocabulary_setup_s'] * 1000:.0f} ms once")
