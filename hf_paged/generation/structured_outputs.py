@@ -1,8 +1,9 @@
 """Constrained decoding: grammars compiled from `StructuredOutputsParams`, per-sequence matchers and token bitmasks.
 
 The only module that knows the backend, xgrammar: its matchers accept a token, roll back and fork cheaply, fill a
-whole batch's bitmasks from its own threads, and its CPU kernel masks fp32/bf16 logits in place. Grammars compile on
-a small thread pool, never on the engine thread, and are cached by their constraint's canonical text.
+whole batch's bitmasks from its own threads, and its CPU kernel masks fp32/bf16 logits in place (a Triton/CUDA one on
+GPU). Grammars compile on a background thread, never on the engine thread, and are cached by their constraint's
+canonical text.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class GrammarCompiler:
             if "::=" in spec.grammar:
                 return compiler.compile_grammar(spec.grammar)
             return compiler.compile_lark(spec.grammar)
-        except RuntimeError as err:
+        except Exception as err:  # noqa: BLE001 - whatever the backend refuses is this constraint's fault
             message = _LOG_PREFIX.sub("", str(err)).strip()
             raise ValueError(f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
 
@@ -132,5 +133,5 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int)
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of ``rows`` that their bitmask rows forbid."""
-    _xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                         vocab_size=logits.shape[-1], indices=rows)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

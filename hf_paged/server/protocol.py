@@ -96,7 +96,7 @@ class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
     name: str | None = None
     description: str | None = None
-    json_schema: dict | None = Field(default=None, alias="schema")
+    schema_: dict | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -157,7 +157,7 @@ class GenerationRequest(BaseModel):
         if fmt is not None and fmt.type == "json_object":
             asked.append(Constraint.of("response_format", "response_format", json_object=True))
         elif fmt is not None and fmt.type == "json_schema":
-            schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
+            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
             asked.append(Constraint.of("response_format", "response_format.json_schema.schema",
                                        json=schema if schema is not None else {}))
         if self.structured_outputs is not None:
