@@ -58,14 +58,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.compiling: list[Request] = []  # constrained requests whose grammar is not compiled yet
+        self.compiling: dict[str, Request] = {}  # constrained requests whose grammar is not compiled yet, by id
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps in which a prompt was computed only in part (chunked prefill)
         self.num_generated_tokens = 0
 
     def add(self, request: Request) -> None:
         if request.grammar is not None:
-            self.compiling.append(request)
+            self.compiling[request.request_id] = request
         else:
             self.waiting.append(request.seqs[0])
 
@@ -79,10 +79,10 @@ class Scheduler:
         run the engine waits for the first grammar a little rather than spin.
         """
         if not (self.waiting or self.running):
-            wait([request.grammar for request in self.compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+            wait([r.grammar for r in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
         failed = []
-        for request in [request for request in self.compiling if request.grammar.done()]:
-            self.compiling.remove(request)
+        for request in [r for r in self.compiling.values() if r.grammar.done()]:
+            del self.compiling[request.request_id]
             error = request.grammar.exception()
             if error is not None:
                 self.fail(request, str(error))
@@ -243,8 +243,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        elif seq.request in self.compiling:
-            self.compiling.remove(seq.request)
+        else:
+            self.compiling.pop(seq.request.request_id, None)
         self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
