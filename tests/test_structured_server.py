@@ -142,10 +142,11 @@ def streamed_calls(stream) -> tuple[str, list[dict], str | None]:
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": "", "pieces": 0})
                 call["id"] += delta.id or ""
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
+                call["pieces"] += bool(delta.function.arguments)
             finish = choice.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -167,6 +168,7 @@ def test_a_tool_round_trip(client, stream):
         assert finish == "tool_calls" and not content
         assert calls and all(c["id"].startswith("call_") for c in calls)
         assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"])["city"]
+        assert not stream or calls[0]["pieces"] > 1  # the arguments stream as they are written
     messages += [{"role": "assistant", "content": None, "tool_calls": [
                     {"id": calls[0]["id"], "type": "function",
                      "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}]},

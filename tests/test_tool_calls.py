@@ -74,15 +74,57 @@ def test_json_calls_are_read_and_a_cut_one_is_content():
     assert parser.parse('[{"name": "get_wea') == ('[{"name": "get_wea', [])
 
 
+def stream_all(stream, text: str, step: int) -> tuple[str, list[dict], bool]:
+    """Feed ``text`` in pieces of ``step`` characters; the content sent, every tool-call delta, whether it called."""
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        sent, calls = stream.feed(text[i:i + step])
+        content, deltas = content + sent, deltas + calls
+    rest, last, called = stream.finish()
+    return content + rest, deltas + last, called
+
+
+def accumulate(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas merged by index, as an OpenAI client does."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += delta.get("id", "")
+        call["name"] += delta.get("function", {}).get("name", "")
+        call["arguments"] += delta.get("function", {}).get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
 @pytest.mark.parametrize("step", [1, 3, 7])
-def test_a_stream_holds_back_what_may_begin_a_call(step):
-    text = f"Sure <tool! Checking.\n{CALL}"
-    stream = ToolCallParser("auto").stream()
-    sent = "".join(stream.feed(text[i:i + step]) for i in range(0, len(text), step))
-    rest, [call] = stream.finish()
-    assert sent + rest == "Sure <tool! Checking.\n" and call.name == "get_weather"
+def test_a_stream_holds_back_what_may_begin_a_call_and_streams_the_arguments(step):
+    text = f"Sure <tool! Checking.\n{CALL}\n{CALL.replace('Paris', 'Rome')}"
+    content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
+    assert content == "Sure <tool! Checking.\n" and called  # as it came, before the call began
+    calls = accumulate(deltas)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                         ("get_weather", {"city": "Rome"})]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # Each call is announced once, with its id and name; then its arguments arrive piece by piece.
+    assert sum("id" in d for d in deltas) == 2 and sum("arguments" in d["function"] for d in deltas) > 2
     plain = ToolCallParser("auto").stream()
-    assert plain.feed("a <tool_") == "a " and plain.finish() == ("<tool_", [])
+    assert plain.feed("a <tool_") == ("a ", []) and plain.finish() == ("<tool_", [], False)
+
+
+def test_a_constrained_array_of_calls_streams_as_it_is_written():
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo", "note": "a } and a \\" inside"}}, ' \
+           '{"name": "get_time", "arguments": {}}]'
+    content, deltas, called = stream_all(ToolCallParser("json").stream(), text, 2)
+    assert content == "" and called
+    calls = accumulate(deltas)
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in calls] == [call["arguments"] for call in json.loads(text)]
+
+
+def test_calls_in_another_key_order_arrive_whole_at_the_end():
+    text = '<tool_call>{"arguments": {"city": "Lima"}, "name": "get_weather"}</tool_call>'
+    content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, 4)
+    assert content == "" and called and len(deltas) == 1
+    assert accumulate(deltas)[0]["name"] == "get_weather"
 
 
 def test_a_tokenizer_response_template_parses_calls(tokenizer, monkeypatch):
@@ -91,5 +133,7 @@ def test_a_tokenizer_response_template_parses_calls(tokenizer, monkeypatch):
     content, [call] = parser.parse(f"Let me look.\n{CALL}")
     assert content == "Let me look." and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     stream = parser.stream()
-    assert stream.feed("Let me look.\n") == ""  # read whole at the end
-    assert stream.feed(CALL) == "" and stream.finish()[0] == "Let me look."
+    assert stream.feed("Let me look.\n") == ("", [])  # read whole at the end
+    assert stream.feed(CALL) == ("", [])
+    content, [call], called = stream.finish()
+    assert content == "Let me look." and called and call["function"]["name"] == "get_weather"

@@ -422,7 +422,7 @@ class ChatFormat(CompletionFormat):
 
 class ToolChatFormat(ChatFormat):
     """Chat choices whose text may hold tool calls: those are answered as ``message.tool_calls`` (streamed as
-    ``delta.tool_calls``, each call whole in one chunk) with ``finish_reason="tool_calls"``."""
+    ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``."""
 
     def __init__(self, decode: Callable[[int], str], top_k: int | None, parser: ToolCallParser):
         super().__init__(decode, top_k)
@@ -441,13 +441,15 @@ class ToolChatFormat(ChatFormat):
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
                      text_offset: int, finish_reason: str | None) -> dict:
         stream = self.streams.setdefault(index, self.parser.stream())
-        content, calls = stream.feed(text), []
+        content, calls = stream.feed(text)
+        called = False
         if finish_reason is not None:
-            rest, calls = stream.finish()
-            content += rest
+            rest, last, called = stream.finish()
+            content, calls = content + rest, calls + last
         choice = super().chunk_choice(index, content, token_ids, logprobs, text_offset, finish_reason)
         if calls:
-            choice["delta"]["tool_calls"] = [call.to_dict(i) for i, call in enumerate(calls)]
+            choice["delta"]["tool_calls"] = calls
+        if called:
             choice["finish_reason"] = _tool_finish(finish_reason)
         return choice
 

@@ -170,35 +170,85 @@ class ToolCallParser:
 
 
 class ToolCallStream:
-    """One streamed choice: text passes through until a call may begin, then is held until the choice finishes."""
+    """One streamed choice, as OpenAI streams it: content passes through until a call may begin; then each call is
+    announced (``index``, ``id``, ``name``, empty ``arguments``) as soon as its name is out, and its arguments follow
+    as they are written.
+
+    Calls are followed as they come when written ``{"name": ..., "arguments": ...}`` (the constrained JSON array, or
+    hermes blocks in that key order); otherwise, and with a tokenizer's response template, they are read whole when
+    the choice finishes.
+    """
 
     def __init__(self, parser: ToolCallParser):
         self.parser = parser
         self.text = ""
-        self.sent = 0  # characters of text already sent as content
-        # Only hermes text can be passed on as it comes; other outputs are read whole at the end.
-        self.holding = parser.mode == "json" or parser.response_template is not None
+        self.sent = 0  # characters of text sent as content
+        self.holding = parser.mode == "json" or parser.response_template is not None  # no more content as it comes
+        self.follow = parser.response_template is None  # follow calls as they are written
+        self.header = _JSON_HEADER if parser.mode == "json" else _HERMES_HEADER
+        self.calls: list[ToolCall] = []  # announced so far
+        self.scan = 0  # where the next call's header may start
+        self.args_start: int | None = None  # where the arguments of the last announced call start, while unfinished
+        self.args_sent = 0
 
-    def feed(self, delta: str) -> str:
-        """The content that can be sent now."""
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """The content and the ``delta.tool_calls`` entries that can be sent now."""
         self.text += delta
-        if self.holding:
-            return ""
-        # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``.
-        start = self.text.find(OPEN_TAG, self.sent)
-        self.holding = start >= 0
-        end = start if self.holding else len(self.text) - _partial_tag(self.text)
-        content, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return content
+        content = ""
+        if not self.holding:
+            # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``.
+            start = self.text.find(OPEN_TAG, self.sent)
+            self.holding = start >= 0
+            end = start if self.holding else len(self.text) - _partial_tag(self.text)
+            content, self.sent = self.text[self.sent:end], max(self.sent, end)
+            self.scan = max(self.scan, self.sent)
+        return content, self._call_deltas() if self.holding and self.follow else []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content not sent yet and the calls, once the choice has finished."""
+    def _call_deltas(self) -> list[dict]:
+        entries: dict[int, dict] = {}
+        while True:
+            if self.args_start is None:
+                match = self.header.search(self.text, self.scan)
+                if match is None:
+                    return list(entries.values())
+                call = ToolCall.of(json.loads(f'"{match.group(1)}"'), "")
+                self.calls.append(call)
+                entries[len(self.calls) - 1] = call.to_dict(len(self.calls) - 1)
+                self.args_start = self.args_sent = match.end()
+            try:
+                end = _DECODER.raw_decode(self.text, self.args_start)[1]
+            except ValueError:
+                end = None  # the arguments are still being written: all of the text so far is theirs
+            upto = len(self.text) if end is None else end
+            if upto > self.args_sent:
+                entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
+                                                                 "function": {"arguments": ""}})
+                entry["function"]["arguments"] += self.text[self.args_sent:upto]
+                self.args_sent = upto
+            if end is None:
+                return list(entries.values())
+            self.args_start, self.scan = None, end
+
+    def finish(self) -> tuple[str, list[dict], bool]:
+        """Once the choice has finished: the content not sent yet, the last ``delta.tool_calls`` entries, and
+        whether it called tools at all."""
+        if self.calls:  # followed as they came
+            return self._rest(), self._call_deltas(), True
         content, calls = self.parser.parse(self.text)
         if not calls:
-            return self.text[self.sent:], []
-        if not self.sent:
-            return content or "", calls
-        return _HERMES_CALL.sub("", self.text[self.sent:]).strip(), calls
+            return self.text[self.sent:], [], False
+        return (content or "") if not self.sent else self._rest(), [c.to_dict(i) for i, c in enumerate(calls)], True
+
+    def _rest(self) -> str:
+        """The content written since a call began: hermes text around the blocks (none in a JSON array of calls)."""
+        return "" if self.parser.mode == "json" else _HERMES_CALL.sub("", self.text[self.sent:]).strip()
+
+
+_DECODER = json.JSONDecoder()
+# Ends where the arguments' value starts (so not until it has begun: whitespace may still be coming).
+_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)'
+_JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
+_HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
 
 
 def _partial_tag(text: str) -> int:
