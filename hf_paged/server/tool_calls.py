@@ -157,12 +157,10 @@ class ToolCallParser:
     def _parse_with_template(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
             message = self.tokenizer.parse_response(text, prefix=self.prompt, tools=self.tools)
-        except Exception:  # a response the model's own parser cannot read is plain content
+            functions = [call.get("function", call) for call in message.get("tool_calls") or []]
+            calls = [ToolCall.of(function["name"], function.get("arguments", {})) for function in functions]
+        except Exception:  # noqa: BLE001 - a response the model's own parser cannot read is plain content
             return text, []
-        calls = []
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", call)
-            calls.append(ToolCall.of(function["name"], function.get("arguments", {})))
         return message.get("content") or None, calls
 
     def stream(self) -> "ToolCallStream":
