@@ -29,6 +29,18 @@ DEFAULT_CPU_KV_MEMORY = 2 << 30
 KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def tokenize_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """``(text, token_ids)`` of a prompt as the engine sees it: chat messages go through the chat template."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer(prompt).input_ids
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return text, tokenizer(text, add_special_tokens=False).input_ids
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}")
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -164,17 +176,7 @@ class ContinuousBatchGenerator:
 
     # ------------------------------------------------------------------------------------------- requests
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer(prompt).input_ids
-        elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            text, token_ids = None, list(prompt)
-        else:
-            raise ValueError(
-                f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}"
-            )
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         # A tokenizer can know more tokens than the model embeds; such a prompt would fail every step it joins.
         bad = self._outside_vocabulary(token_ids)
         if bad:
