@@ -4,10 +4,10 @@ with prefix-cache-aware routing and autoscaling (needs the ``ray`` extra).
 ``hf-paged serve-ray [MODEL] --num-replicas N`` runs it; in Python, ``serve.run(build_app(ServeRayConfig(...)))``.
 """
 
-from .app import APP_NAME, ServeRayConfig, build_app, serve_forever
+from .app import APP_NAME, ServeRayConfig, build_app, ingress, serve_forever
 from .replica import ReplicaSpec
 from .registry import router_of
 from .router import PrefixAffinityRouter, RoutingStats
 
 __all__ = ["APP_NAME", "PrefixAffinityRouter", "ReplicaSpec", "RoutingStats", "ServeRayConfig", "build_app",
-           "router_of", "serve_forever"]
+           "ingress", "router_of", "serve_forever"]

@@ -61,14 +61,19 @@ def build_app(config: ServeRayConfig):
     """The bound application: ``serve.run(build_app(config), name=APP_NAME, route_prefix="/")``."""
     router = RequestRouterConfig(
         request_router_class=PrefixAffinityRouter,
-        request_router_kwargs={"prefix_affinity": config.prefix_affinity, "max_imbalance": config.max_imbalance},
+        request_router_kwargs={"max_imbalance": config.max_imbalance},
     )
     engine = EngineReplica.options(
         **config.scaling(), max_ongoing_requests=config.max_ongoing_requests, request_router_config=router,
         ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
     ).bind(config.replica)
-    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(engine, config.replica.model,
-                                                                   config.replica.block_size)
+    return ingress(engine, config)
+
+
+def ingress(engine, config: ServeRayConfig, name: str = "Ingress"):
+    """The bound ingress in front of ``engine`` (a bound deployment, or a handle to one in another app)."""
+    return Ingress.options(name=name, ray_actor_options={"num_cpus": 0}).bind(
+        engine, config.replica.model, config.replica.block_size, config.prefix_affinity)
 
 
 def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: int) -> None:

@@ -65,38 +65,43 @@ def _replica_failed(err: Exception) -> JSONResponse:
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, metrics_timeout_s: float = 5.0):
+    """``prefix_affinity=False`` sends no block hashes: the router then always takes the less loaded of two random
+    replicas."""
+
+    def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
+                 metrics_timeout_s: float = 5.0):
         from transformers import AutoTokenizer
 
         self.engine = engine
         self.stream = engine.options(stream=True)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.block_size = block_size
+        self.prefix_affinity = prefix_affinity
         self.metrics_timeout_s = metrics_timeout_s
-        self.app_name = serve.get_replica_context().app_name
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        router = router_of(self.app_name)
+        router = router_of(self.engine.app_name)
         if router is None:  # the handle makes its router at its first call
             await self.engine.metrics.remote()
-            router = router_of(self.app_name)
-        replicas = [r.unique_id for r in router.curr_replicas]
-        answers = await asyncio.gather(*(self._replica_metrics(r) for r in replicas), return_exceptions=True)
-        texts = dict(a for a in answers if isinstance(a, tuple))
+            router = router_of(self.engine.app_name)
+        texts = {}
+        # One at a time: calls made while serving one HTTP request share Serve's request id, and the router
+        # hands a chosen replica to the first pending call with that id.
+        for replica in [r.unique_id for r in router.curr_replicas]:
+            try:
+                answer = self.engine.metrics.remote(replica=replica)
+                answered_by, texts[replica] = await asyncio.wait_for(answer, self.metrics_timeout_s)
+                assert answered_by == replica, f"asked {replica}, {answered_by} answered"
+            except Exception as err:
+                logger.warning("replica %s did not report its metrics: %r", replica, err)
         return Response(merged_metrics(texts, router.stats), media_type=CONTENT_TYPE_LATEST)
-
-    async def _replica_metrics(self, replica: str) -> tuple[str, str]:
-        async def ask() -> tuple[str, str]:
-            return await self.engine.metrics.remote(replica=replica)
-
-        return await asyncio.wait_for(ask(), self.metrics_timeout_s)
 
     @api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, path: str, request: Request) -> Response:
-        body = await request.body()
-        http = HTTPRequest(request.method, request.url.path, request.url.query.encode(), request.headers.raw, body)
-        response = self.stream.remote(http, prefix=self._prefix(request.url.path, body))
+        body, path = await request.body(), "/" + path  # relative to where this app is mounted
+        http = HTTPRequest(request.method, path, request.url.query.encode(), request.headers.raw, body)
+        response = self.stream.remote(http, prefix=self._prefix(path, body))
         try:
             start: HTTPResponseStart = await response.__anext__()
         except Exception as err:
@@ -109,6 +114,8 @@ class Ingress:
     def _prefix(self, path: str, body: bytes) -> list[bytes] | None:
         """The prompt's block hashes, or None when the request has no prompt (or a malformed one: the replica
         answers that with its 400)."""
+        if not self.prefix_affinity:
+            return None
         try:
             prompt = _prompt(path, body)
             if prompt is None:

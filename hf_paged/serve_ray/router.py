@@ -39,8 +39,7 @@ class RoutingStats:
 class PrefixAffinityRouter(RequestRouter):
     """Prefix-cache affinity with power-of-two-choices fallback (see the module docstring)."""
 
-    def initialize_state(self, prefix_affinity: bool = True, max_imbalance: int = 8, table_capacity: int = 1 << 17):
-        self.prefix_affinity = prefix_affinity
+    def initialize_state(self, max_imbalance: int = 8, table_capacity: int = 1 << 17):
         self.max_imbalance = max_imbalance
         self.table = AffinityTable(table_capacity)
         self.stats = RoutingStats()
@@ -51,13 +50,14 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        kwargs = pending_request.kwargs if pending_request is not None else {}
+        kwargs = {}
+        if pending_request is not None:
+            kwargs = pending_request.kwargs
+            pending_request.routing_context.should_backoff = True  # when no choice is taken, wait before the next
         target = kwargs.get("replica")
         if target is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         balanced = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
-        if not self.prefix_affinity:
-            return [balanced]
         by_id = {r.replica_id: r for r in candidate_replicas}
         best, _ = self.table.best(kwargs.get("prefix") or (), by_id)
         if best is None or self._overloaded(best, by_id):
