@@ -1,6 +1,7 @@
 """``hf-paged``: serve a model over an OpenAI-compatible HTTP API, or generate from the command line.
 
     hf-paged serve [MODEL] [--port 8000] [--api-key KEY] ...
+    hf-paged serve-ray [MODEL] [--num-replicas 2] [--address ray://...] ...   (needs the ``ray`` extra)
     hf-paged generate [MODEL] "prompt" [--max-tokens 128] ...
 
 MODEL is a local model directory; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is downloaded.
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from typing import TYPE_CHECKING
 
+from .generation.config import EngineConfig, parse_memory  # noqa: F401  (parse_memory: part of the CLI's API)
 from .loading import DTYPES
 
 if TYPE_CHECKING:
@@ -21,47 +22,57 @@ if TYPE_CHECKING:
 
 _DTYPES = list(DTYPES)
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_memory(text: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain byte count, as bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB, 1GB or a byte count")
-    return int(float(match.group(1)) * _UNITS[unit])
-
 
 def _engine_options() -> argparse.ArgumentParser:
-    """Options shared by both commands: which model, and how the engine is sized."""
+    """Options shared by both commands: which model, and the engine's options (one per `EngineConfig` field)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
-    engine.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
-                        help="KV cache dtype (default: auto, the weights' dtype); bfloat16 under float32 weights "
-                             "halves the cache's memory and the bytes attention reads")
-    engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default: 256)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)")
-    size = engine.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
-    size.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                      help="KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, half the free memory "
-                           "on GPU)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    engine.add_argument("--no-prefix-caching", action="store_true",
-                        help="do not reuse the KV of prompt prefixes shared between requests")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
-    engine.add_argument("--no-prepack-weights", action="store_true",
-                        help="on CPU, run linear layers through plain torch instead of oneDNN with weights packed once "
-                             "(packing is faster and costs the linear weights' memory once more)")
+    EngineConfig.add_cli_arguments(engine)
     return parser
+
+
+def _http_options() -> argparse.ArgumentParser:
+    """Options of the commands that serve over HTTP."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
+                             "default model's name)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="server log level (default: info)")
+    return parser
+
+
+def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
+    serve_ray = commands.add_parser(
+        "serve-ray", parents=parents, help="serve the model from N replicas on Ray Serve",
+        description="Serve MODEL as `serve` does, from replicas on a Ray cluster (a local one by default): each "
+                    "request goes to the replica whose prefix cache most likely holds its prompt. MODEL must be at "
+                    "the same path on every node. /metrics shows every replica's metrics.")
+    ray = serve_ray.add_argument_group("replicas")
+    ray.add_argument("--num-replicas", type=int, default=None,
+                     help="replicas to run, or to start with when autoscaling (default: 1, or --min-replicas)")
+    ray.add_argument("--min-replicas", type=int, default=None,
+                     help="autoscale: fewest replicas (with --max-replicas)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="autoscale: most replicas, scaling on requests in flight (with --min-replicas)")
+    ray.add_argument("--target-ongoing-requests", type=int, default=32,
+                     help="autoscale: requests in flight per replica to aim at (default: 32)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, default=None,
+                     help="GPUs each replica reserves (default: 1 if this machine has a CUDA GPU, else 0)")
+    ray.add_argument("--no-prefix-routing", action="store_true",
+                     help="route every request to the less loaded of two random replicas, ignoring prefix caches")
+    ray.add_argument("--address", default=None,
+                     help="Ray cluster to deploy on, e.g. auto or ray://head:10001 (default: start a local Ray)")
+    serve_ray.set_defaults(run=run_serve_ray, command_parser=serve_ray)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,24 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-paged",
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
-    engine = _engine_options()
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate}")
+    engine, http = _engine_options(), _http_options()
 
-    serve = commands.add_parser("serve", parents=[engine], help="serve the model over an OpenAI-compatible API",
+    serve = commands.add_parser("serve", parents=[engine, http], help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
-                            "default model's name)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
                             "(default: 5)")
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                       help="server log level (default: info)")
+    _add_serve_ray(commands, [engine, http])
 
     generate = commands.add_parser("generate", parents=[engine], help="generate from one prompt, streamed to stdout",
                                    description="Generate a continuation of PROMPT and stream it to stdout.")
@@ -115,14 +118,12 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except Exception as err:  # e.g. the default model's conversion failing
         parser.error(str(err))
     try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
         model, tokenizer = load_model(path, dtype=args.dtype)
-        return ContinuousBatchGenerator(
-            model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, prepack_weights=not args.no_prepack_weights,
-            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        )
+        return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
 
@@ -147,27 +148,48 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``hf-paged serve-ray``: deploy on Ray Serve and serve until interrupted."""
+    try:
+        from .serve_ray import ReplicaSpec, ServeRayConfig, serve_forever
+    except ImportError as err:
+        parser.error(f"serve-ray needs Ray Serve: pip install 'hf-paged[ray]' ({err})")
+    import torch
+
+    from .default_model import DEFAULT_MODEL_NAME, resolve_model
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
+    try:
+        spec = ReplicaSpec(resolve_model(args.model), args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+                           args.dtype, args.api_key, EngineConfig.from_cli_args(args))
+        config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
+                                args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
+                                prefix_affinity=not args.no_prefix_routing)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    serve_forever(config, args.address, args.host, args.port)
+    return 0
+
+
 def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged generate``: stream one completion to stdout."""
-    from . import SamplingParams
+    from . import RequestOutputKind, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed)
+                                seed=args.seed, output_kind=RequestOutputKind.DELTA)
     except ValueError as err:
         parser.error(str(err))
     generator = load_generator(parser, args)
     chat = args.chat if args.chat is not None else generator.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
-    sent = 0
     for output in generator.stream(prompt, params):
         if output.error is not None:
             print(f"hf-paged: error: {output.error}", file=sys.stderr)
             return 1
-        text = output.outputs[0].text if output.outputs else ""
-        sys.stdout.write(text[sent:])
+        sys.stdout.write("".join(o.text for o in output.outputs))
         sys.stdout.flush()
-        sent = max(sent, len(text))
     sys.stdout.write("\n")
     return 0
 

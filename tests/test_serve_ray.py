@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 import hf_paged
-from hf_paged import ContinuousBatchGenerator
+from hf_paged import ContinuousBatchGenerator, EngineConfig
 from hf_paged.default_model import DEFAULT_MODEL_NAME
 from hf_paged.server import create_app
 from hf_paged.serve_ray import APP_NAME, ReplicaSpec, ServeRayConfig, build_app, ingress
@@ -30,7 +30,7 @@ from hf_paged.serve_ray.affinity import AffinityTable, prefix_hashes
 
 pytestmark = pytest.mark.slow
 
-ENGINE = {"num_blocks": 256, "block_size": 16}
+ENGINE = EngineConfig(num_blocks=256)
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "user", "content": "Name three rivers."}]]
 PROMPTS = ["The three primary colors are", "Once upon a time"]
@@ -104,7 +104,7 @@ def test_affinity_table_prefers_the_longest_prefix_of_a_live_replica():
 
 def test_openai_client_streams_and_greedy_answers_equal_a_single_server(base, client, smollm2):
     model, tokenizer = smollm2
-    with TestClient(create_app(ContinuousBatchGenerator(model, tokenizer, **ENGINE), DEFAULT_MODEL_NAME)) as local:
+    with TestClient(create_app(ContinuousBatchGenerator(model, tokenizer, ENGINE), DEFAULT_MODEL_NAME)) as local:
         single = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=local)
         greedy = {"model": DEFAULT_MODEL_NAME, "temperature": 0, "max_tokens": 12}
         for messages in CHATS:

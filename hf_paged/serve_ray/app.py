@@ -28,7 +28,7 @@ class ServeRayConfig:
     """
 
     replica: ReplicaSpec
-    num_replicas: int = 1
+    num_replicas: int | None = None  # default: 1, or min_replicas
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: int = 32
@@ -39,6 +39,8 @@ class ServeRayConfig:
     max_imbalance: int = 8
 
     def __post_init__(self):
+        if self.num_replicas is None:
+            self.num_replicas = max(1, self.min_replicas or 0)
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -73,7 +75,7 @@ def build_app(config: ServeRayConfig):
 def ingress(engine, config: ServeRayConfig, name: str = "Ingress"):
     """The bound ingress in front of ``engine`` (a bound deployment, or a handle to one in another app)."""
     return Ingress.options(name=name, ray_actor_options={"num_cpus": 0}).bind(
-        engine, config.replica.model, config.replica.block_size, config.prefix_affinity)
+        engine, config.replica.model, config.replica.engine.block_size, config.prefix_affinity)
 
 
 def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: int) -> None:

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from ..generation.generator import Prompt, tokenize_prompt
+from ..generation.inputs import Prompt, tokenize_prompt
 from ..server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from .affinity import prefix_hashes
 from .asgi import HTTPRequest, HTTPResponseStart

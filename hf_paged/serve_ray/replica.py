@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from prometheus_client import generate_latest
 from ray import serve
 
+from ..generation import EngineConfig
 from .asgi import HTTPRequest, HTTPResponseStart, call_app
 
 REPLICA_HEADER = b"x-hf-paged-replica"
@@ -25,11 +26,7 @@ class ReplicaSpec:
     served_model_name: str
     dtype: str = "auto"
     api_key: str | None = None
-    engine: dict = field(default_factory=dict)  # ContinuousBatchGenerator options
-
-    @property
-    def block_size(self) -> int:
-        return self.engine.get("block_size", 16)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def load(self):
         """The replica's generator (call on the replica)."""
@@ -37,7 +34,7 @@ class ReplicaSpec:
         from ..loading import load_model
 
         model, tokenizer = load_model(self.model, dtype=self.dtype)
-        return ContinuousBatchGenerator(model, tokenizer, **self.engine)
+        return ContinuousBatchGenerator(model, tokenizer, self.engine)
 
 
 @serve.deployment(name="Engine")
