@@ -56,9 +56,16 @@ def base(smollm2_path):
     root = str(Path(hf_paged.__file__).parent.parent)  # replicas import this checkout's hf_paged
     env = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="warning")
-    port = free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for attempt in range(3):  # another process may take the free port before Serve's proxy binds it
+            port = free_port()
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                break
+            except Exception:
+                serve.shutdown()
+                if attempt == 2:
+                    raise
         serve.run(build_app(config(smollm2_path)), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -100,6 +107,24 @@ def test_affinity_table_prefers_the_longest_prefix_of_a_live_replica():
     assert table.best(hashes, {"a", "b"}) == ("b", 5) and table.matched(hashes, "c") == 0
     table.record(prefix_hashes(list(range(200, 300)), 16), "a")  # 6 more: the 2 least recent are dropped
     assert table.best(hashes, {"b"}) == ("b", 5) and table.best(hashes[:3], {"b"}) == (None, 0)
+
+
+def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypatch, capsys):
+    import hf_paged.serve_ray
+    from hf_paged.cli import main
+
+    deployed = []
+    monkeypatch.setattr(hf_paged.serve_ray, "serve_forever", lambda *args: deployed.append(args))
+    main(["serve-ray", smollm2_path, "--min-replicas", "2", "--max-replicas", "4", "--num-blocks", "64",
+          "--no-prefix-routing", "--address", "auto", "--port", "9000", "--api-key", "k"])
+    (config, address, host, port), = deployed
+    assert (address, host, port) == ("auto", "127.0.0.1", 9000)
+    assert config.replica.engine == EngineConfig(num_blocks=64) and config.replica.api_key == "k"
+    assert not config.prefix_affinity and config.scaling()["autoscaling_config"] == {
+        "min_replicas": 2, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 32}
+    with pytest.raises(SystemExit):
+        main(["serve-ray", smollm2_path, "--num-replicas", "5", "--min-replicas", "1", "--max-replicas", "4"])
+    assert "num_replicas (5) must lie between" in capsys.readouterr().err
 
 
 def test_openai_client_streams_and_greedy_answers_equal_a_single_server(base, client, smollm2):

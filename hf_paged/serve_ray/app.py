@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -81,6 +83,7 @@ def ingress(engine, config: ServeRayConfig, name: str = "Ingress"):
 def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: int) -> None:
     """Deploy on the Ray cluster at ``address`` (None: a local one) and serve until interrupted."""
     ray.init(address=address, ignore_reinit_error=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init, which sets its own: clean up below
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     logger.info("serving %r on http://%s:%d/v1 from %d replica(s)", config.replica.served_model_name, host, port,
