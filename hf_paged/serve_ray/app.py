@@ -76,7 +76,8 @@ def build_app(config: ServeRayConfig):
 
 def ingress(engine, config: ServeRayConfig, name: str = "Ingress"):
     """The bound ingress in front of ``engine`` (a bound deployment, or a handle to one in another app)."""
-    return Ingress.options(name=name, ray_actor_options={"num_cpus": 0}).bind(
+    capacity = config.max_ongoing_requests * (config.max_replicas or config.num_replicas) + 16  # never the limit
+    return Ingress.options(name=name, max_ongoing_requests=capacity, ray_actor_options={"num_cpus": 0}).bind(
         engine, config.replica.model, config.replica.engine.block_size, config.prefix_affinity)
 
 
