@@ -74,10 +74,10 @@ def build_app(config: ServeRayConfig):
     return ingress(engine, config)
 
 
-def ingress(engine, config: ServeRayConfig, name: str = "Ingress"):
+def ingress(engine, config: ServeRayConfig):
     """The bound ingress in front of ``engine`` (a bound deployment, or a handle to one in another app)."""
     capacity = config.max_ongoing_requests * (config.max_replicas or config.num_replicas) + 16  # never the limit
-    return Ingress.options(name=name, max_ongoing_requests=capacity, ray_actor_options={"num_cpus": 0}).bind(
+    return Ingress.options(max_ongoing_requests=capacity, ray_actor_options={"num_cpus": 0}).bind(
         engine, config.replica.model, config.replica.engine.block_size, config.prefix_affinity)
 
 
@@ -85,11 +85,11 @@ def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: 
     """Deploy on the Ray cluster at ``address`` (None: a local one) and serve until interrupted."""
     ray.init(address=address, ignore_reinit_error=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init, which sets its own: clean up below
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    logger.info("serving %r on http://%s:%d/v1 from %d replica(s)", config.replica.served_model_name, host, port,
-                config.num_replicas)
     try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        logger.info("serving %r on http://%s:%d/v1 from %d replica(s)", config.replica.served_model_name, host,
+                    port, config.num_replicas)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

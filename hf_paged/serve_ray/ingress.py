@@ -29,9 +29,9 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
 def _prompt(path: str, body: bytes) -> Prompt | None:
-    if path.endswith("/v1/chat/completions"):
+    if path == "/v1/chat/completions":
         return [m.to_template_dict() for m in ChatCompletionRequest.model_validate_json(body).messages]
-    if path.endswith("/v1/completions"):
+    if path == "/v1/completions":
         prompts = CompletionRequest.model_validate_json(body).prompts()
         return prompts[0] if prompts else None
     return None
@@ -65,8 +65,8 @@ def _replica_failed(err: Exception) -> JSONResponse:
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
-    """``prefix_affinity=False`` sends no block hashes: the router then always takes the less loaded of two random
-    replicas."""
+    """The app's HTTP entry in front of the ``engine`` deployment. With ``prefix_affinity=False`` it sends no block
+    hashes, so the router always takes the less loaded of two random replicas."""
 
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
                  metrics_timeout_s: float = 5.0):
@@ -92,7 +92,8 @@ class Ingress:
             try:
                 answer = self.engine.metrics.remote(replica=replica)
                 answered_by, texts[replica] = await asyncio.wait_for(answer, self.metrics_timeout_s)
-                assert answered_by == replica, f"asked {replica}, {answered_by} answered"
+                if answered_by != replica:
+                    raise RuntimeError(f"replica {answered_by} answered instead")
             except Exception as err:
                 logger.warning("replica %s did not report its metrics: %r", replica, err)
         return Response(merged_metrics(texts, router.stats), media_type=CONTENT_TYPE_LATEST)
