@@ -153,7 +153,9 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
+        # A request aborted before its prompt forked into n samples has fewer sequences, all finished.
+        return all(seq.is_finished for seq in self.seqs) and (
+            len(self.seqs) == self.params.n or any(seq.finish_reason == "abort" for seq in self.seqs))
 
     def output(self) -> RequestOutput | None:
         """The output this request hands back now, per its ``output_kind`` (None: nothing to hand back yet)."""
