@@ -1,0 +1,87 @@
+"""`PromptEncoder`: prompts to token ids on worker threads, off the event loop and off the engine's lock.
+
+Each worker thread has its own copy of the tokenizer: a fast tokenizer object used from two threads at once can raise
+"Already borrowed" (Rust's borrow check), and the engine thread keeps using the generator's own one to detokenize.
+A prompt that could not fit the context even at ``max_chars_per_token`` characters per token is refused before it
+is tokenized, so a huge prompt costs a length check, not seconds of tokenization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+from jinja2 import TemplateError
+
+from .protocol import APIError
+
+Prompt = str | list[int] | list[dict]
+
+
+class PromptEncoder:
+    """Renders chat templates and tokenizes prompts exactly as `ContinuousBatchGenerator.add_request` would."""
+
+    def __init__(self, tokenizer, max_model_len: int, max_chars_per_token: int, workers: int):
+        self.max_model_len = max_model_len
+        self.max_chars = max_model_len * max_chars_per_token
+        self._master = copy.deepcopy(tokenizer)  # copied from only under _copy_lock
+        self._copy_lock = threading.Lock()
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hf-paged-tokenize")
+
+    def tokenizer(self):
+        """This thread's own tokenizer."""
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            with self._copy_lock:
+                tokenizer = self._local.tokenizer = copy.deepcopy(self._master)
+        return tokenizer
+
+    async def encode(self, prompt: Prompt, param: str) -> list[int]:
+        """The prompt's token ids; raises a 400 naming ``param`` for a prompt that is too long or cannot render."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            self._check_tokens(len(prompt), param)
+            return prompt
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(str(v)) for m in prompt for v in m.values())
+        if chars > self.max_chars:
+            raise APIError(400, f"the prompt is {chars} characters long, more than could fit this engine's context "
+                                f"(max_model_len) of {self.max_model_len} tokens", param=param)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, prompt, param)
+
+    def _encode(self, prompt: str | list[dict], param: str) -> list[int]:
+        tokenizer = self.tokenizer()
+        if isinstance(prompt, str):
+            token_ids = tokenizer(prompt).input_ids
+        else:
+            try:
+                text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            except (TemplateError, TypeError, ValueError) as err:
+                raise APIError(400, f"the chat template cannot render these messages: {err}", param=param) from err
+            token_ids = tokenizer(text, add_special_tokens=False).input_ids
+        self._check_tokens(len(token_ids), param)
+        return token_ids
+
+    def _check_tokens(self, num_tokens: int, param: str) -> None:
+        if num_tokens >= self.max_model_len:
+            raise APIError(400, f"the prompt is {num_tokens} tokens long but this engine's context (max_model_len) "
+                                f"is {self.max_model_len} tokens, prompt and output together", param=param)
+
+    def decoder(self) -> Callable[[int], str]:
+        """``id -> text`` of a single token, cached, on a tokenizer copy of its own: logprobs name every token."""
+        with self._copy_lock:
+            tokenizer = copy.deepcopy(self._master)
+        lock = threading.Lock()  # responses are built on the event loop, large ones on a worker thread
+
+        @lru_cache(maxsize=1 << 16)
+        def decode(token_id: int) -> str:
+            with lock:
+                return tokenizer.decode([token_id])
+
+        return decode
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
