@@ -5,7 +5,8 @@ token once instead of copying the blocks into a contiguous batch first (as the t
 rows and prefill chunks up to `max_query_len`, and stores the step's new keys and values in the same call; longer
 chunks are faster through torch's SDPA. The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels``
 (default ``~/.cache/hf_paged/kernels``), keyed by the source, the compiler and the CPU, and shares torch's OpenMP
-runtime. Without a compiler `available()` is False and the dispatcher keeps the torch path.
+runtime. Without a compiler `available()` is False and the dispatcher keeps the torch path. The directory is
+created private (0700), and a library or directory that another user could have written is never loaded.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -75,22 +77,51 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def kernel_dir() -> Path:
+    """``$HF_PAGED_CACHE/kernels`` (an empty variable means the default ``~/.cache/hf_paged``), created private.
+
+    The server loads and runs the library found there, so a relative root (which would depend on the directory the
+    server was started in) is refused, and so is a directory that another user could write to.
+    """
+    root = os.environ.get("HF_PAGED_CACHE") or str(Path.home() / ".cache" / "hf_paged")
+    if not os.path.isabs(root):
+        raise RuntimeError(f"HF_PAGED_CACHE must be an absolute path, got {root!r}: the native kernel would be loaded "
+                           "from a directory relative to wherever the server starts")
+    directory = Path(root) / "kernels"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(directory)
+    return directory
+
+
+def check_private(path: Path) -> None:
+    """Refuse ``path`` unless it is owned by this user and not writable by its group or by others."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"refusing to load code from {path}: it must belong to this user (uid {os.getuid()}) and "
+                           f"be writable by nobody else (it belongs to uid {info.st_uid}, mode "
+                           f"{stat.filemode(info.st_mode)})")
+
+
+def _compile(compiler_path: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run([compiler_path, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
+        built.chmod(0o700)
+        os.replace(built, target)
+
+
 def _build() -> ctypes.CDLL:
     compiler_path = compiler()
     if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
-    root = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged")) / "kernels"
-    target = root / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    target = kernel_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
     if not target.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler_path, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
-            os.replace(built, target)
+        _compile(compiler_path, target)
+    check_private(target)
     library = ctypes.CDLL(str(target))
     library.hf_paged_attention.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
     library.hf_paged_has_bf16_dot.argtypes = [ctypes.c_int]
