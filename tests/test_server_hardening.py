@@ -351,11 +351,12 @@ def kernel_cache(tmp_path, monkeypatch):
 
 
 def test_the_kernel_cache_is_private_and_checked(kernel_cache, tmp_path):
+    """A library that someone else could have put there is never loaded (a file stands in for a built one)."""
     cpu_ops = kernel_cache
-    cpu_ops._build()
+    library = cpu_ops.library_path(cpu_ops.compiler())
     directory = tmp_path / "cache" / "kernels"
-    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
-    (library,) = directory.glob("*.so")
+    assert library.parent == directory and stat.S_IMODE(directory.stat().st_mode) == 0o700
+    library.write_bytes(b"not a library")
     library.chmod(0o666)  # anyone may now replace the code the server runs
     with pytest.raises(RuntimeError, match="writable by nobody else"):
         cpu_ops._build()
@@ -364,6 +365,8 @@ def test_the_kernel_cache_is_private_and_checked(kernel_cache, tmp_path):
     with pytest.raises(RuntimeError, match="writable by nobody else"):
         cpu_ops._build()
     directory.chmod(0o700)
+    with pytest.raises(OSError):  # checked, then loaded: the stand-in is not a shared object
+        cpu_ops._build()
     if os.getuid() == 0:  # only root can hand a file to another user
         os.chown(library, 65534, 65534)
         with pytest.raises(RuntimeError, match="belong to this user"):

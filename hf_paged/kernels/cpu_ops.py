@@ -112,13 +112,18 @@ def _compile(compiler_path: str, target: Path) -> None:
         os.replace(built, target)
 
 
+def library_path(compiler_path: str) -> Path:
+    """Where the library built by this compiler from this source for this CPU lives."""
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
+    return kernel_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+
+
 def _build() -> ctypes.CDLL:
     compiler_path = compiler()
     if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
-    target = kernel_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    target = library_path(compiler_path)
     if not target.exists():
         _compile(compiler_path, target)
     check_private(target)
