@@ -344,14 +344,12 @@ def run_hf_cb(args, model, tokenizer, workload: dict) -> dict:
 
 
 def make_generator(args, model, tokenizer):
-    from hf_paged import ContinuousBatchGenerator
+    from hf_paged import ContinuousBatchGenerator, EngineConfig
 
-    return ContinuousBatchGenerator(
-        model, tokenizer, block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
-        prepack_weights=not args.no_prepack_weights,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
+                          prepack_weights=not args.no_prepack_weights, kv_cache_dtype=args.kv_cache_dtype)
+    return ContinuousBatchGenerator(model, tokenizer, config)
 
 
 def run_ours(args, model, tokenizer, workload: dict) -> dict:

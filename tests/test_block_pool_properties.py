@@ -16,28 +16,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, precondition, rule
 
-from hf_paged.cache import BlockPool, KVCacheManager, NoFreeBlocksError
+from hf_paged.cache import BlockPool, KVCacheManager
 from hf_paged.cache.kv_cache_manager import block_hash
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=6)  # a small alphabet: prefixes collide often
-
-
-def allocate(kv: KVCacheManager, seq_id: int, start: int, end: int):
-    """The block copies to make room for tokens ``[start, end)``, or None when the pool is short."""
-    try:
-        return kv.allocate(seq_id, start, end)
-    except NoFreeBlocksError:
-        return None
-
-
-def cache_blocks(kv: KVCacheManager, seq_id: int, token_ids: list[int], num_tokens: int) -> None:
-    kv.commit(seq_id, token_ids, num_tokens)
-
-
-def uncache_blocks(kv: KVCacheManager, seq_id: int, num_tokens: int) -> None:
-    kv.uncommit(seq_id, num_tokens)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -68,15 +52,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         start = self.computed[seq]
         end = min(start + n, len(self.tokens[seq]))
         before = self._snapshot()
-        copies = allocate(self.kv, seq, start, end)
+        copies = self.kv.allocate(seq, start, end)
         if copies is None:
             assert self._snapshot() == before, "a refused allocation changed the pool"
             return
         for src, dst in copies:
             self.written[dst] = dict(self.written.get(src, {}))
-        cache_blocks(self.kv, seq, self.tokens[seq], end)
+        self.kv.cache_blocks(seq, self.tokens[seq], end)
         if fail:  # the forward raised: nothing was written, the blocks indexed for it must leave the index
-            uncache_blocks(self.kv, seq, start)
+            self.kv.uncache_blocks(seq, start)
             return
         table = self.kv.block_table(seq)
         for p in range(start, end):
