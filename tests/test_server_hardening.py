@@ -115,7 +115,7 @@ def test_each_tokenizing_thread_has_its_own_tokenizer(smollm2_path):
         return await asyncio.gather(*(encoder.encode(p, "prompt") for p in prompts))
 
     assert asyncio.run(encode_all()) == expected
-    seen = set(encoder._pool.map(lambda _: id(encoder.tokenizer()), range(64)))
+    seen = set(encoder.start().map(lambda _: id(encoder.tokenizer()), range(64)))
     assert id(generator.tokenizer) not in seen and 1 <= len(seen) <= 4
     encoder.close()
 
@@ -381,3 +381,15 @@ def test_the_kernel_cache_root_must_be_absolute(kernel_cache, monkeypatch, tmp_p
     monkeypatch.setenv("HF_PAGED_CACHE", "")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert cpu_ops.kernel_dir() == tmp_path / ".cache" / "hf_paged" / "kernels"
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    """Linking with -ffast-math made the library's loading turn on flush-to-zero for the whole process."""
+    import subprocess
+    import sys
+
+    check = ("from hf_paged.kernels import cpu_ops\n"
+             "assert cpu_ops.available()\n"
+             "assert 2.2250738585072014e-308 / 3 > 0, 'subnormals flushed to zero'\n")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -30,7 +30,10 @@ MAX_NATIVE_QUERY_LEN = 128  # longer prefill chunks go to torch's SDPA, whose ma
 # bf16 with the kernel's AVX512-BF16 score path: as fast as SDPA or faster on chunks up to this long (512 rows: 3.4
 # against 4.9 ms over 512 keys, even over 1024; SDPA wins from about 4 keys per row).
 MAX_NATIVE_QUERY_LEN_BF16_DOT = 512
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
+# Linked without -ffast-math: linking with it adds GCC's crtfastmath.o, whose constructor turns on flush-to-zero for
+# the whole process when the library loads (every subnormal float anywhere then reads as 0).
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # What the kernel's index checks (check_indices in cpu_attention.cpp) found, by status.
 _INDEX_ERRORS = {
@@ -104,10 +107,11 @@ def check_private(path: Path) -> None:
 
 def _compile(compiler_path: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler_path, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
+        built, objects = Path(tmp) / target.name, Path(tmp) / "kernel.o"
+        for command in ([*_FLAGS, "-c", str(_SOURCE), "-o", str(objects)], [*_LINK_FLAGS, str(objects), "-o", str(built)]):
+            result = subprocess.run([compiler_path, *command], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
         built.chmod(0o700)
         os.replace(built, target)
 
@@ -115,7 +119,8 @@ def _compile(compiler_path: str, target: Path) -> None:
 def library_path(compiler_path: str) -> Path:
     """Where the library built by this compiler from this source for this CPU lives."""
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
+    parts = [_SOURCE.read_text(), *_FLAGS, *_LINK_FLAGS, version, platform.machine(), _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode())
     return kernel_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
 
 

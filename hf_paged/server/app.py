@@ -97,6 +97,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        encoder.start()
         try:
             yield
         finally:

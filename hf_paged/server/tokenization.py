@@ -31,7 +31,8 @@ class PromptEncoder:
         self._master = copy.deepcopy(tokenizer)  # copied from only under _copy_lock
         self._copy_lock = threading.Lock()
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="hf-paged-tokenize")
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None
 
     def tokenizer(self):
         """This thread's own tokenizer."""
@@ -50,7 +51,7 @@ class PromptEncoder:
         if chars > self.max_chars:
             raise APIError(400, f"the prompt is {chars} characters long, more than could fit this engine's context "
                                 f"(max_model_len) of {self.max_model_len} tokens", param=param)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, prompt, param)
+        return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param)
 
     def _encode(self, prompt: str | list[dict], param: str) -> list[int]:
         tokenizer = self.tokenizer()
@@ -83,5 +84,14 @@ class PromptEncoder:
 
         return decode
 
+    def start(self) -> ThreadPoolExecutor:
+        """The worker threads, started on first use (idempotent)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="hf-paged-tokenize")
+        return self._pool
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker threads (a later `encode` starts them again)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
