@@ -18,20 +18,28 @@ import torch
 MODEL = "tiny"
 
 
-def tiny_generator(smollm2_path: str, **engine):
-    """A `ContinuousBatchGenerator` over a tiny random Llama that uses SmolLM2's tokenizer and chat template."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+def tiny_model(smollm2_path: str):
+    """A tiny random Llama that uses SmolLM2's tokenizer and chat template, and that tokenizer.
 
-    from hf_paged import ContinuousBatchGenerator
+    Its weights are large enough (``initializer_range=0.2``) that its logits are far apart: greedy answers do not
+    hinge on rounding, so they are the same whatever else is in the batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
                          num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=1024,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+                         initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="paged", dtype=torch.float32).eval()
-    return ContinuousBatchGenerator(model, tokenizer, **{"num_blocks": 256, **engine})
+    return model, tokenizer
+
+
+def tiny_generator(smollm2_path: str, **engine):
+    """A `ContinuousBatchGenerator` over `tiny_model` (256 KV blocks unless told otherwise)."""
+    from hf_paged import ContinuousBatchGenerator
+
+    return ContinuousBatchGenerator(*tiny_model(smollm2_path), **{"num_blocks": 256, **engine})
 
 
 @contextmanager

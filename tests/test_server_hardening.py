@@ -393,3 +393,30 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
              "assert 2.2250738585072014e-308 / 3 > 0, 'subnormals flushed to zero'\n")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------------- chaos
+def test_chaos_reduced(smollm2_path, tmp_path):
+    """`serve_load.py --chaos` against a real `hf-paged serve` process: 24 clients, a third disconnecting, slow
+    readers, ten bad inputs. The full run (64 clients) is in the README; /health's p99 is bounded loosely here
+    because CI machines are shared (the full run's bound is 100 ms)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from live_server import tiny_model
+
+    model, tokenizer = tiny_model(smollm2_path)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    out = tmp_path / "chaos.json"
+    command = [sys.executable, str(script), "--start-server", "--model", str(tmp_path / "tiny"), "--num-blocks", "256",
+               "--chaos", "--clients", "24", "--max-tokens", "24", "--health-p99-ms", "250", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failures"] == [] and report["errors"] == [] and report["mismatches"] == []
+    assert report["served"] >= 12 and report["disconnects"] >= 4 and report["bad_inputs"] == 10
+    assert report["compared"] == report["served"] and report["kv_cache_usage_after"] == 0
+    assert report["engine_alive"]
