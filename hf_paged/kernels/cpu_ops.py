@@ -108,7 +108,8 @@ def check_private(path: Path) -> None:
 def _compile(compiler_path: str, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built, objects = Path(tmp) / target.name, Path(tmp) / "kernel.o"
-        for command in ([*_FLAGS, "-c", str(_SOURCE), "-o", str(objects)], [*_LINK_FLAGS, str(objects), "-o", str(built)]):
+        compile_ = [*_FLAGS, "-c", str(_SOURCE), "-o", str(objects)]
+        for command in (compile_, [*_LINK_FLAGS, str(objects), "-o", str(built)]):
             result = subprocess.run([compiler_path, *command], capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")

@@ -17,30 +17,33 @@ from functools import lru_cache
 
 from jinja2 import TemplateError
 
+from ..generation.inputs import InputProcessor, Prompt
 from .protocol import APIError
-
-Prompt = str | list[int] | list[dict]
 
 
 class PromptEncoder:
-    """Renders chat templates and tokenizes prompts exactly as `ContinuousBatchGenerator.add_request` would."""
+    """Renders chat templates and tokenizes prompts with the engine's own `InputProcessor` (each worker thread has a
+    copy of it, with a copy of the tokenizer), so the engine gets the token ids it would have made itself."""
 
-    def __init__(self, tokenizer, max_model_len: int, max_chars_per_token: int, workers: int):
-        self.max_model_len = max_model_len
-        self.max_chars = max_model_len * max_chars_per_token
-        self._master = copy.deepcopy(tokenizer)  # copied from only under _copy_lock
+    def __init__(self, inputs: InputProcessor, max_chars_per_token: int, workers: int):
+        self.inputs = inputs
+        self.max_model_len = inputs.max_model_len
+        self.max_chars = self.max_model_len * max_chars_per_token
+        self._master = copy.deepcopy(inputs.tokenizer)  # copied from only under _copy_lock
         self._copy_lock = threading.Lock()
         self._local = threading.local()
         self._workers = workers
         self._pool: ThreadPoolExecutor | None = None
 
-    def tokenizer(self):
-        """This thread's own tokenizer."""
-        tokenizer = getattr(self._local, "tokenizer", None)
-        if tokenizer is None:
+    def processor(self) -> InputProcessor:
+        """This thread's own `InputProcessor`, with its own tokenizer."""
+        processor = getattr(self._local, "processor", None)
+        if processor is None:
+            processor = copy.copy(self.inputs)
             with self._copy_lock:
-                tokenizer = self._local.tokenizer = copy.deepcopy(self._master)
-        return tokenizer
+                processor.tokenizer = copy.deepcopy(self._master)
+            self._local.processor = processor
+        return processor
 
     async def encode(self, prompt: Prompt, param: str) -> list[int]:
         """The prompt's token ids; raises a 400 naming ``param`` for a prompt that is too long or cannot render."""
@@ -54,15 +57,12 @@ class PromptEncoder:
         return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param)
 
     def _encode(self, prompt: str | list[dict], param: str) -> list[int]:
-        tokenizer = self.tokenizer()
-        if isinstance(prompt, str):
-            token_ids = tokenizer(prompt).input_ids
-        else:
-            try:
-                text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            except (TemplateError, TypeError, ValueError) as err:
-                raise APIError(400, f"the chat template cannot render these messages: {err}", param=param) from err
-            token_ids = tokenizer(text, add_special_tokens=False).input_ids
+        try:
+            _, token_ids = self.processor().tokenize(prompt)
+        except TemplateError as err:
+            raise APIError(400, f"the chat template cannot render these messages: {err}", param=param) from err
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), param=param) from err
         self._check_tokens(len(token_ids), param)
         return token_ids
 
