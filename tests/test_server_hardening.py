@@ -293,6 +293,18 @@ def test_step_errors_reach_clients_without_internals_and_metrics_errors_lose_not
     assert "secret" not in error["message"] and "RuntimeError" not in error["message"]
     wait_until_idle(served.generator)
 
+    detokenizer = served.generator.scheduler.detokenizer  # a failure of one request alone, not of the step
+    real_step = detokenizer.step
+
+    def fail_one(*args, **kwargs):
+        monkeypatch.setattr(detokenizer, "step", real_step)
+        raise RuntimeError("secret detokenizer detail")
+
+    monkeypatch.setattr(detokenizer, "step", fail_one)
+    error = assert_openai_error(post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}), 500)
+    assert "secret" not in error["message"] and "generation failed" in error["message"]
+    wait_until_idle(served.generator)
+
     metrics = served.app.state.metrics
     monkeypatch.setattr(metrics, "observe_step", lambda *args: 1 / 0)
     done = post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5, "ignore_eos": True},

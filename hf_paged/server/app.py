@@ -66,6 +66,7 @@ from .tokenization import PromptEncoder
 
 logger = logging.getLogger(__name__)
 
+REQUEST_FAILED = "generation failed for this request (see the server log)"  # the cause goes to the log only
 LARGE_RESPONSE_ENTRIES = 20_000  # tokens x logprobs above which a response's JSON is built off the event loop
 
 
@@ -158,6 +159,8 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             stream.close()
         if not all(output.finished for output in finals.values()) or len(finals) < len(request_ids):
             return Response(status_code=499)  # the client has gone: nobody reads this
+        if any(output.error is not None for output in finals.values()):
+            raise APIError(500, REQUEST_FAILED, "server_error", code=500)
         outputs = [finals[request_id] for request_id in request_ids]
         entries = sum(len(c.token_ids) * (1 + (fmt.top_k or 0)) for o in outputs for c in o.outputs)
         if entries < LARGE_RESPONSE_ENTRIES:
@@ -243,6 +246,8 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
             if opening is not None:
                 yield event([opening])
         async for output in stream:
+            if output.error is not None:
+                raise EngineError(REQUEST_FAILED)
             prompt_tokens[output.request_id] = len(output.prompt_token_ids)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
