@@ -403,10 +403,13 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     import subprocess
     import sys
 
-    check = ("from hf_paged.kernels import cpu_ops\n"
-             "assert cpu_ops.available()\n"
-             "assert 2.2250738585072014e-308 / 3 > 0, 'subnormals flushed to zero'\n")
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    from hf_paged.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no native kernel on this machine (no C++ compiler), so nothing that could flush subnormals")
+    check = "import ctypes, sys; ctypes.CDLL(sys.argv[1]); assert 2.2250738585072014e-308 / 3 > 0, 'flushed to 0'"
+    library = cpu_ops.library_path(cpu_ops.compiler())
+    result = subprocess.run([sys.executable, "-c", check, str(library)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
