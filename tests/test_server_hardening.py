@@ -177,6 +177,20 @@ def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
         assert exit_info.value.code == 2 and "--api-key-file" in capsys.readouterr().err
 
 
+def test_limits_are_serve_options(capsys):
+    from hf_paged.cli import build_parser, server_limits
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--max-n", "3", "--max-body-size", "1MiB", "--max-num-waiting", "7"])
+    limits = server_limits(args.command_parser, args)
+    assert (limits.max_n, limits.max_body_bytes, limits.max_num_waiting) == (3, 1 << 20, 7)
+    assert limits.max_stop_sequences == 4  # the default
+    args = parser.parse_args(["serve", "--max-n", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        server_limits(args.command_parser, args)
+    assert exit_info.value.code == 2 and "--max-n" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------- 3 and 6: bounds
 CHAT = [{"role": "user", "content": "Hi"}]
 
