@@ -368,6 +368,21 @@ def test_health_and_new_calls_answer_503_once_the_engine_is_dead(smollm2_path):
         assert assert_openai_error(response, 503)["code"] == "engine_dead"
 
 
+def test_steps_that_keep_failing_are_unrecoverable(smollm2_path):
+    """One failed step fails its requests and serving goes on; three in a row (a broken device, say) end it."""
+    from hf_paged.server.engine import FATAL_CONSECUTIVE_FAILURES
+
+    generator = tiny_generator(smollm2_path)
+    generator.runner.execute = lambda *args, **kwargs: 1 / 0
+    with live_server(create_app(generator, MODEL)) as live:
+        for attempt in range(FATAL_CONSECUTIVE_FAILURES):
+            assert httpx.get(f"{live.base}/health").status_code == 200, attempt
+            response = post(live, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=10)
+            assert_openai_error(response, 500)
+        live.app.state.engine._thread.join(10)
+        assert_openai_error(httpx.get(f"{live.base}/health"), 503)
+
+
 # ------------------------------------------------------------------------------------------ 9: native kernel
 @pytest.fixture
 def kernel_cache(tmp_path, monkeypatch):

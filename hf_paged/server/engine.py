@@ -105,7 +105,7 @@ class EngineDead(EngineError):
     """The engine thread has stopped for good (an unrecoverable error): nothing more can be served."""
 
 
-FATAL_CONSECUTIVE_FAILURES = 3  # steps that fail in a row, whoever is in them, mean the engine itself is broken
+FATAL_CONSECUTIVE_FAILURES = 3  # failed steps with no token generated in between: the engine itself is broken
 
 
 class EngineLoop:
@@ -113,9 +113,10 @@ class EngineLoop:
 
     A step that raises an ``Exception`` does not stop the thread: the error is logged, every request in flight fails
     with `EngineError` (a step gives no way to tell which request broke it) and is aborted, and serving goes on.
-    A ``BaseException`` in a step, or `FATAL_CONSECUTIVE_FAILURES` failed steps in a row, are unrecoverable: every
-    request in flight fails, the thread ends, `healthy` turns False and the ``on_fatal`` callbacks run (``hf-paged
-    serve`` then exits non-zero, so a supervisor restarts it).
+    A ``BaseException`` in a step, or `FATAL_CONSECUTIVE_FAILURES` failed steps with no token generated between
+    them (whichever requests were in them), are unrecoverable: every request in flight fails, the thread ends,
+    `healthy` turns False and the ``on_fatal`` callbacks run (``hf-paged serve`` then exits non-zero, so a
+    supervisor restarts it).
 
     ``max_num_waiting`` bounds the sequences in flight beyond the ``max_num_seqs`` that one step runs: a call that
     would pass it is refused with `EngineOverloaded` before anything is queued.
@@ -228,12 +229,14 @@ class EngineLoop:
             self._die(err)
 
     def _step(self, failures: int) -> int:
-        """One step, its outputs delivered; returns the number of steps that have failed in a row."""
+        """One step, its outputs delivered; returns the number of steps that have failed since a token was last
+        generated (a step that only hands back aborted requests is no sign of health)."""
         generator = self.generator
         if not generator.has_unfinished_requests():
             self._wake.wait()
             self._wake.clear()
             return failures
+        generated = generator.scheduler.num_generated_tokens
         try:
             outputs = generator.step()
         except Exception:
@@ -251,7 +254,7 @@ class EngineLoop:
                 self.metrics.observe_step(generator.stats(), outputs)
             except Exception:
                 logger.exception("could not record the metrics of a step")
-        return 0
+        return 0 if generator.scheduler.num_generated_tokens > generated else failures
 
     def _die(self, err: BaseException) -> None:
         self.fatal = err
