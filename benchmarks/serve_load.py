@@ -7,6 +7,9 @@
     # the same load on `hf-paged serve-ray` with 2 replicas on a local Ray
     python benchmarks/serve_load.py --start-server --ray-replicas 2 --clients 64
 
+    # chaos: a third of the clients disconnect, some read slowly, bad inputs, /health timed (see chaos.py)
+    python benchmarks/serve_load.py --start-server --chaos --clients 64 --json chaos.json
+
 Each client sends one request (``--requests`` to send more, ``--clients`` at a time). Prints completion tokens/s,
 TTFT p50/p99 (first content token, seen by the client), wall time and failures. ``--offline`` runs the same
 requests through a `ContinuousBatchGenerator` in this process, with the same engine options as ``--start-server``
@@ -28,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 
 import httpx
+from chaos import run_chaos  # imports common first, as every script here must
 from common import percentile
 
 PROMPTS = [
@@ -220,7 +224,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-memory", default=None, help="KV cache size for --start-server/--offline")
     parser.add_argument("--server-log", default=None, help="file for the started server's output")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the numbers as JSON to PATH")
+    parser.add_argument("--chaos", action="store_true",
+                        help="instead of the load, the chaos run: disconnects, slow readers, bad inputs, /health timed")
+    parser.add_argument("--seed", type=int, default=0, help="the chaos run's random choices (default: 0)")
+    parser.add_argument("--health-p99-ms", type=float, default=100.0,
+                        help="the chaos run fails if /health's p99 is slower (default: 100)")
+    parser.add_argument("--rss-growth-mb", type=float, default=256.0,
+                        help="the chaos run fails if the started server's RSS grows more (default: 256)")
     args = parser.parse_args(argv)
+    if args.chaos:
+        chaos_main(args)
+        return
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests or args.clients)]
 
     report: dict = {"clients": args.clients, "requests": len(prompts), "max_tokens": args.max_tokens}
@@ -244,6 +258,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def chaos_main(args: argparse.Namespace) -> None:
+    process, base_url = start_server(args) if args.start_server else (None, args.base_url)
+    try:
+        model = args.served_model_name or httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
+        report = run_chaos(base_url, model, args.clients, args.max_tokens, PROMPTS, args.seed,
+                           process.pid if process else None)
+        report.engine_alive = report.engine_alive and (process is None or process.poll() is None)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(30)
+    report.show()
+    failures = report.failures(args.health_p99_ms, args.rss_growth_mb)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**asdict(report), "failures": failures}, f, indent=2)
+    for failure in failures:
+        print(f"[chaos] FAILED: {failure}")
+    if failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``hf-paged``: serve a model over an OpenAI-compatible HTTP API, or generate from the command line.
 
-    hf-paged serve [MODEL] [--port 8000] [--api-key KEY] ...
+    hf-paged serve [MODEL] [--port 8000] [--api-key-file FILE] [--max-num-waiting N] ...
     hf-paged serve-ray [MODEL] [--num-replicas 2] [--address ray://...] ...   (needs the ``ray`` extra)
     hf-paged generate [MODEL] "prompt" [--max-tokens 128] ...
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -40,8 +41,11 @@ def _http_options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else no "
+                          "key); a key given here is visible to other users in `ps`, prefer the file or variable")
+    key.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
                              "default model's name)")
@@ -75,6 +79,69 @@ def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
     serve_ray.set_defaults(run=run_serve_ray, command_parser=serve_ray)
 
 
+# ServerLimits fields as `hf-paged serve` options: field -> (option, type, help).
+_LIMITS = {
+    "max_body_bytes": ("--max-body-size", parse_memory,
+                       "largest request body, e.g. 4MiB; a larger one gets a 413 before it is read (default: 4MiB)"),
+    "max_client_batch_size": ("--max-client-batch-size", int, "most prompts in one /v1/completions call (default: 32)"),
+    "max_concurrent_requests": ("--max-concurrent-requests", int,
+                                "most generation calls in progress; more get a 503 with Retry-After (default: 512)"),
+    "max_num_waiting": ("--max-num-waiting", int,
+                        "most sequences queued beyond the --max-num-seqs that one step runs; a call that would "
+                        "queue more gets a 503 with Retry-After (default: 1024)"),
+    "max_n": ("--max-n", int, "most samples (n) per prompt (default: half of --max-num-seqs, at most 128)"),
+    "max_stop_sequences": ("--max-stop-sequences", int, "most stop strings per call (default: 4, as OpenAI)"),
+    "max_stop_length": ("--max-stop-length", int, "most characters in one stop string (default: 256)"),
+    "max_stop_token_ids": ("--max-stop-token-ids", int, "most stop_token_ids per call (default: 64)"),
+    "max_logit_bias": ("--max-logit-bias", int, "most logit_bias entries per call (default: 300, as OpenAI)"),
+    "max_logprobs": ("--max-logprobs", int, "most logprobs / top_logprobs per token (default: 20)"),
+    "max_logprob_entries": ("--max-logprob-entries", int,
+                            "most log-probabilities one call may return, n x (logprobs + 1) x new tokens over its "
+                            "prompts (default: 1048576)"),
+    "max_chars_per_token": ("--max-chars-per-token", int,
+                            "a prompt longer than max_model_len x this many characters is refused before it is "
+                            "tokenized (default: 32)"),
+    "tokenizer_workers": ("--tokenizer-workers", int,
+                          "threads that tokenize prompts, each with its own tokenizer copy (default: 2)"),
+}
+
+
+def _limit_options(serve: argparse.ArgumentParser) -> None:
+    limits = serve.add_argument_group("limits per call and per server")
+    for field, (option, kind, help_text) in _LIMITS.items():
+        metavar = "SIZE" if kind is parse_memory else "N"
+        limits.add_argument(option, dest=field, type=kind, default=None, metavar=metavar, help=help_text)
+
+
+def server_limits(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The `ServerLimits` the options ask for (defaults for the ones not given); a bad value exits with code 2."""
+    from .server import ServerLimits
+
+    given = {field: getattr(args, field) for field in _LIMITS if getattr(args, field) is not None}
+    try:
+        return ServerLimits(**given)
+    except ValueError as err:
+        option = next((_LIMITS[f][0] for f in _LIMITS if str(err).startswith(f + " ")), "a limit")
+        parser.error(f"{option}: {err}")
+
+
+def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $HF_PAGED_API_KEY, else None (no key)."""
+    if args.api_key is not None:
+        key = args.api_key
+    elif args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as file:
+                key = file.readline().strip()
+        except OSError as err:
+            parser.error(f"--api-key-file: cannot read {args.api_key_file}: {err.strerror}")
+        if not key:
+            parser.error(f"--api-key-file: {args.api_key_file} is empty")
+    else:
+        key = os.environ.get("HF_PAGED_API_KEY") or None
+    return key
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-paged`` argument parser with its ``serve`` and ``generate`` commands."""
     parser = argparse.ArgumentParser(
@@ -90,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
                             "(default: 5)")
+    _limit_options(serve)
     _add_serve_ray(commands, [engine, http])
 
     generate = commands.add_parser("generate", parents=[engine], help="generate from one prompt, streamed to stdout",
@@ -138,14 +206,33 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    key, limits = api_key(parser, args), server_limits(parser, args)
     generator = load_generator(parser, args)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = create_app(generator, name, api_key=args.api_key)
+    app = create_app(generator, name, api_key=key, limits=limits)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    return serve_until_stopped(uvicorn.Server(config), app)
+
+
+def serve_until_stopped(server, app) -> int:
+    """Run a uvicorn ``server`` of ``app``; 1 if it stopped because the engine died (so a supervisor restarts it)."""
+    engine = app.state.engine
+
+    def stop() -> None:
+        logging.getLogger("hf_paged").critical("the engine stopped after an unrecoverable error; shutting down")
+        server.should_exit = True
+
+    engine.on_fatal.append(stop)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it shut down for
+        pass
+    if engine.fatal is not None:
+        return 1
+    return 0 if server.started else 3  # 3: uvicorn's code for a server that could not start
 
 
 def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -162,7 +249,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:
         spec = ReplicaSpec(resolve_model(args.model), args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-                           args.dtype, args.api_key, EngineConfig.from_cli_args(args))
+                           args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args))
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

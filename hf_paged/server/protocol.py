@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -222,7 +221,7 @@ class CompletionRequest(GenerationRequest):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
     suffix: str | None = None
 
@@ -243,6 +242,10 @@ class CompletionRequest(GenerationRequest):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return self.sampling_params(max_tokens, self.logprobs)
+
+    def logprobs_param(self) -> tuple[str, int | None]:
+        """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
+        return "logprobs", self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -276,7 +279,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
@@ -328,20 +331,28 @@ class ChatCompletionRequest(GenerationRequest):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
+    def logprobs_param(self) -> tuple[str, int | None]:
+        """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
+        return "top_logprobs", (self.top_logprobs or 0) if self.logprobs else None
+
+
 # --------------------------------------------------------------------------------------------------- responses
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     """An error in OpenAI's shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def token_decoder(tokenizer) -> Callable[[int], str]:
-    """``id -> text`` of a single token, cached: logprobs name every token they report."""
-
-    @lru_cache(maxsize=1 << 16)
-    def decode(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
-    return decode
 
 
 def _ranked(top: dict[int, float], k: int) -> list[tuple[int, float]]:
