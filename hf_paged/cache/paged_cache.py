@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PretrainedConfig
@@ -40,6 +40,23 @@ def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
     return sorted(set(types) - set(PAGED_LAYER_TYPES))
 
 
+def local_kv_heads(model: torch.nn.Module, head_dim: int) -> int | None:
+    """The KV heads the first attention layer's ``k_proj`` computes on this rank, for a tensor-parallel model; None
+    for a model held whole by one process (its config is right)."""
+    if (getattr(model, "_tp_size", None) or 1) <= 1:
+        return None
+    for module in model.modules():
+        k_proj = getattr(module, "k_proj", None)
+        if isinstance(k_proj, torch.nn.Linear):
+            weight = k_proj.weight
+            rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+            return rows // getattr(module, "head_dim", head_dim)
+    raise NotImplementedError(
+        f"{type(model).__name__} is tensor-parallel but has no `k_proj` layer to count its local KV heads from; "
+        "the paged backend supports tensor parallelism for attention with separate q/k/v projections"
+    )
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The shape of a model's KV cache, read from its config.
@@ -62,6 +79,14 @@ class KVCacheSpec:
         shared = getattr(config, "num_kv_shared_layers", None) or 0
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, shared)
 
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "KVCacheSpec":
+        """The spec of ``model``'s cache on this rank: under tensor parallelism its attention layers see only their
+        local KV heads, counted from the key projection this rank holds (not from the config)."""
+        spec = cls.from_config(model.config)
+        local = local_kv_heads(model, spec.head_dim)
+        return spec if local is None else replace(spec, num_kv_heads=local)
+
     @property
     def num_cached_layers(self) -> int:
         return self.num_layers - self.num_shared_layers
@@ -81,6 +106,7 @@ class PagedCache(Cache):
 
     Args:
         config: the model config (its number of layers and KV heads size the cache).
+        spec: the cache's shape when not the config's (``KVCacheSpec.from_model``: a tensor-parallel rank's heads).
         num_blocks: how many blocks to hold. Either this or ``memory_budget`` (bytes).
         block_size: tokens per block.
         dtype / device: of the KV tensors; by default those of the first keys written.
@@ -98,6 +124,7 @@ class PagedCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         growable: bool = False,
+        spec: KVCacheSpec | None = None,
     ):
         super().__init__(layers=[])
         unpaged = unpaged_layer_types(config)
@@ -107,7 +134,7 @@ class PagedCache(Cache):
                 "states it cannot keep (hybrid models are not supported by the paged backend's cache)"
             )
         self.growable = growable
-        self.spec = KVCacheSpec.from_config(config)
+        self.spec = spec or KVCacheSpec.from_config(config)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if num_blocks is None:
@@ -163,7 +190,7 @@ class PagedCache(Cache):
         if key.shape[1] != k_cache.shape[1] or key.shape[3] != k_cache.shape[3]:
             raise ValueError(
                 f"layer {layer_idx} produced keys with {key.shape[1]} heads of dim {key.shape[3]}, but the PagedCache "
-                f"was sized from the config for {k_cache.shape[1]} heads of dim {k_cache.shape[3]}"
+                f"was sized for {k_cache.shape[1]} heads of dim {k_cache.shape[3]}"
             )
         return k_cache.transpose(1, 2), self.value_cache[layer_idx].transpose(1, 2)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -14,7 +15,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..cache import KVCacheManager, PagedCache
+from ..distributed import DistributedError, Lockstep, is_tensor_parallel
+from ..cache import KVCacheManager, KVCacheSpec, PagedCache
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from .detokenizer import Detokenizer, find_stop_string
@@ -24,6 +26,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Request, RequestMetrics, RequestOutput, Sequence
 
+logger = logging.getLogger(__name__)
 Prompt = str | list[int] | list[dict]
 DEFAULT_CPU_KV_MEMORY = 2 << 30
 KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,7 +100,8 @@ class ContinuousBatchGenerator:
         if num_blocks is None and kv_cache_memory is None:
             kv_cache_memory = self._default_kv_memory(model.device)
         self.cache = PagedCache(model.config, num_blocks=num_blocks, block_size=block_size,
-                                memory_budget=kv_cache_memory, dtype=kv_cache_dtype, device=model.device)
+                                memory_budget=kv_cache_memory, dtype=kv_cache_dtype, device=model.device,
+                                spec=KVCacheSpec.from_model(model))
         self.cache.allocate(kv_cache_dtype, model.device)
         self.kv = KVCacheManager(self.cache.pool, enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.kv)
@@ -114,6 +118,9 @@ class ContinuousBatchGenerator:
         self._ids_lock = threading.Lock()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
+        self.lockstep = Lockstep() if is_tensor_parallel(model) else None
+        self._workers_stopped = False
         packed = prepack_linear_layers(model) if prepack_weights and model.device.type == "cpu" else 0
         try:
             self._check_model_runs()
@@ -245,10 +252,18 @@ class ContinuousBatchGenerator:
         return params
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        aborted = []
+        actions = []
         while not self._inbox.empty():
-            action, item = self._inbox.get()
-            if action == "add":
+            actions.append(self._inbox.get())
+        if self.lockstep is not None:
+            if self._workers_stopped:
+                raise DistributedError("the other tensor-parallel ranks were stopped (stop_workers)")
+            actions = self.lockstep.exchange(actions)
+        aborted = []
+        for action, item in actions:
+            if action == "stop":
+                self._workers_stopped = True
+            elif action == "add":
                 self.requests[item.request_id] = item
                 self.scheduler.add(item.seqs[0])
                 self._prompt_tokens += item.num_prompt_tokens
@@ -285,6 +300,8 @@ class ContinuousBatchGenerator:
             if len(rows) != len(sampled):
                 logits = logits[rows]
             result = sample(logits, self._sampling_batch(draws)) if draws else None
+            if result is not None and self.lockstep is not None:
+                self.lockstep.check_tokens(result.token_ids)
         except BaseException:
             for seq in batch.seqs:  # the blocks this step was to fill must not serve later prefix matches
                 self.kv.uncommit(seq.seq_id, seq.num_computed_tokens)
@@ -309,6 +326,35 @@ class ContinuousBatchGenerator:
                 self._retire(request.request_id)
             outputs.append(request.to_output())
         return outputs
+
+    # ------------------------------------------------------------------------------------ tensor parallelism
+    @property
+    def is_driver(self) -> bool:
+        """Whether requests enter here: always, except on the ranks other than 0 of a tensor-parallel model."""
+        return self.lockstep is None or self.lockstep.is_driver
+
+    def run_worker(self) -> None:
+        """On a rank other than 0: step in lockstep with rank 0 until it calls `stop_workers` (or fails).
+
+        A step that fails on every rank alike (as rank 0's does) is logged and serving goes on, as on rank 0; a failed
+        collective raises `DistributedError`.
+        """
+        if self.is_driver:
+            raise RuntimeError("run_worker is for the tensor-parallel ranks other than 0; rank 0 takes requests")
+        while not self._workers_stopped:
+            try:
+                self.step()
+            except DistributedError:
+                raise
+            except Exception:
+                logger.exception("engine step failed on this rank, as on rank 0; going on")
+
+    def stop_workers(self) -> None:
+        """On rank 0 of a tensor-parallel model: end the other ranks' `run_worker` (no step may follow)."""
+        if self.lockstep is None or not self.is_driver or self._workers_stopped:
+            return
+        self._inbox.put(("stop", None))
+        self._drain_inbox()
 
     def _retire(self, request_id: str) -> Request:
         with self._ids_lock:
