@@ -61,6 +61,17 @@ def _engine_options() -> argparse.ArgumentParser:
     engine.add_argument("--no-prepack-weights", action="store_true",
                         help="on CPU, run linear layers through plain torch instead of oneDNN with weights packed once "
                              "(packing is faster and costs the linear weights' memory once more)")
+    parallel = parser.add_argument_group("tensor parallelism")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                          help="split the model across N ranks (Transformers' tensor-parallel plan; gloo on CPU, "
+                               "NCCL on GPU): started here as N local processes, or the ranks of the torchrun this "
+                               "runs under (default: 1, or torchrun's WORLD_SIZE)")
+    parallel.add_argument("--cpu-bind", default=None, metavar="0|1|LISTS",
+                          help="on CPU, bind each local rank to its cores: 1 splits the allowed cores in equal runs, "
+                               "'0-3|4-7' names one list per local rank (default: 0, unbound; or $HF_PAGED_CPU_BIND)")
+    parallel.add_argument("--distributed-timeout", type=float, default=60.0,
+                          help="seconds a rank waits for the others in a collective before the whole group stops "
+                               "with an error (default: 60)")
     return parser
 
 
@@ -115,7 +126,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except Exception as err:  # e.g. the default model's conversion failing
         parser.error(str(err))
     try:
-        model, tokenizer = load_model(path, dtype=args.dtype)
+        model, tokenizer = load_model(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
         return ContinuousBatchGenerator(
             model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
@@ -138,12 +149,16 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     generator = load_generator(parser, args)
+    if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 serves HTTP
+        generator.run_worker()
+        return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = create_app(generator, name, api_key=args.api_key)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
+    generator.stop_workers()
     return 0
 
 
@@ -157,6 +172,16 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except ValueError as err:
         parser.error(str(err))
     generator = load_generator(parser, args)
+    if not generator.is_driver:
+        generator.run_worker()
+        return 0
+    try:
+        return _stream_one(generator, args, params)
+    finally:
+        generator.stop_workers()
+
+
+def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params) -> int:
     chat = args.chat if args.chat is not None else generator.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
     sent = 0
@@ -172,11 +197,46 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     return 0
 
 
+def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int | None:
+    """Resolve ``--tensor-parallel-size``; outside torchrun with N > 1, run this same command as N local ranks under
+    torchrun and return its exit code (None: go on in this process)."""
+    import os
+
+    from . import distributed
+
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    size = args.tensor_parallel_size or ranks
+    if size < 1:
+        parser.error(f"--tensor-parallel-size must be >= 1, got {size}")
+    if not args.distributed_timeout > 0:
+        parser.error(f"--distributed-timeout must be > 0 seconds, got {args.distributed_timeout}")
+    if args.cpu_bind is not None:
+        os.environ[distributed.CPU_BIND_ENV] = args.cpu_bind
+    args.tensor_parallel_size = size
+    if size > 1 and "WORLD_SIZE" not in os.environ:
+        return distributed.launch(["-m", "hf_paged.cli", *argv], size)
+    if size != ranks:
+        parser.error(f"--tensor-parallel-size {size} under a torchrun of {ranks} ranks: one rank per shard")
+    if size > 1:
+        distributed.init_process_group(args.distributed_timeout)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-paged`` console script."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    return args.run(args.command_parser, args)
+    code = _setup_parallel(args.command_parser, args, argv)
+    if code is not None:
+        return code
+    from .distributed import DistributedError
+
+    try:
+        return args.run(args.command_parser, args)
+    except DistributedError as err:
+        print(f"hf-paged: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

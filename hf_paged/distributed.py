@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import subprocess
+import sys
 from datetime import timedelta
 
 import torch
@@ -64,6 +66,17 @@ def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     global _timeout_s
     _timeout_s = timeout_s
+
+
+def launch(args: list[str], nproc: int) -> int:
+    """Run ``python ARGS`` as ``nproc`` local ranks under torchrun (standalone rendezvous on a free port) and return
+    its exit code. torchrun ends every rank as soon as one fails. On CPU each rank gets ``cores // nproc`` threads
+    unless ``OMP_NUM_THREADS`` says otherwise."""
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.call(command, env=env)
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -207,6 +220,11 @@ class Lockstep:
             return actions
         return [(a, Request(*x) if a == "add" else x) for a, x in box[0]]
 
+    @property
+    def digest(self) -> str:
+        """A digest of every token this rank sampled so far."""
+        return self._digest.hexdigest()
+
     def check_tokens(self, tokens: list[int]) -> None:
         """Every ``CHECK_EVERY`` steps, raise `DistributedError` unless all ranks sampled the same tokens."""
         self._digest.update(repr(tokens).encode())
@@ -214,7 +232,7 @@ class Lockstep:
         if self._steps % CHECK_EVERY:
             return
         digests = [None] * self.world_size
-        self._collective("the sampled-token check", dist.all_gather_object, digests, self._digest.hexdigest())
+        self._collective("the sampled-token check", dist.all_gather_object, digests, self.digest)
         if len(set(digests)) > 1:
             raise DistributedError(f"the ranks sampled different tokens (digests {digests}): their logits differ, "
                                    "so their caches can no longer agree")
