@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .kernels.cpu_linear import PrepackedLinear, available
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -132,6 +134,31 @@ def _keep_rows(linear: torch.nn.Linear, start: int, end: int) -> None:
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(linear.bias.data[start:end].clone(), requires_grad=False)
     linear.out_features = end - start
+
+
+class ShardedPrepackedLinear(PrepackedLinear):
+    """A `PrepackedLinear` whose tensor-parallel wrapper calls its forward with the local shard as its weight."""
+
+
+def prepack_sharded_linear_layers(model: torch.nn.Module) -> int:
+    """`hf_paged.kernels.cpu_linear.prepack_linear_layers` for the linear layers Transformers sharded (their weights
+    are DTensors): each becomes a `PrepackedLinear` under the same tensor-parallel style, re-installed around it, and
+    packs its local shard on its first forward. Returns how many changed (they stay packed; unpacking skips them)."""
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES, _get_parameter_plan
+
+    mesh = model._mesh_manager.get_mesh("tp")
+    count = 0
+    for name, module in model.named_modules():
+        style = _get_parameter_plan(name, model.tp_plan, is_weight=False)
+        weight = getattr(module, "weight", None)
+        if (type(module) is not torch.nn.Linear or style is None or "forward" not in module.__dict__
+                or not hasattr(weight, "to_local") or weight.device.type != "cpu" or not available(weight.dtype)):
+            continue
+        del module.forward  # the style's wrapper around nn.Linear.forward; installed again around the packed one
+        module.__class__ = ShardedPrepackedLinear
+        ALL_PARALLEL_STYLES[style].install_forward(module, mesh)
+        count += 1
+    return count
 
 
 # ------------------------------------------------------------------------------------------------ CPU cores

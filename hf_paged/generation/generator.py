@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..distributed import DistributedError, Lockstep, is_tensor_parallel
+from ..distributed import DistributedError, Lockstep, is_tensor_parallel, prepack_sharded_linear_layers
 from ..cache import KVCacheManager, KVCacheSpec, PagedCache
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
@@ -121,7 +121,11 @@ class ContinuousBatchGenerator:
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
         self._workers_stopped = False
-        packed = prepack_linear_layers(model) if prepack_weights and model.device.type == "cpu" else 0
+        packed = 0
+        if prepack_weights and model.device.type == "cpu":
+            packed = prepack_linear_layers(model)
+            if self.lockstep is not None:
+                prepack_sharded_linear_layers(model)
         try:
             self._check_model_runs()
         except Exception:
