@@ -356,16 +356,14 @@ def run_hf_cb(args, model, tokenizer, workload: dict) -> dict:
 
 
 def make_generator(args, model, tokenizer):
-    from hf_paged import ContinuousBatchGenerator
+    from hf_paged import ContinuousBatchGenerator, EngineConfig
 
     sized = dict(kv_cache_memory=args.kv_cache_memory) if args.kv_cache_memory else dict(
         num_blocks=args.kv_tokens // args.block_size)
-    return ContinuousBatchGenerator(
-        model, tokenizer, block_size=args.block_size, **sized,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
-        prepack_weights=not args.no_prepack_weights,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    config = EngineConfig(block_size=args.block_size, **sized, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_batch_tokens, prepack_weights=not args.no_prepack_weights,
+                          kv_cache_dtype=args.kv_cache_dtype)
+    return ContinuousBatchGenerator(model, tokenizer, config)
 
 
 def run_ours(args, model, tokenizer, workload: dict) -> dict:
@@ -397,11 +395,12 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
             for m, o in zip(metrics, outputs)]
     stats = generator.stats()
     generator.stop_workers()
-    cache = generator.cache
+    cache = generator.kv_cache
     kv_rank = dict(num_blocks=cache.num_blocks, tokens=cache.num_blocks * cache.block_size,
                    num_kv_heads=cache.spec.num_kv_heads,
                    bytes=sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache)))
-    return dict(wall_s=wall, kv_per_rank=kv_rank, tokens=[o.outputs[0].token_ids for o in outputs], steps=recorder.steps,
+    return dict(wall_s=wall, kv_per_rank=kv_rank, tokens=[o.outputs[0].token_ids for o in outputs],
+                steps=recorder.steps,
                 kv=recorder.kv_report(), num_preemptions=stats.num_preemptions,
                 prefix_cache_hit_tokens=stats.prefix_cache_hits,
                 **latency_summary(ttft, [t for t in tpot if t is not None]))
@@ -488,7 +487,7 @@ def spawn_engine(engine: str, argv: list[str], job: dict, timeout: float) -> dic
         except subprocess.TimeoutExpired:
             return dict(error=f"timed out after {timeout:.0f} s")
         if proc.returncode != 0 or not out_path.exists():
-            return dict(error=f"exit code {proc.returncode}: {proc.stderr.strip()[-6000:]}")
+            return dict(error=f"exit code {proc.returncode}: {proc.stderr.strip()[-2000:]}")
         return json.loads(out_path.read_text())
 
 

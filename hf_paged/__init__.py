@@ -8,7 +8,7 @@ import logging
 # torchao (pulled in by the quantization extra) warns about enum registration on every import; not actionable here.
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
-from .cache import BlockPool, KVCacheManager, NoFreeBlocksError, PagedCache
+from .cache import BlockPool, KVCacheManager, NoFreeBlocksError, PagedCache, PagedKVStorage
 from .integration import ATTN_IMPLEMENTATION, register, uses_paged_attention
 
 register()
@@ -16,8 +16,10 @@ register()
 from .generation import (  # noqa: E402  (after registration: the generator relies on it)
     CompletionOutput,
     ContinuousBatchGenerator,
+    EngineConfig,
     EngineStats,
     RequestOutput,
+    RequestOutputKind,
     SamplingParams,
 )
 
@@ -28,11 +30,14 @@ __all__ = [
     "BlockPool",
     "CompletionOutput",
     "ContinuousBatchGenerator",
+    "EngineConfig",
     "EngineStats",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "KVCacheManager",
     "NoFreeBlocksError",
     "PagedCache",
+    "PagedKVStorage",
     "uses_paged_attention",
 ]

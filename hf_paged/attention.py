@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache.metadata import PagedMetadata
 from .cache.paged_cache import PagedCache
 from .kernels import paged_attention
 from .kernels.torch_ops import dense_attention
@@ -15,14 +16,6 @@ _UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
 def _closure_value(function, name: str):
     cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
     return cells[name].cell_contents if name in cells else None
-
-
-def _sliding_window_of(mask_function) -> int | None:
-    """The window of a causal mask cut by Transformers' sliding-window overlay, or None."""
-    for part in _closure_value(mask_function, "mask_functions") or ():
-        if getattr(part, "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask":
-            return _closure_value(part, "sliding_window")
-    return None
 
 
 def is_causal_pattern(mask_function) -> bool:
@@ -49,14 +42,17 @@ def padding_mask(
     kv_offset: int = 0,
     mask_function=None,
     attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
     **kwargs,
 ) -> torch.Tensor | None:
     """Mask function for ``"paged"``: the 2-D padding mask ``[batch, kv_length]``, or None when nothing is padding.
 
     Causality, sliding windows and sequence boundaries are handled by the kernels, so no 4-D mask is ever built; a
-    forward that asks for any other mask pattern is refused rather than run causally. A sliding-window pattern is
-    always answered with a 2-D bool tensor (all True when nothing is padding) that carries its window to the
-    attention function (``paged_sliding_window``, ``paged_is_padding``), since some models set the window only here.
+    forward that asks for any other mask pattern is refused rather than run causally. A sliding-window mask
+    (Transformers passes its window as ``local_size``) is always answered with a 2-D bool tensor (all True when
+    nothing is padding) that carries the window to the attention function (``paged_sliding_window``,
+    ``paged_is_padding``), since some models set the window only here. `tests/test_generate.py` pins both ways
+    Transformers hands these to us (``test_transformers_hands_the_paged_backend_its_mask_and_window``).
     """
     if mask_function is not None and not is_causal_pattern(mask_function):
         raise NotImplementedError(
@@ -67,7 +63,7 @@ def padding_mask(
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             attention_mask = None
-    window = _sliding_window_of(mask_function) if mask_function is not None else None
+    window = local_size
     if window is None:
         return attention_mask
     mask = attention_mask
@@ -123,12 +119,14 @@ def paged_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    paged_metadata: PagedMetadata | None = None,
     paged_cache: PagedCache | None = None,
-    paged_layer_idx: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Write the new keys/values into their blocks and attend through the block tables.
 
+    The step's blocks come as ``paged_metadata`` (a forward argument of the continuous-batching engine) or are planned
+    by ``paged_cache`` (the `PagedCache` that `generate` passes, which puts itself here from `Cache.update`).
     ``query`` is ``[B, Hq, S, D]`` and ``key``/``value`` ``[B, Hkv, S, D]`` (the new tokens only); returns
     ``[B, S, Hq, D]`` as Transformers' attention functions do.
     """
@@ -138,20 +136,25 @@ def paged_attention_forward(
         if not attention_mask.paged_is_padding:
             attention_mask = None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if paged_cache is None and hasattr(key, "paged_source"):
-        # A layer reusing another layer's keys and values attends to that layer's blocks; storing them there again
-        # rewrites the same values into the same slots.
-        paged_cache, paged_layer_idx = key.paged_source
-    if paged_cache is None:
-        return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
-
     batch, num_heads, q_len, head_dim = query.shape
-    meta = paged_cache.step_metadata(batch, q_len, attention_mask)
-    k_cache, v_cache = paged_cache.layer(paged_layer_idx, key)
+    if paged_metadata is None and paged_cache is not None:
+        paged_metadata = paged_cache.step_metadata(batch, q_len, attention_mask)
+    source = getattr(key, "paged_source", None)
+    if source is not None:
+        # A layer reusing another layer's keys and values (Gemma3n) attends to that layer's blocks; storing them
+        # there again rewrites the same values into the same slots.
+        paged_metadata, layer_idx = source
+    elif paged_metadata is None:
+        return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
+    else:
+        layer_idx = module.layer_idx
+        if paged_metadata.kv.spec.num_shared_layers:
+            key.paged_source = (paged_metadata, layer_idx)
+    k_cache, v_cache = paged_metadata.kv.layer(layer_idx, key)
 
     num_tokens = batch * q_len
     q = query.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
     k = key.transpose(1, 2).reshape(num_tokens, key.shape[1], head_dim)
     v = value.transpose(1, 2).reshape(num_tokens, value.shape[1], head_dim)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    out = paged_attention(q, k, v, k_cache, v_cache, paged_metadata, scale, sliding_window, softcap)
     return out.view(batch, q_len, num_heads, head_dim), None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from typing import TYPE_CHECKING
 
+from .generation.config import EngineConfig, parse_memory  # noqa: F401  (parse_memory: part of the CLI's API)
 from .loading import DTYPES
 
 if TYPE_CHECKING:
@@ -21,46 +21,16 @@ if TYPE_CHECKING:
 
 _DTYPES = list(DTYPES)
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_memory(text: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain byte count, as bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB, 1GB or a byte count")
-    return int(float(match.group(1)) * _UNITS[unit])
-
 
 def _engine_options() -> argparse.ArgumentParser:
-    """Options shared by both commands: which model, and how the engine is sized."""
+    """Options shared by both commands: which model, and the engine's options (one per `EngineConfig` field)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
-    engine.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
-                        help="KV cache dtype (default: auto, the weights' dtype); bfloat16 under float32 weights "
-                             "halves the cache's memory and the bytes attention reads")
-    engine.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default: 256)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)")
-    size = engine.add_mutually_exclusive_group()
-    size.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
-    size.add_argument("--kv-cache-memory", type=parse_memory, default=None,
-                      help="KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, half the free memory "
-                           "on GPU)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    engine.add_argument("--no-prefix-caching", action="store_true",
-                        help="do not reuse the KV of prompt prefixes shared between requests")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + output in tokens (default: the model's context, capped by the cache)")
-    engine.add_argument("--no-prepack-weights", action="store_true",
-                        help="on CPU, run linear layers through plain torch instead of oneDNN with weights packed once "
-                             "(packing is faster and costs the linear weights' memory once more)")
+    EngineConfig.add_cli_arguments(engine)
     parallel = parser.add_argument_group("tensor parallelism")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                           help="split the model across N ranks (Transformers' tensor-parallel plan; gloo on CPU, "
@@ -126,14 +96,12 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except Exception as err:  # e.g. the default model's conversion failing
         parser.error(str(err))
     try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
         model, tokenizer = load_model(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
-        return ContinuousBatchGenerator(
-            model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, prepack_weights=not args.no_prepack_weights,
-            kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        )
+        return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
 
@@ -164,11 +132,11 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged generate``: stream one completion to stdout."""
-    from . import SamplingParams
+    from . import RequestOutputKind, SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed)
+                                seed=args.seed, output_kind=RequestOutputKind.DELTA)
     except ValueError as err:
         parser.error(str(err))
     generator = load_generator(parser, args)
@@ -184,15 +152,12 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params) -> int:
     chat = args.chat if args.chat is not None else generator.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
-    sent = 0
     for output in generator.stream(prompt, params):
         if output.error is not None:
             print(f"hf-paged: error: {output.error}", file=sys.stderr)
             return 1
-        text = output.outputs[0].text if output.outputs else ""
-        sys.stdout.write(text[sent:])
+        sys.stdout.write("".join(o.text for o in output.outputs))
         sys.stdout.flush()
-        sent = max(sent, len(text))
     sys.stdout.write("\n")
     return 0
 

@@ -203,7 +203,8 @@ def set_cpu_threads() -> list[int] | None:
 
 # ------------------------------------------------------------------------------------------------ lockstep
 def _request_fields(request) -> tuple:
-    return request.request_id, request.prompt, request.prompt_token_ids, request.params, request.seed
+    return (request.request_id, request.prompt, request.prompt_token_ids, request.params, request.seed,
+            request.eos_token_ids)
 
 
 class Lockstep:

@@ -7,7 +7,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import padding_mask, paged_attention_forward
-from .cache.paged_cache import KVCacheSpec, PagedCache, unpaged_layer_types
+from .cache import KVCacheSpec, PagedCache, unpaged_layer_types
 
 ATTN_IMPLEMENTATION = "paged"
 DEFAULT_BLOCK_SIZE = 16

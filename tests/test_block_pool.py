@@ -69,11 +69,10 @@ def test_manager_slots_cover_exactly_the_tokens():
     assert manager.pool.num_used_blocks == 0
 
 
-def test_allocate_failure_changes_nothing():
+def test_allocate_failure_returns_none_and_changes_nothing():
     manager = KVCacheManager(BlockPool(3, block_size=4))
     manager.allocate("a", 0, 8)
-    with pytest.raises(NoFreeBlocksError):
-        manager.allocate("b", 0, 9)
+    assert manager.allocate("b", 0, 9) is None
     assert manager.block_table("b") == [] and manager.pool.num_used_blocks == 2
 
 
@@ -96,7 +95,7 @@ def test_prefix_matching_chains_hashes_and_counts_hits():
     manager = KVCacheManager(BlockPool(16, block_size=4))
     tokens = list(range(14))
     manager.allocate("a", 0, 14)
-    manager.commit("a", tokens, 14)
+    manager.cache_blocks("a", tokens, 14)
     assert manager.pool.num_cached_blocks == 3
     # Same first 8 tokens, different third block.
     other = tokens[:8] + [99] * 6
@@ -137,16 +136,16 @@ def test_block_keys_chain_to_their_parent():
     assert block_hash(None, [1, 2, 3, 4]) != block_hash(None, [4, 3, 2, 1])
 
 
-def test_truncating_into_a_committed_block_unindexes_it():
+def test_truncating_into_an_indexed_block_unindexes_it():
     """A block kept in part is rewritten in place, so its old hash must not lead a later prompt to it."""
     manager = KVCacheManager(BlockPool(8, block_size=4), enable_prefix_caching=True)
     first = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     manager.allocate("a", 0, 9)
-    manager.commit("a", first, 9)
+    manager.cache_blocks("a", first, 9)
     manager.truncate("a", 6)
     rewritten = [1, 2, 3, 4, 5, 6, 70, 80, 90]
     manager.allocate("a", 6, 9)
-    manager.commit("a", rewritten, 9)
+    manager.cache_blocks("a", rewritten, 9)
     assert manager.match_prefix("b", first + [0]) == 4
     assert manager.match_prefix("c", rewritten + [0]) == 8
 

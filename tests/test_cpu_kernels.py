@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_paged.kernels as kernels
-from hf_paged.cache.paged_cache import PagedMetadata
+from hf_paged.cache.metadata import PagedMetadata
 from hf_paged.kernels import cpu_ops, torch_ops
 from kernel_cases import make_case, naive_attention, slot_index
 

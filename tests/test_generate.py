@@ -325,3 +325,31 @@ def test_a_damaged_default_model_copy_is_rebuilt(tmp_path, monkeypatch):
     assert default_model.resolve_model(Path("smollm2")) == str(target) and built == [target]
     assert not (target / "stale").exists()
     assert default_model.default_model_path() == str(target) and len(built) == 1  # complete now: kept
+
+
+@pytest.mark.parametrize("arch, window", [("llama", None), ("mistral", 8), ("qwen2_moe", 6)])
+def test_transformers_hands_the_paged_backend_its_mask_and_window(arch, window, monkeypatch):
+    """Canary for a Transformers upgrade: the paged mask function must keep receiving the causal pattern (by its
+    `mask_function`) and the sliding window (as `local_size`), and the attention function the window it applies."""
+    import hf_paged.attention as attention
+
+    seen_masks, seen_windows = [], []
+    real_mask, real_kernel = attention.padding_mask, attention.paged_attention
+
+    def recording_mask(*args, **kwargs):
+        seen_masks.append((attention.is_causal_pattern(kwargs["mask_function"]), kwargs.get("local_size")))
+        return real_mask(*args, **kwargs)
+
+    def recording_kernel(*args):
+        seen_windows.append(args[7])
+        return real_kernel(*args)
+
+    from transformers.masking_utils import AttentionMaskInterface
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "paged", recording_mask)
+    monkeypatch.setattr(attention, "paged_attention", recording_kernel)
+    model, _ = tiny_model(arch)
+    model.generate(torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]), max_new_tokens=2, do_sample=False)
+    assert seen_masks and all(causal for causal, _ in seen_masks)
+    assert {size for _, size in seen_masks} <= {None, window} and (window is None or window in seen_windows)
+    assert set(seen_windows) <= {None, window}

@@ -200,14 +200,13 @@ def test_tiny_temperatures_are_greedy_and_huge_values_refused(smollm2, chat_prom
 
 
 def test_a_stop_string_is_matched_only_where_it_ends_in_new_text():
-    from types import SimpleNamespace
-
-    from hf_paged.generation.detokenizer import find_stop_string
+    from hf_paged.generation.stopping import Stop, find_stop_string
 
     # "th" ended in text checked earlier (or skipped under min_tokens); a long second stop must not widen its window.
-    seq = SimpleNamespace(text="The waves of the sea")
-    assert find_stop_string(seq, " sea", ["th", "Q" * 40], include_stop=False) is None
-    assert find_stop_string(seq, "e sea", ["he s"], include_stop=False) == "he s" and seq.text == "The waves of t"
+    text = "The waves of the sea"
+    assert find_stop_string(text, len(" sea"), ["th", "Q" * 40], include_stop=False) is None
+    assert find_stop_string(text, len("e sea"), ["he s"], include_stop=False) == Stop("stop", "he s", len("The waves of t"))
+    assert find_stop_string(text, len("e sea"), ["he s"], include_stop=True).text_end == len("The waves of the s")
 
 
 def test_stop_strings_cut_exactly(smollm2, chat_prompts):
@@ -376,7 +375,7 @@ def test_engine_sizes_must_be_positive(smollm2, option):
 def test_prompt_tokens_beyond_the_model_vocabulary_are_refused(smollm2, monkeypatch):
     """A tokenizer may know more tokens than the model embeds: text prompts are checked as token ids are."""
     gen = make_generator(smollm2)
-    monkeypatch.setattr(gen, "vocab_size", 1000)
+    monkeypatch.setattr(gen.inputs, "vocab_size", 1000)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         gen.add_request("Photosynthesis", SamplingParams(max_tokens=2))
     assert not gen.has_unfinished_requests()
@@ -469,14 +468,20 @@ def test_a_refused_model_is_left_unpacked(smollm2, monkeypatch):
     assert not any(isinstance(m, PrepackedLinear) for m in model.modules())
 
 
-def test_model_outside_the_attention_interface_is_refused(smollm2):
+def test_a_model_whose_cache_update_takes_no_kwargs_is_served_exactly(smollm2):
+    """GPTNeoX calls `cache.update` without its attention kwargs, so `generate` cannot hand it a PagedCache; the engine
+    passes its step to attention as a forward argument and needs no cache object, so it serves the model exactly."""
     _, tokenizer = smollm2
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=49152, hidden_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, intermediate_size=64))
-    with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
-        ContinuousBatchGenerator(model, tokenizer, num_blocks=16)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=49152, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64)).eval()
+    ids = [tokenizer("The capital of France is").input_ids, tokenizer("Once upon a time there was").input_ids]
+    expected = [model.generate(torch.tensor([i]), max_new_tokens=10, do_sample=False)[0, len(i):].tolist() for i in ids]
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=16)
+    outs = gen.run(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
 
 
 def test_request_ids_are_unique_while_live(smollm2, chat_prompts):
@@ -501,8 +506,8 @@ def test_bf16_kv_cache_under_an_fp32_model(smollm2, chat_prompts):
     memory = 256 * KVCacheSpec.from_config(model.config).bytes_per_block(16, torch.float32)
     fp32 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory)
     bf16 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory, kv_cache_dtype="bfloat16")
-    assert bf16.cache.key_cache[0].dtype == torch.bfloat16 and fp32.cache.key_cache[0].dtype == torch.float32
-    assert bf16.cache.num_blocks == 2 * fp32.cache.num_blocks == 512
+    assert bf16.kv_cache.key_cache[0].dtype == torch.bfloat16 and fp32.kv_cache.key_cache[0].dtype == torch.float32
+    assert bf16.kv_cache.num_blocks == 2 * fp32.kv_cache.num_blocks == 512
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = [o.outputs[0].token_ids for o in fp32.run(chat_prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in bf16.run(chat_prompts, params, use_tqdm=False)]

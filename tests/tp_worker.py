@@ -35,7 +35,7 @@ def run_model(path: str, tensor_parallel_size: int) -> dict:
     result = {"generate": out[:, width:].tolist()}
     # A small step budget, so the 40-token prompt is prefilled in chunks beside the others' decodes.
     generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, max_num_batched_tokens=24)
-    result["kv_heads"] = generator.cache.spec.num_kv_heads
+    result["kv_heads"] = generator.kv_cache.spec.num_kv_heads
     if not generator.is_driver:
         generator.run_worker()
         result["digest"] = generator.lockstep.digest

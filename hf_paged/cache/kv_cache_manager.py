@@ -6,7 +6,7 @@ import hashlib
 from array import array
 from collections.abc import Hashable, Sequence
 
-from .block_pool import BlockPool, NoFreeBlocksError
+from .block_pool import BlockPool
 
 BlockCopy = tuple[int, int]
 
@@ -54,17 +54,15 @@ class KVCacheManager:
         table = self.block_table(seq_id)
         return max(0, self._blocks_for(num_tokens) - len(table)) + self._needs_copy(table, num_computed)
 
-    def allocate(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> list[BlockCopy]:
+    def allocate(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> list[BlockCopy] | None:
         """Make room for tokens ``[num_computed, num_tokens)`` of ``seq_id``.
 
         Returns the ``(src, dst)`` block copies the caller must perform on the KV tensors before writing (copy-on-
-        write of a shared, partly filled block). Raises :class:`NoFreeBlocksError` and changes nothing if the pool
-        is short.
+        write of a shared, partly filled block), or None, changing nothing, if the pool is short.
         """
+        if self.num_blocks_needed(seq_id, num_computed, num_tokens) > self.pool.num_free_blocks:
+            return None
         table = self.tables.setdefault(seq_id, [])
-        needed = self.num_blocks_needed(seq_id, num_computed, num_tokens)
-        if needed > self.pool.num_free_blocks:
-            raise NoFreeBlocksError(needed, self.pool.num_free_blocks)
         copies = []
         if self._needs_copy(table, num_computed):
             index = num_computed // self.block_size
@@ -112,12 +110,12 @@ class KVCacheManager:
             self.prefix_queries += num_tokens
             self.prefix_hits += num_cached
 
-    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Index the blocks of ``seq_id`` that are full once ``num_computed`` tokens are in the cache.
+    def cache_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Index for prefix reuse the blocks of ``seq_id`` that are full once ``num_computed`` tokens are in the cache.
 
-        The scheduler commits the tokens of a step when it schedules them, so a later sequence of the same step can
-        share those blocks: every layer writes the whole step's keys and values before any of its attention reads
-        them. If the step fails, :meth:`uncommit` takes the blocks back out of the index.
+        The scheduler does this when it schedules a step, so a later sequence of the same step can share those
+        blocks: every layer writes the whole step's keys and values before any of its attention reads them. If the
+        step fails, :meth:`uncache_blocks` takes them back out of the index.
         """
         if not self.enable_prefix_caching:
             return
@@ -128,8 +126,8 @@ class KVCacheManager:
             hashes.append(key)
             self.pool.cache(table[i], key)
 
-    def uncommit(self, seq_id: Hashable, num_computed: int) -> None:
-        """Unindex the blocks of ``seq_id`` committed beyond its first ``num_computed`` tokens."""
+    def uncache_blocks(self, seq_id: Hashable, num_computed: int) -> None:
+        """Unindex the blocks of ``seq_id`` indexed beyond its first ``num_computed`` tokens."""
         hashes = self._hashes.get(seq_id)
         if not hashes:
             return

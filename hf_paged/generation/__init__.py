@@ -1,14 +1,17 @@
-"""Continuous batching: requests, scheduling, the model runner, sampling and the public generator."""
+"""Continuous batching: engine options, requests, scheduling, the model runner, sampling and the public generator."""
 
+from .config import EngineConfig
 from .generator import ContinuousBatchGenerator, EngineStats
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
-from .sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 __all__ = [
     "CompletionOutput",
     "ContinuousBatchGenerator",
+    "EngineConfig",
     "EngineStats",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]

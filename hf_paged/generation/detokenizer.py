@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string matching."""
+"""Incremental detokenization: each sequence's newest tokens as text."""
 
 from __future__ import annotations
 
@@ -32,20 +32,3 @@ class Detokenizer:
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(tokens)
         seq.text += new_text
         return new_text
-
-
-def find_stop_string(seq: Sequence, new_text: str, stops: list[str], include_stop: bool) -> str | None:
-    """If a stop string appears in the text that ``new_text`` completed, cut ``seq.text`` there and return it."""
-    if not new_text or not stops:
-        return None
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        # Only matches that end in the new text: older text was checked already, or was never to be (min_tokens).
-        pos = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop) + 1))
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    if best is None:
-        return None
-    pos, stop = best
-    seq.text = seq.text[: pos + len(stop) if include_stop else pos]
-    return stop

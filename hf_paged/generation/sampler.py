@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling_params import FLOAT32_MAX
+from .sequence import Sequence
 
 _MASK31 = (1 << 31) - 1
 
@@ -69,6 +70,68 @@ class SamplerOutput:
     sampled_logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+
+
+def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device) -> SamplingBatch:
+    """The sampling tensors of one step: one row per draw ``(sequence, k)``, the ``k``-th sample drawn from that
+    sequence's logits (a request with ``n > 1`` draws its ``n`` first tokens from its prompt's logits)."""
+    params = [seq.request.params for seq, _ in draws]
+    sampling = [p for p in params if not p.greedy]
+    batch = SamplingBatch(all_greedy=not sampling)
+    if sampling:
+        _add_draw_tensors(batch, draws, device)
+    if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        _add_penalty_tensors(batch, draws, device)
+    rows = [row for row, (seq, _) in enumerate(draws) if seq.num_output_tokens < seq.request.params.min_tokens]
+    if rows:  # stop tokens are banned until min_tokens are out
+        ids = [draws[row][0].request.stop_ids_tensor for row in rows]
+        batch.banned = (_rows_of(rows, ids, device), torch.cat(ids).to(device))
+    rows = [row for row, p in enumerate(params) if p.logit_bias]
+    if rows:
+        tokens, values = zip(*(draws[row][0].request.logit_bias_tensors for row in rows))
+        batch.logit_bias = (_rows_of(rows, tokens, device), torch.cat(tokens).to(device), torch.cat(values).to(device))
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if wanted:
+        batch.max_logprobs = max(1, *wanted)
+    return batch
+
+
+def _rows_of(rows: list[int], per_row: list[torch.Tensor], device) -> torch.Tensor:
+    """Each row index repeated once per entry of its tensor."""
+    counts = torch.tensor([t.numel() for t in per_row])
+    return torch.tensor(rows, dtype=torch.long).repeat_interleave(counts).to(device)
+
+
+def _add_draw_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], device) -> None:
+    params = [seq.request.params for seq, _ in draws]
+
+    def column(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    # Chosen per row, never per batch: the same uniform number picks another token in sorted order.
+    sort_rows = [row for row, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1)]
+    batch.sort_rows = column(sort_rows, torch.long) if sort_rows else None
+    batch.needs_min_p = any(p.min_p > 0 for p in params if not p.greedy)
+    batch.temperature = column([0.0 if p.greedy else p.temperature for p in params], torch.float32)
+    batch.top_k = column([p.top_k for p in params], torch.long)
+    batch.top_p = column([p.top_p for p in params], torch.float32)
+    batch.min_p = column([p.min_p for p in params], torch.float32)
+    batch.seeds = column([seq.request.seed for seq, _ in draws], torch.long)
+    # Distinct for every draw of a request: sample k of n at output position t.
+    batch.counters = column([seq.num_output_tokens * p.n + seq.index + k for (seq, k), p in zip(draws, params)],
+                            torch.long)
+
+
+def _add_penalty_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], device) -> None:
+    params = [seq.request.params for seq, _ in draws]
+    batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+    batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
+    batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)
+    pad = torch.nn.utils.rnn.pad_sequence
+    batch.prompt_tokens = pad([seq.request.prompt_tensor for seq, _ in draws], batch_first=True,
+                              padding_value=-1).to(device)
+    outputs = [torch.tensor(seq.output_token_ids, dtype=torch.long) for seq, _ in draws]
+    batch.output_tokens = pad(outputs, batch_first=True, padding_value=-1).to(device)
 
 
 def _token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

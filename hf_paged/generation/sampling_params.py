@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 from transformers import GenerationConfig
 
+from .outputs import RequestOutputKind
+
 _INT64_END = 2**63
 FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy, as in vLLM: dividing by them overflows float32
@@ -29,6 +31,7 @@ class SamplingParams:
     are matched on the detokenized text and cut out unless ``include_stop_str_in_output``. ``logprobs=k`` returns the
     ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
     distribution. ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
+    ``output_kind`` says what each output of the request carries (see `RequestOutputKind`).
     """
 
     n: int = 1
@@ -49,6 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +80,8 @@ class SamplingParams:
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         self._check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias", self.logit_bias,
                     "a map of token ids to numbers in [-100, 100]")
+        self._check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
+                    "a RequestOutputKind")
         if self.top_k == -1:
             self.top_k = 0
 

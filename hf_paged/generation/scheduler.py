@@ -1,35 +1,38 @@
-"""First-come-first-served scheduling by token counts, with chunked prefill and preemption by recomputation."""
+"""The `Scheduler`: decides what each step computes, and owns every change to a sequence after it (tokens appended,
+forks, stops, preemption, freeing, and the rollback of a failed step)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache import KVCacheManager, NoFreeBlocksError
+from ..cache import KVCacheManager
 from ..cache.kv_cache_manager import BlockCopy
-from .sequence import Sequence, SequenceStatus
+from .config import EngineConfig
+from .detokenizer import Detokenizer
+from .sampler import SamplerOutput
+from .sequence import Request, Sequence, SequenceStatus
+from .stopping import check_stop
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+class SchedulerOutput:
+    """What one step computes: ``num_tokens[i]`` new tokens of ``seqs[i]``, one-token sequences (decodes) first.
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-@dataclass
-class ScheduledBatch:
-    """What one step computes: ``num_tokens[i]`` new tokens of ``seqs[i]``, one-token sequences first."""
+    ``draws`` are the tokens the step samples, ``(sequence, k)``: the ``k``-th sample drawn from that sequence's
+    logits, which are row ``draw_rows[i]`` of the runner's logits (a prompt with ``n > 1`` is drawn ``n`` times).
+    """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue for this step
+    draws: list[tuple[Sequence, int]] = field(default_factory=list)
+    draw_rows: list[int] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -37,7 +40,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Decides, each step, how many tokens every sequence computes.
+    """Each step: which sequences compute how many tokens; after it: what their sampled tokens do to them.
 
     A sequence never has phases: it has ``token_ids`` and ``num_computed_tokens``, and each step computes some of the
     difference. Running sequences go first (a decode is one token; a prompt being prefilled in chunks takes what
@@ -45,89 +48,98 @@ class Scheduler:
     preempted: its blocks are freed and it waits to be recomputed (prefix caching usually makes that cheap).
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, detokenizer: Detokenizer,
+                 max_model_len: int):
         self.config = config
         self.kv = kv_manager
+        self.detokenizer = detokenizer
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps in which a prompt was computed only in part (chunked prefill)
+        self.num_generated_tokens = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sample: its blocks are already shared with its parent."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def add(self, request: Request) -> None:
+        self.waiting.append(request.seqs[0])
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
-        picked: list[tuple[Sequence, int]] = []
-        copies: list[BlockCopy] = []
-        admitted: list[Sequence] = []
-        preempted = False
+    # ------------------------------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        preemptions = self.num_preemptions
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if self.num_preemptions == preemptions:  # admit only when nobody had to be preempted
+            self._schedule_waiting(out, budget)
+        self.num_partial_prefills += sum(n < s.num_tokens - s.num_computed_tokens for s, n in zip(out.seqs,
+                                                                                                   out.num_tokens))
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_tokens[i] != 1)
+        out.seqs, out.num_tokens = [out.seqs[i] for i in order], [out.num_tokens[i] for i in order]
+        self._plan_draws(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while True:
-                try:
-                    copies += self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-                    break
-                except NoFreeBlocksError:
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is seq:
-                        break
-            if seq.status is SequenceStatus.RUNNING:
-                self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
-                picked.append((seq, n))
+            copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            while copies is None and seq.status is SequenceStatus.RUNNING:
+                self._preempt(self.running[-1])
+                if seq.status is SequenceStatus.RUNNING:
+                    copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            if copies is not None:
+                self._take(out, seq, n, copies)
                 budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         seats = sum(seq.num_samples for seq in self.running)  # n > 1 forks after the prompt
-        while not preempted and self.waiting and budget > 0:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + seq.num_samples > self.config.max_num_seqs:
                 break
-            seq.num_computed_tokens = num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            needed = self.kv.num_blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            try:
-                if self.running and self.kv.pool.num_free_blocks - needed < self._headroom():
-                    raise NoFreeBlocksError(needed, self.kv.pool.num_free_blocks)
-                copies += self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            except NoFreeBlocksError:
+            num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
+            n = min(seq.num_tokens - num_cached, budget)
+            needed = self.kv.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
+            room = self.kv.pool.num_free_blocks - (self._headroom() if self.running else 0)
+            copies = self.kv.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
+            if copies is None:
                 self.kv.free(seq.seq_id)
-                seq.num_computed_tokens = 0
                 break
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
             self.kv.record_prefix_match(seq.num_tokens, num_cached)
             if seq.index == 0 and seq.request.num_cached_tokens == 0:
                 seq.request.num_cached_tokens = num_cached
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
             seats += seq.num_samples
-            admitted.append(seq)
-            picked.append((seq, n))
+            out.admitted.append(seq)
+            self._take(out, seq, n, copies)
             budget -= n
-        self.num_partial_prefills += sum(n < s.num_tokens - s.num_computed_tokens for s, n in picked)
-        picked.sort(key=lambda item: item[1] != 1)
-        return ScheduledBatch([s for s, _ in picked], [n for _, n in picked], copies, admitted)
 
-    def unadmit(self, seqs: list[Sequence]) -> None:
-        """Undo the admission of ``seqs`` (a step that failed): free their blocks, back to the front of the queue."""
-        for seq in reversed(seqs):
-            if seq.status is SequenceStatus.RUNNING:
-                self._requeue(seq)
-                if seq.index == 0:
-                    seq.request.num_cached_tokens = 0
+    def _take(self, out: SchedulerOutput, seq: Sequence, n: int, copies: list[BlockCopy]) -> None:
+        """Put ``n`` tokens of ``seq`` in the step, and index the blocks they fill for prefix reuse now, so a later
+        sequence of the same step can share them (`rollback` unindexes them if the step fails)."""
+        out.seqs.append(seq)
+        out.num_tokens.append(n)
+        out.block_copies += copies
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+
+    @staticmethod
+    def _plan_draws(out: SchedulerOutput) -> None:
+        row = 0
+        for seq, n in zip(out.seqs, out.num_tokens):
+            if seq.num_computed_tokens + n == seq.num_tokens:  # its last known token is computed: sample the next
+                for k in range(seq.num_samples):
+                    out.draws.append((seq, k))
+                    out.draw_rows.append(row)
+                row += 1
 
     def _headroom(self) -> int:
         """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""
@@ -144,11 +156,90 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its blocks."""
+    # --------------------------------------------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[Request]:
+        """Apply a step's result: advance the computed tokens, fork ``n > 1`` prompts, append each sampled token,
+        and finish (and free) the sequences that stop. Returns the requests that changed, in step order.
+
+        A token that cannot be appended (the detokenizer raised, say) fails its own request, not the step.
+        """
+        for seq, n in zip(out.seqs, out.num_tokens):
+            seq.num_computed_tokens += n
+        now = time.monotonic()
+        seqs = [seq if k == 0 else self._fork(seq, k) for seq, k in out.draws]  # before any sample has a token
+        changed: dict[str, Request] = {}
+        for row, seq in enumerate(seqs):
+            request = seq.request
+            changed[request.request_id] = request
+            if seq.is_finished:
+                continue  # its request failed on an earlier row of this step
+            try:
+                self._append(seq, row, sampled, now)
+            except Exception as err:  # noqa: BLE001 - any failure here is this request's alone
+                logger.exception("request %s failed while appending a token", request.request_id)
+                self.fail(request, f"generation failed: {type(err).__name__}: {err}")
+        return list(changed.values())
+
+    def _fork(self, parent: Sequence, k: int) -> Sequence:
+        child = parent.fork(k)
+        self.kv.fork(parent.seq_id, child.seq_id)
+        self.running.append(child)
+        return child
+
+    def _append(self, seq: Sequence, row: int, sampled: SamplerOutput, now: float) -> None:
+        token, params, metrics = sampled.token_ids[row], seq.request.params, seq.request.metrics
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.num_output_tokens = max(metrics.num_output_tokens, seq.num_output_tokens)
+        if seq.logprobs is not None:
+            top = dict(zip(sampled.top_ids[row][: params.logprobs], sampled.top_logprobs[row][: params.logprobs]))
+            top[token] = sampled.sampled_logprobs[row]
+            seq.logprobs.append(top)
+            seq.cumulative_logprob += sampled.sampled_logprobs[row]
+        new_text = self.detokenizer.step(seq, params.skip_special_tokens)
+        stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
+                          seq.request.stop_ids, self.max_model_len)
+        if stop is not None:
+            if stop.text_end is not None:
+                seq.text = seq.text[: stop.text_end]
+            self.finish(seq, stop.finish_reason, stop.stop_reason, now)
+
+    # ---------------------------------------------------------------------------------------- finish and undo
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+               now: float | None = None) -> None:
+        """Finish ``seq`` (stopped, or aborted) and free its blocks."""
+        if seq.is_finished:
+            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.request.is_finished:
+            seq.request.metrics.finished_time = now or time.monotonic()
+
+    def abort(self, request: Request) -> None:
+        """Finish every sequence of ``request`` that has not, with ``finish_reason="abort"``."""
+        for seq in request.seqs:
+            self.finish(seq, "abort")
+        request.metrics.finished_time = request.metrics.finished_time or time.monotonic()
+
+    def fail(self, request: Request, error: str) -> None:
+        """Abort ``request`` because it broke; ``error`` is what its caller is told."""
+        request.error = error
+        self.abort(request)
+
+    def rollback(self, out: SchedulerOutput) -> None:
+        """Undo the scheduling of a step whose forward or sampling failed, so the next step recomputes it."""
+        for seq in out.seqs:  # the blocks this step was to fill must not serve later prefix matches
+            self.kv.uncache_blocks(seq.seq_id, seq.num_computed_tokens)
+        # A sequence admitted this step may have matched blocks that another one indexed in the same step, which
+        # were never written: it goes back to waiting and matches again.
+        for seq in reversed(out.admitted):
+            if seq.status is SequenceStatus.RUNNING:
+                self._requeue(seq)
+                if seq.index == 0:
+                    seq.request.num_cached_tokens = 0

@@ -1,4 +1,4 @@
-"""Requests, their sequences, and the outputs handed back to users."""
+"""Requests and their sequences: the tokens of each sample, how many are in the KV cache, and what was handed back."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import torch
+
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
 
@@ -14,48 +18,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence of a request."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-
-@dataclass
-class RequestOutput:
-    """The state of a request: its prompt, its ``n`` outputs so far, and whether it has finished.
-
-    ``error`` is set (and ``outputs`` empty) when the request was refused, e.g. a prompt longer than the model's
-    context; the other requests are unaffected.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
-    error: str | None = None
 
 
 _seq_ids = itertools.count()
@@ -79,6 +41,10 @@ class Sequence:
         self.text = ""
         self.prefix_offset = max(0, request.num_prompt_tokens - 5)
         self.read_offset = request.num_prompt_tokens
+        # What earlier DELTA outputs handed back.
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.sent_finish = False
 
     @property
     def num_tokens(self) -> int:
@@ -98,65 +64,107 @@ class Sequence:
 
     @property
     def num_samples(self) -> int:
-        """Sequences this one will be once it has a token: ``n`` for a request's first, not yet forked, else 1."""
+        """Sequences this one becomes at its first token: ``n`` for a request's prompt, not yet forked, else 1."""
         return self.request.params.n if len(self.request.seqs) == 1 and self.num_output_tokens == 0 else 1
 
     def fork(self, index: int) -> "Sequence":
-        """A sibling sample that shares everything computed so far."""
+        """A sibling sample that shares everything computed so far (it has generated nothing yet)."""
         child = Sequence(self.request, index, list(self.token_ids))
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
-        child.text, child.prefix_offset, child.read_offset = self.text, self.prefix_offset, self.read_offset
-        if self.logprobs is not None:
-            child.logprobs = list(self.logprobs)
-        child.cumulative_logprob = self.cumulative_logprob
+        child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
+        self.request.seqs.append(child)
         return child
 
-    def to_output(self) -> CompletionOutput:
-        return CompletionOutput(
+    def output(self, delta: bool) -> CompletionOutput | None:
+        """This sample's output: all of it, or (``delta``) what was not handed back before (None: nothing new).
+
+        While a stop string could still be completing, its first characters are held back, so text once handed back
+        is never cut again.
+        """
+        end = len(self.text) if self.is_finished else max(0, len(self.text) - self.request.stop_holdback)
+        first_token, first_char = (self.num_sent_tokens, self.num_sent_chars) if delta else (0, 0)
+        if delta and (self.sent_finish or (self.num_output_tokens == first_token and end <= first_char
+                                           and not self.is_finished)):
+            return None
+        start = self.request.num_prompt_tokens + first_token
+        output = CompletionOutput(
             index=self.index,
-            text=self.text,
-            token_ids=list(self.output_token_ids),
+            text=self.text[first_char:end],
+            token_ids=self.token_ids[start:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=self.logprobs[first_token:] if self.logprobs is not None else None,
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
         )
+        if delta:
+            self.num_sent_tokens, self.num_sent_chars = self.num_output_tokens, max(first_char, end)
+            self.sent_finish = self.is_finished
+        return output
 
 
 @dataclass
 class Request:
-    """A prompt with its sampling parameters; it starts as one sequence and forks into ``n`` after the prompt."""
+    """A prompt with its sampling parameters; it starts as one sequence and forks into ``n`` after the prompt.
+
+    ``stop_ids`` (stop tokens, and EOS unless ignored) and ``stop_holdback`` are worked out once, at creation.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
+    eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs = [Sequence(self, 0, list(self.prompt_token_ids))]
+        params = self.params
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    # What the sampler needs of the request at every step, as tensors made once.
+    @cached_property
+    def prompt_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.prompt_token_ids, dtype=torch.long)
+
+    @cached_property
+    def stop_ids_tensor(self) -> torch.Tensor:
+        return torch.tensor(sorted(self.stop_ids), dtype=torch.long)
+
+    @cached_property
+    def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.params.logit_bias
+        return torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float32)
+
     @property
     def is_finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
 
-    def to_output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | None:
+        """The output this request hands back now, per its ``output_kind`` (None: nothing to hand back yet)."""
+        kind, finished = self.params.output_kind, self.is_finished or self.error is not None
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        outputs = [seq.output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=[seq.to_output() for seq in sorted(self.seqs, key=lambda s: s.index)],
-            finished=self.is_finished,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[output for output in outputs if output is not None],
+            finished=finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
         )

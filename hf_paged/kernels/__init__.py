@@ -15,7 +15,7 @@ import torch
 from . import cpu_ops, torch_ops
 
 if TYPE_CHECKING:
-    from ..cache.paged_cache import PagedMetadata
+    from ..cache.metadata import PagedMetadata
 
 __all__ = ["paged_attention", "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "use_triton"]
 

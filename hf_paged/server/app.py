@@ -42,7 +42,8 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generation import ContinuousBatchGenerator, SamplingParams
+from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
+from ..generation.outputs import CompletionOutput
 from .engine import EngineError, EngineLoop, RequestStream
 from .metrics import ServerMetrics
 from .protocol import (
@@ -127,19 +128,20 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             raise _bad_request(err, prompt_param) from err
         header = {"id": call_id, "created": int(time.time()), "model": served_model_name}
         if body.stream:
-            holdback = max((len(s) for s in params.stop), default=1) - 1
-            events = _sse(stream, fmt, header, params.n, holdback, body.include_usage)
+            events = _sse(stream, fmt, header, params.n, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        finals = {}
+        finals: dict[str, RequestOutput] = {}
         try:
             async for output in stream.outputs(request.is_disconnected):
-                if output.finished:
+                if output.request_id in finals:
+                    finals[output.request_id].add(output)
+                else:
                     finals[output.request_id] = output
         except EngineError as err:
             raise APIError(500, str(err), "server_error", code=500) from err
         finally:
             stream.close()
-        if len(finals) < len(request_ids):
+        if not all(output.finished for output in finals.values()) or len(finals) < len(request_ids):
             return Response(status_code=499)  # the client has gone: nobody reads this
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, request_id in enumerate(request_ids):
@@ -195,18 +197,20 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     return app
 
 
-async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int, holdback: int,
+async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int,
                include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events of a streamed call: text deltas per choice, then usage if asked, then ``[DONE]``."""
+    """Server-sent events of a streamed call: text deltas per choice, then usage if asked, then ``[DONE]``.
+
+    The engine's deltas never hold a partial stop string; tokens that brought no text yet (an incomplete character)
+    wait, with their logprobs, for the chunk that carries their text."""
     chunk = {**header, "object": fmt.chunk_object}
 
     def event(choices: list[dict], **extra) -> str:
         return f"data: {json.dumps({**chunk, 'choices': choices, **extra}, separators=(',', ':'))}\n\n"
 
     first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
-    sent_chars: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    token_chars: dict[int, int] = {}  # where the next token's text starts; ahead of sent_chars while text is held back
+    waiting: dict[int, CompletionOutput] = {}  # per choice: tokens not sent yet, for want of text
+    text_offset: dict[int, int] = {}  # where the next token's text starts (reported with logprobs only)
     prompt_tokens: dict[str, int] = {}
     completion_tokens = 0
     try:
@@ -218,23 +222,18 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
             prompt_tokens[output.request_id] = len(output.prompt_token_ids)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
-                start, finished = sent_chars.get(index, 0), choice.finish_reason is not None
-                if start < 0:
-                    continue  # this choice has already sent its finish_reason
-                end = len(choice.text) if finished else len(choice.text) - holdback
-                if end <= start and not finished:
+                completion_tokens += len(choice.token_ids)
+                if index in waiting:
+                    waiting[index].add(choice)
+                    choice = waiting.pop(index)
+                if not choice.text and choice.finish_reason is None:
+                    waiting[index] = choice
                     continue
-                first_token = sent_tokens.get(index, 0)
-                token_ids = choice.token_ids[first_token:]
-                logprobs = choice.logprobs[first_token:] if choice.logprobs is not None else None
-                yield event([fmt.chunk_choice(index, choice.text[start:end], token_ids, logprobs,
-                                              token_chars.get(index, 0), choice.finish_reason)])
-                sent_chars[index] = -1 if finished else max(start, end)
-                sent_tokens[index] = len(choice.token_ids)
-                if logprobs is not None:  # text_offset is only reported with logprobs
-                    token_chars[index] = token_chars.get(index, 0) + sum(len(fmt.decode(t)) for t in token_ids)
-                if finished:
-                    completion_tokens += len(choice.token_ids)
+                offset = text_offset.get(index, 0)
+                yield event([fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
+                                              choice.finish_reason)])
+                if choice.logprobs is not None:
+                    text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
         if include_usage:
             yield event([], usage=usage(sum(prompt_tokens.values()), completion_tokens))
         yield "data: [DONE]\n\n"

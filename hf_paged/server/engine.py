@@ -1,8 +1,9 @@
 """`EngineLoop`: the one thread that steps the generator, and hands each output to the HTTP handler waiting for it.
 
 HTTP handlers run on an asyncio loop; the engine runs on its own thread. A handler registers its requests with
-`EngineLoop.submit`, which returns a `RequestStream`; after every step the engine thread posts the outputs to the
-handlers' loops with one ``call_soon_threadsafe`` per loop, and each stream's `asyncio.Queue` wakes its handler.
+`EngineLoop.submit`, which returns a `RequestStream`; after every step the engine thread posts the outputs (deltas)
+to the handlers' loops with one ``call_soon_threadsafe`` per loop, where each stream merges them and wakes its
+handler.
 """
 
 from __future__ import annotations
@@ -28,16 +29,30 @@ class EngineError(RuntimeError):
 class RequestStream:
     """The outputs of the requests of one HTTP call, as the engine thread delivers them.
 
-    Iterating yields each request's newest `RequestOutput` (outputs are cumulative, so when several are queued only
-    the latest of each request is yielded) until all have finished; it raises `EngineError` if the engine failed.
+    The engine hands back deltas (`RequestOutputKind.DELTA`); those the handler has not read yet are merged into one
+    pending output per request, so a client that reads slowly costs at most one pending output per request, however
+    long it lags. Iterating yields each request's merged delta until all have finished; it raises `EngineError` if
+    the engine failed.
     """
 
     def __init__(self, engine: "EngineLoop", request_ids: list[str]):
         self.engine = engine
         self.request_ids = request_ids
-        self.pending = set(request_ids)
-        self.queue: asyncio.Queue[RequestOutput | EngineError] = asyncio.Queue()
+        self.pending_ids = set(request_ids)  # not finished yet
+        self.undelivered: dict[str, RequestOutput] = {}
+        self.error: EngineError | None = None
+        self.ready = asyncio.Event()
         self.loop = asyncio.get_running_loop()
+
+    def put(self, item: RequestOutput | EngineError) -> None:
+        """Take an output (or the engine's failure) from the engine thread; runs on the stream's loop."""
+        if isinstance(item, EngineError):
+            self.error = item
+        elif item.request_id in self.undelivered:
+            self.undelivered[item.request_id].add(item)
+        else:
+            self.undelivered[item.request_id] = item
+        self.ready.set()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self.outputs()
@@ -47,41 +62,41 @@ class RequestStream:
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs until all requests finish; with ``is_disconnected``, asked every ``poll_s`` seconds whether
         or not outputs arrive, stop (and abort) once it says so."""
-        next_check = self.loop.time() + poll_s
-        while self.pending:
-            getter = asyncio.ensure_future(self.queue.get())
-            try:
-                while is_disconnected is not None:
-                    if not getter.done():
-                        await asyncio.wait({getter}, timeout=max(0.0, next_check - self.loop.time()))
-                    if self.loop.time() >= next_check:
-                        next_check = self.loop.time() + poll_s
-                        if await is_disconnected():
-                            self.close()
-                            return
-                    if getter.done():
-                        break
-                items = [await getter]
-            finally:
-                getter.cancel()
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            latest: dict[str, RequestOutput] = {}
-            for item in items:
-                if isinstance(item, EngineError):
-                    self.pending.clear()
-                    raise item
-                latest[item.request_id] = item
-            for output in latest.values():
+        self._next_check = self.loop.time() + poll_s
+        while self.pending_ids:
+            if not await self._wait(is_disconnected, poll_s):
+                self.close()
+                return
+            self.ready.clear()
+            if self.error is not None:
+                self.pending_ids.clear()
+                raise self.error
+            outputs, self.undelivered = list(self.undelivered.values()), {}
+            for output in outputs:
                 if output.finished:
-                    self.pending.discard(output.request_id)
+                    self.pending_ids.discard(output.request_id)
                 yield output
+
+    async def _wait(self, is_disconnected: Callable[[], Awaitable[bool]] | None, poll_s: float) -> bool:
+        """Wait for outputs; False once ``is_disconnected`` says the client has gone."""
+        while is_disconnected is not None:
+            if self.loop.time() >= self._next_check:
+                self._next_check = self.loop.time() + poll_s
+                if await is_disconnected():
+                    return False
+            try:
+                await asyncio.wait_for(self.ready.wait(), max(0.0, self._next_check - self.loop.time()))
+                return True
+            except asyncio.TimeoutError:
+                pass
+        await self.ready.wait()
+        return True
 
     def close(self) -> None:
         """Abort whatever has not finished (the client left, or the handler failed)."""
-        if self.pending:
-            self.engine.abort(list(self.pending))
-            self.pending.clear()
+        if self.pending_ids:
+            self.engine.abort(list(self.pending_ids))
+            self.pending_ids.clear()
 
 
 class EngineLoop:
@@ -216,4 +231,4 @@ class EngineLoop:
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput | EngineError]]) -> None:
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.put(item)

@@ -78,6 +78,6 @@ class ServerMetrics:
         if m.first_token_time is None:
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)
-        num_tokens = max(len(o.token_ids) for o in output.outputs)
+        num_tokens = m.num_output_tokens
         if num_tokens > 1 and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..generation import CompletionOutput, SamplingParams
+from ..generation import CompletionOutput, RequestOutputKind, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
 
@@ -90,7 +90,8 @@ class GenerationRequest(BaseModel):
             "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias(),
         }
         values = {name: value for name, value in given.items() if value is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+        # The server merges each request's deltas itself (see `engine.RequestStream`).
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA, **values)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys, so as strings."""

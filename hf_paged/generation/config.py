@@ -1,0 +1,97 @@
+"""`EngineConfig`: how a `ContinuousBatchGenerator` is sized and what it may do; one validated dataclass that the
+generator, the ``hf-paged`` command line and the benchmarks all take."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1.5g"`` or a plain byte count, as bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write e.g. 2GiB, 512MiB, 1GB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _option(help_text: str, default=None, flag: str | None = None, type_=None):
+    """A field with its command-line form: ``flag`` (default ``--field-name``; a boolean's flag turns it off)."""
+    return field(default=default, metadata={"help": help_text, "flag": flag, "type": type_})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options, with vLLM's names. Invalid values raise ``ValueError`` naming the field."""
+
+    block_size: int = _option("tokens per KV block (default: 16)", 16)
+    num_blocks: int | None = _option("KV cache size in blocks")
+    kv_cache_memory: int | None = _option(
+        "KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, half the free memory on GPU)",
+        type_=parse_memory)
+    kv_cache_dtype: str | None = _option(
+        "KV cache dtype: float32, bfloat16 or float16 (default: the weights' dtype); bfloat16 under float32 weights "
+        "halves the cache's memory and the bytes attention reads")
+    max_num_seqs: int = _option("most sequences in one step (default: 256)", 256)
+    max_num_batched_tokens: int = _option(
+        "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", 2048)
+    max_model_len: int | None = _option(
+        "longest prompt + output in tokens (default: the model's context, capped by the cache)")
+    enable_prefix_caching: bool = _option(
+        "do not reuse the KV of prompt prefixes shared between requests", True, flag="--no-prefix-caching")
+    prepack_weights: bool = _option(
+        "on CPU, run linear layers through plain torch instead of oneDNN with weights packed once (packing is "
+        "faster and costs the linear weights' memory once more)", True, flag="--no-prepack-weights")
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("EngineConfig: give num_blocks or kv_cache_memory, not both")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2 (a prompt token and an output "
+                             f"token), got {self.max_model_len!r}")
+        if isinstance(self.kv_cache_dtype, torch.dtype):  # accepted as a dtype, kept as its name
+            object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).removeprefix("torch."))
+        if self.kv_cache_dtype == "auto":
+            object.__setattr__(self, "kv_cache_dtype", None)
+        if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown engine options: {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_cache_dtype else model_dtype
+
+    # --------------------------------------------------------------------------------------------- command line
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+        """One command-line option per field (``--max-num-seqs``; booleans get a ``--no-...`` flag)."""
+        for f in dataclasses.fields(cls):
+            flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                parser.add_argument(flag, dest=f.name, action="store_false", help=f.metadata["help"])
+            else:
+                kind = f.metadata["type"] or (str if f.name == "kv_cache_dtype" else int)
+                parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})

@@ -1,0 +1,96 @@
+"""`InputProcessor`: turns a prompt and its parameters into a `Request`, refusing what this engine cannot serve."""
+
+from __future__ import annotations
+
+import random
+
+from transformers import GenerationConfig
+
+from .outputs import RequestOutputKind
+from .sampling_params import SamplingParams
+from .sequence import Request
+
+Prompt = str | list[int] | list[dict]
+
+
+class InputProcessor:
+    """Tokenizes prompts (text, token ids or chat messages) and checks them, and their parameters, against the
+    model's vocabulary and context and the engine's limits. Every refusal is a ``ValueError`` naming the problem."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def request(self, request_id: str, prompt: Prompt,
+                params: SamplingParams | GenerationConfig | None) -> Request:
+        params = self.sampling_params(params)
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long but this engine's context (max_model_len) is "
+                f"{self.max_model_len} tokens, prompt and output together"
+            )
+        self.check_params(params)
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        return Request(request_id, text, token_ids, params, seed, self.eos_token_ids)
+
+    @staticmethod
+    def sampling_params(params: SamplingParams | GenerationConfig | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, GenerationConfig):
+            return SamplingParams.from_generation_config(params)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams or GenerationConfig, got {type(params)}")
+        return params
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(
+                f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}"
+            )
+        # A tokenizer can know more tokens than the model embeds; such a prompt would fail every step it joins.
+        bad = self._outside_vocabulary(token_ids)
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary (size {self.vocab_size})")
+        return text, token_ids
+
+    def _outside_vocabulary(self, token_ids) -> list[int]:
+        return [t for t in token_ids if not 0 <= t < self.vocab_size]
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check on its own: the limits of this engine and this vocabulary."""
+        # Worded as SamplingParams' own checks ("SamplingParams.<field> must be ..."), so callers can name the field.
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"SamplingParams.n must be at most this engine's max_num_seqs ({self.max_num_seqs}), the "
+                             f"most sequences it runs at once, got {params.n}")
+        bad = self._outside_vocabulary(params.stop_token_ids)
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids must be in the vocabulary (0 to {self.vocab_size - 1}), "
+                             f"got {bad[:5]}")
+        bad = self._outside_vocabulary(params.logit_bias)
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
+                             f"{self.vocab_size - 1}), got {bad[:5]}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"SamplingParams.logprobs must be at most the vocabulary's {self.vocab_size} tokens, "
+                             f"got {params.logprobs}")
+
+
+def final_only(params: SamplingParams | None) -> SamplingParams | GenerationConfig | None:
+    """``params`` asking for one output per request, when it finishes (what `run` collects)."""
+    if isinstance(params, SamplingParams):
+        return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+    return params

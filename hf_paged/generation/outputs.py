@@ -1,0 +1,85 @@
+"""What a request hands back: `RequestOutput` with one `CompletionOutput` per sample, cumulative, as deltas, or only
+once finished (`RequestOutputKind`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a request carries (vLLM's names).
+
+    ``CUMULATIVE``: everything generated so far (copies grow with the output). ``DELTA``: only what the step added,
+    so a step's work never grows with the length generated before (merge with `RequestOutput.add`).
+    ``FINAL_ONLY``: one output, when the request finishes.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (or, with ``DELTA``, what it added since its last output)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, later: "CompletionOutput") -> None:
+        """Append a later delta of the same sample."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.cumulative_logprob = later.cumulative_logprob
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_output_tokens: int = 0  # of the longest sample
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt, its outputs (see `RequestOutputKind`), and whether it has finished.
+
+    ``prompt_token_ids`` is the request's own list, shared and not copied: do not change it. ``error`` is set when
+    the request was refused (``outputs`` empty; e.g. a prompt longer than the model's context) or failed while
+    running; the other requests are unaffected.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    def add(self, later: "RequestOutput") -> None:
+        """Merge a later ``DELTA`` output of the same request into this one."""
+        mine = {output.index: output for output in self.outputs}
+        for output in later.outputs:
+            if output.index in mine:
+                mine[output.index].add(output)
+            else:
+                self.outputs.append(output)
+        self.outputs.sort(key=lambda output: output.index)
+        self.finished, self.metrics, self.error = later.finished, later.metrics, later.error
+        self.num_cached_tokens = later.num_cached_tokens

@@ -1,0 +1,80 @@
+"""What a step hands back: deltas whose size does not grow with the output, and a server stream that holds at most
+one pending output per request however slowly its client reads."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_paged import ContinuousBatchGenerator, RequestOutputKind, SamplingParams
+
+LONG = 4000
+
+
+@pytest.fixture(scope="module")
+def long_generator(smollm2):
+    """A tiny random Llama with room for a 4,000-token answer, behind SmolLM2's tokenizer."""
+    _, tokenizer = smollm2
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=LONG + 64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    return ContinuousBatchGenerator(model, tokenizer, num_blocks=(LONG + 64) // 16 + 2, prepack_weights=False)
+
+
+def copied_per_step(generator, kind: RequestOutputKind, max_tokens: int) -> list[int]:
+    """Token ids plus logprob entries that each step's output carries for one long request."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1, output_kind=kind)
+    generator.add_request([5, 6, 7], params)
+    copied = []
+    while generator.has_unfinished_requests():
+        for output in generator.step():
+            copied.append(sum(len(o.token_ids) + len(o.logprobs) for o in output.outputs))
+    return copied
+
+
+def test_delta_outputs_copy_the_same_amount_every_step(long_generator):
+    delta = copied_per_step(long_generator, RequestOutputKind.DELTA, 600)
+    assert len(delta) == 600 and max(delta) == 2  # one token and its logprobs, at step 1 as at step 600
+    cumulative = copied_per_step(long_generator, RequestOutputKind.CUMULATIVE, 600)
+    assert cumulative[-1] == 2 * 600  # what a cumulative output copies grows with the answer
+    final = copied_per_step(long_generator, RequestOutputKind.FINAL_ONLY, 600)
+    assert final == [2 * 600]
+
+
+def test_deltas_add_up_to_the_cumulative_output(long_generator):
+    params = dict(temperature=0.8, seed=3, max_tokens=40, n=2, logprobs=2, stop=["e"])
+    deltas = list(long_generator.stream([[9, 10, 11]], SamplingParams(**params, output_kind=RequestOutputKind.DELTA)))
+    (whole,) = long_generator.run([[9, 10, 11]], SamplingParams(**params), use_tqdm=False)
+    merged = deltas[0]
+    for later in deltas[1:]:
+        merged.add(later)
+    assert merged.finished and [(o.text, o.token_ids, o.logprobs, o.finish_reason) for o in merged.outputs] == [
+        (o.text, o.token_ids, o.logprobs, o.finish_reason) for o in whole.outputs]
+
+
+def test_a_stream_nobody_reads_holds_one_pending_output(long_generator):
+    """A 4,000-token answer whose client never reads: the server's stream keeps one merged output, not 4,000."""
+    from hf_paged.server import create_app
+
+    app = create_app(long_generator, "tiny")
+    engine = app.state.engine
+    params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def submit_and_never_read():
+        stream = engine.submit([[5, 6, 7]], params, ["slow-reader"])
+        most_pending = 0
+        while long_generator.has_unfinished_requests():
+            await asyncio.sleep(0.05)
+            most_pending = max(most_pending, len(stream.undelivered))
+        await asyncio.sleep(0.1)  # the last delivery
+        return stream, most_pending
+
+    try:
+        stream, most_pending = asyncio.run(submit_and_never_read())
+    finally:
+        engine.stop()
+    (pending,) = stream.undelivered.values()
+    assert most_pending == 1 and pending.finished and len(pending.outputs[0].token_ids) == LONG
+    assert long_generator.kv.pool.num_used_blocks == 0

@@ -1,0 +1,211 @@
+"""The Scheduler without a model: a fake runner feeds it sampled tokens, failures and aborts (as vLLM tests its own)."""
+
+import pytest
+
+from hf_paged.cache import BlockPool, KVCacheManager
+from hf_paged.generation import EngineConfig, RequestOutputKind, SamplingParams
+from hf_paged.generation.detokenizer import Detokenizer
+from hf_paged.generation.sampler import SamplerOutput
+from hf_paged.generation.scheduler import Scheduler
+from hf_paged.generation.sequence import Request, SequenceStatus
+from hf_paged.generation.stopping import Stop, check_stop
+
+EOS = 2
+
+
+class FakeTokenizer:
+    """Token ``t`` reads as ``"<t>"``; token 99 cannot be decoded."""
+
+    all_special_ids = [EOS]
+
+    def decode(self, ids, skip_special_tokens=True):
+        if 99 in ids:
+            raise UnicodeDecodeError("fake", b"", 0, 1, "token 99 cannot be decoded")
+        return "".join(f"<{t}>" for t in ids if not (skip_special_tokens and t == EOS))
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **options):
+    kv = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=True)
+    return Scheduler(EngineConfig(block_size=block_size, **options), kv, Detokenizer(FakeTokenizer()), max_model_len)
+
+
+def make_request(name, prompt, **params):
+    params.setdefault("max_tokens", 4)
+    params.setdefault("temperature", 0)
+    return Request(name, None, list(prompt), SamplingParams(**params), seed=0, eos_token_ids=frozenset({EOS}))
+
+
+def step(scheduler, next_token=lambda seq, k: 10 + seq.num_output_tokens + 100 * k):
+    """Schedule, 'run' and update one step; ``next_token(seq, k)`` plays the model and sampler."""
+    out = scheduler.schedule()
+    sampled = SamplerOutput([next_token(seq, k) for seq, k in out.draws]) if out.draws else None
+    return out, scheduler.update(out, sampled)
+
+
+def run_to_end(scheduler, requests, max_steps=200, **kwargs):
+    for request in requests:
+        scheduler.add(request)
+    for _ in range(max_steps):
+        if not scheduler.has_work():
+            return
+        step(scheduler, **kwargs)
+    raise AssertionError("the scheduler did not finish")
+
+
+def assert_no_leak(scheduler):
+    assert not scheduler.has_work()
+    assert scheduler.kv.pool.num_used_blocks == 0 and not scheduler.kv.tables
+
+
+def test_chunked_prefill_computes_a_long_prompt_over_several_steps_and_samples_once():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    request = make_request("a", range(3, 23), max_tokens=2)
+    scheduler.add(request)
+    chunks = []
+    for _ in range(3):
+        out, _ = step(scheduler)
+        chunks.append((out.num_tokens, len(out.draws)))
+    assert chunks == [([8], 0), ([8], 0), ([4], 1)]
+    assert scheduler.num_partial_prefills == 2
+    step(scheduler)
+    assert request.seqs[0].output_token_ids == [10, 11] and request.is_finished
+    assert_no_leak(scheduler)
+
+
+def test_decodes_come_first_and_the_budget_is_shared():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    first, second = make_request("a", range(3, 9)), make_request("b", range(30, 42))
+    scheduler.add(first)
+    step(scheduler)  # a's prompt
+    scheduler.add(second)
+    out, _ = step(scheduler)
+    assert [s.request.request_id for s in out.seqs] == ["a", "b"] and out.num_tokens == [1, 9]
+
+
+def test_prefix_blocks_are_shared_within_a_step_and_after_it():
+    scheduler = make_scheduler()
+    prefix = list(range(3, 19))  # four full blocks of 4
+    a, b = make_request("a", prefix + [40]), make_request("b", prefix + [50])
+    scheduler.add(a)
+    scheduler.add(b)
+    out, _ = step(scheduler)
+    # b matched the blocks a indexed when it was scheduled: one token left, so it runs first, as decodes do
+    assert [(s.request.request_id, n) for s, n in zip(out.seqs, out.num_tokens)] == [("b", 1), ("a", 17)]
+    assert scheduler.kv.block_table(a.seqs[0].seq_id)[:4] == scheduler.kv.block_table(b.seqs[0].seq_id)[:4]
+    run_to_end(scheduler, [])
+    c = make_request("c", prefix + [60])
+    scheduler.add(c)
+    out, _ = step(scheduler)
+    assert out.num_tokens == [1] and c.num_cached_tokens == 16
+    run_to_end(scheduler, [])
+    assert_no_leak(scheduler)
+
+
+def test_running_out_of_blocks_preempts_the_newest_which_is_recomputed():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    scheduler.kv.enable_prefix_caching = False
+    a, b = make_request("a", range(3, 10), max_tokens=12), make_request("b", range(20, 27), max_tokens=12)
+    run_to_end(scheduler, [a, b])
+    assert scheduler.num_preemptions >= 1
+    expected = [10 + i for i in range(12)]
+    assert a.seqs[0].output_token_ids == expected and b.seqs[0].output_token_ids == expected
+    assert_no_leak(scheduler)
+
+
+def test_n_samples_share_the_prompt_then_diverge():
+    scheduler = make_scheduler()
+    request = make_request("a", range(3, 9), n=3, max_tokens=3)
+    scheduler.add(request)
+    out, _ = step(scheduler)
+    assert [k for _, k in out.draws] == [0, 1, 2] and out.draw_rows == [0, 0, 0]
+    assert len(request.seqs) == 3 and len(scheduler.running) == 3
+    tables = [scheduler.kv.block_table(s.seq_id) for s in request.seqs]
+    assert tables[0] == tables[1] == tables[2]
+    run_to_end(scheduler, [])
+    assert sorted(s.output_token_ids[0] for s in request.seqs) == [10, 110, 210] and request.is_finished
+    assert_no_leak(scheduler)
+
+
+def test_aborting_a_preempted_or_forked_request_frees_everything():
+    scheduler = make_scheduler(num_blocks=6, enable_prefix_caching=False)
+    a, b = make_request("a", range(3, 10), max_tokens=12), make_request("b", range(20, 27), max_tokens=12)
+    scheduler.add(a)
+    scheduler.add(b)
+    while not scheduler.num_preemptions:
+        step(scheduler)
+    preempted = next(r for r in (a, b) if r.seqs[0].status is SequenceStatus.WAITING)
+    scheduler.abort(preempted)
+    assert preempted.seqs[0].finish_reason == "abort" and preempted.is_finished
+    forked = make_request("c", range(40, 45), n=2, max_tokens=8)
+    scheduler.add(forked)
+    while len(forked.seqs) < 2:
+        step(scheduler)
+    scheduler.abort(forked)
+    assert all(s.finish_reason == "abort" for s in forked.seqs)
+    run_to_end(scheduler, [])
+    assert_no_leak(scheduler)
+
+
+def test_a_failed_step_is_rolled_back_and_recomputed():
+    scheduler = make_scheduler()
+    prefix = list(range(3, 19))
+    a, b = make_request("a", prefix + [40]), make_request("b", prefix + [50])
+    scheduler.add(a)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    scheduler.rollback(out)  # the forward raised
+    assert [s.status for s in (a.seqs[0], b.seqs[0])] == [SequenceStatus.WAITING] * 2
+    assert scheduler.kv.pool.num_cached_blocks == 0 and scheduler.kv.pool.num_used_blocks == 0
+    assert a.num_cached_tokens == b.num_cached_tokens == 0
+    out, _ = step(scheduler)
+    assert [(s.request.request_id, n) for s, n in zip(out.seqs, out.num_tokens)] == [("b", 1), ("a", 17)]
+    run_to_end(scheduler, [])
+    assert a.seqs[0].output_token_ids == b.seqs[0].output_token_ids == [10, 11, 12, 13]
+    assert_no_leak(scheduler)
+
+
+def test_a_token_that_cannot_be_appended_fails_only_its_request():
+    scheduler = make_scheduler()
+    good, bad = make_request("good", range(3, 9)), make_request("bad", range(20, 26))
+    run_to_end(scheduler, [good, bad], next_token=lambda seq, k: 99 if seq.request is bad else 10)
+    assert bad.error is not None and "cannot be decoded" in bad.error and bad.seqs[0].finish_reason == "abort"
+    assert good.error is None and good.seqs[0].output_token_ids == [10] * 4
+    assert_no_leak(scheduler)
+
+
+def test_delta_outputs_carry_only_the_step_and_hold_back_a_possible_stop_string():
+    scheduler = make_scheduler()
+    request = make_request("a", range(3, 9), max_tokens=40, output_kind=RequestOutputKind.DELTA, stop=["<15><1"])
+    scheduler.add(request)
+    deltas = []
+    for _ in range(40):
+        _, changed = step(scheduler)
+        deltas += [o for o in (r.output() for r in changed) if o is not None]
+        if request.is_finished:
+            break
+    assert all(len(o.outputs[0].token_ids) <= 1 for o in deltas)
+    text = "".join(o.outputs[0].text for o in deltas)
+    assert text == "<10><11><12><13><14>" and deltas[-1].outputs[0].stop_reason == "<15><1"
+    # Nothing handed back was later cut: every delta's text is a piece of the final text, in order.
+    assert all(o.finished == (i == len(deltas) - 1) for i, o in enumerate(deltas))
+    merged = deltas[0]
+    for later in deltas[1:]:
+        merged.add(later)
+    assert merged.outputs[0].text == text and merged.outputs[0].token_ids == list(range(10, 17))
+
+
+@pytest.mark.parametrize(
+    "token, produced, total, params, expected",
+    [
+        (EOS, 1, 10, dict(), Stop("stop")),
+        (EOS, 1, 10, dict(min_tokens=2), None),
+        (EOS, 3, 10, dict(ignore_eos=True), None),
+        (7, 1, 10, dict(stop_token_ids=[7]), Stop("stop", 7)),
+        (8, 4, 10, dict(max_tokens=4), Stop("length")),
+        (8, 1, 32, dict(max_tokens=None), Stop("length")),  # the context is full
+    ],
+)
+def test_check_stop_is_a_pure_function_of_its_inputs(token, produced, total, params, expected):
+    params = SamplingParams(**params)
+    stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {EOS})
+    assert check_stop(token, produced, total, "", 0, params, stop_ids, max_model_len=32) == expected
