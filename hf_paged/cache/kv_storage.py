@@ -21,21 +21,26 @@ def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
     return sorted(set(types) - set(PAGED_LAYER_TYPES))
 
 
-def local_kv_heads(model: torch.nn.Module, head_dim: int) -> int | None:
-    """The KV heads the first attention layer's ``k_proj`` computes on this rank, for a tensor-parallel model; None
-    for a model held whole by one process (its config is right)."""
-    if (getattr(model, "_tp_size", None) or 1) <= 1:
+def local_kv_heads(model: torch.nn.Module, spec: "KVCacheSpec") -> int | None:
+    """The KV heads this rank's attention layers see, for a tensor-parallel model: counted from the first ``k_proj``
+    this rank holds, else what Transformers' plan gives each rank (fused projections); None for a model held whole by
+    one process (its config is right)."""
+    tp_size = getattr(model, "_tp_size", None) or 1
+    if tp_size <= 1:
         return None
     for module in model.modules():
         k_proj = getattr(module, "k_proj", None)
         if isinstance(k_proj, torch.nn.Linear):
             weight = k_proj.weight
             rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
-            return rows // getattr(module, "head_dim", head_dim)
-    raise NotImplementedError(
-        f"{type(model).__name__} is tensor-parallel but has no `k_proj` layer to count its local KV heads from; "
-        "the paged backend supports tensor parallelism for attention with separate q/k/v projections"
-    )
+            return rows // getattr(module, "head_dim", spec.head_dim)
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    heads = get_kv_heads_per_rank(model.tp_plan, spec.num_kv_heads, tp_size)
+    if heads is None:
+        raise NotImplementedError(f"{type(model).__name__}'s {spec.num_kv_heads} KV heads do not split over "
+                                  f"{tp_size} ranks")
+    return heads
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ class KVCacheSpec:
         """The spec of ``model``'s cache on this rank: under tensor parallelism its attention layers see only their
         local KV heads, counted from the key projection this rank holds (not from the config)."""
         spec = cls.from_config(model.config)
-        local = local_kv_heads(model, spec.head_dim)
+        local = local_kv_heads(model, spec)
         return spec if local is None else replace(spec, num_kv_heads=local)
 
     @property
