@@ -56,7 +56,7 @@ def rank() -> int:
 
 
 def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the group torchrun (or `hf_paged.launch`) described in the environment: NCCL on GPU, gloo on CPU."""
+    """Join the group that torchrun (or `launch`) described in the environment: NCCL on GPU, gloo on CPU."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -171,9 +171,9 @@ def _parse_cpus(text: str) -> list[int]:
 
 
 def cpu_share(local_rank: int, local_world: int, bind: str | None = None) -> list[int]:
-    """The cores of this rank: ``bind`` is ``"auto"`` (the allowed cores split in equal runs) or one list per local
-    rank separated by ``|`` (``"0-3|4-7"``, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND``); without it, the first
-    ``1/local_world`` of the allowed cores' count (unbound)."""
+    """The cores of local rank ``local_rank``: its run of ``1/local_world`` of the allowed cores, or with ``bind``
+    naming one list per local rank, separated by ``|`` (``"0-3|4-7"``, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND``),
+    its list."""
     allowed = sorted(os.sched_getaffinity(0))
     if bind and bind != "auto":
         lists = bind.split("|")

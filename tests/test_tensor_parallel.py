@@ -179,3 +179,21 @@ def test_two_node_server_answers_openai_then_ends_when_a_rank_dies(text_model):
             if node.poll() is None:
                 node.kill()
                 node.communicate()
+
+
+def test_cpu_shares_and_head_layouts():
+    from transformers import AutoConfig
+
+    from hf_paged.distributed import cpu_share, kv_heads_need_replication
+
+    assert cpu_share(1, 2, "0-3|4,6") == [4, 6]
+    assert cpu_share(0, 2, "0-3|4-7") == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="names 1 core lists for 2 local ranks"):
+        cpu_share(0, 2, "0-3")
+    assert len(cpu_share(0, 1, "auto")) == len(os.sched_getaffinity(0))
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=1, hidden_size=64)
+    assert kv_heads_need_replication(config, 2) and not kv_heads_need_replication(config, 1)
+    smollm2 = AutoConfig.for_model("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert not kv_heads_need_replication(smollm2, 3)
+    with pytest.raises(ValueError, match="the 9 query heads to split evenly"):
+        kv_heads_need_replication(smollm2, 2)
