@@ -4,6 +4,8 @@
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1 --clients 64 --max-tokens 128
     # start `hf-paged serve` here, load it, then run the same requests offline for the HTTP/offline ratio
     python benchmarks/serve_load.py --start-server --offline --clients 64 --json results.json
+    # the same load on `hf-paged serve-ray` with 2 replicas on a local Ray
+    python benchmarks/serve_load.py --start-server --ray-replicas 2 --clients 64
 
 Each client sends one request (``--requests`` to send more, ``--clients`` at a time). Prints completion tokens/s,
 TTFT p50/p99 (first content token, seen by the client), wall time and failures. ``--offline`` runs the same
@@ -179,7 +181,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "hf_paged.cli", "serve", *engine_argv(args), "--port", str(port),
+    serve = ["serve-ray", "--num-replicas", str(args.ray_replicas)] if args.ray_replicas else ["serve"]
+    command = [sys.executable, "-m", "hf_paged.cli", *serve, *engine_argv(args), "--port", str(port),
                "--log-level", "warning"]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests in all (default: one per client)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default: 128)")
     parser.add_argument("--start-server", action="store_true", help="run `hf-paged serve` on a free port and load it")
+    parser.add_argument("--ray-replicas", type=int, default=0, metavar="N",
+                        help="with --start-server, run `hf-paged serve-ray --num-replicas N` on a local Ray instead")
     parser.add_argument("--offline", action="store_true",
                         help="also run the same requests offline in this process, and print the HTTP/offline ratio")
     parser.add_argument("--model", default=None,
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if process is not None:
             process.terminate()
-            process.wait(30)
+            process.wait(60)
     http.show()
     report["http"] = asdict(http)
     if args.offline:

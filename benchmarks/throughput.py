@@ -18,16 +18,23 @@ requests/s, time to first token and time per output token (p50/p99), peak RSS; t
 agreement between engines, KV-cache slots allocated but unused at peak, and ours' decode speed per batch size against
 the bare-forward ceiling ("engine efficiency").
 
+``--structured json`` measures something else, in one process on ours only: the same requests (a mix of the test
+suite's JSON schemas, each as an array of ``--structured-items`` items so that decoding outweighs the prompt,
+temperature 1) with their constraint and without it (the same prompts, seeds and output lengths, ``ignore_eos``), in
+interleaved rounds; then grammar compile time per schema, first and cached.
+
 Usage:
     python benchmarks/throughput.py                      # 64 requests, prompts 16-512, outputs 16-256 tokens
     python benchmarks/throughput.py --smoke --json out.json
     python benchmarks/throughput.py --engines ours,ceiling --num-requests 16 --shared-prefix 256
+    python benchmarks/throughput.py --structured json --num-requests 32
     python benchmarks/throughput.py --engines ours --tensor-parallel-size 2 --threads 1   # two ranks, a core each
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -110,6 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--json", default=None, help="also write the report to this JSON file")
     add("--compare-with", default=None,
         help="a --json report of an earlier run on the same workload (e.g. fp32): per-engine ratio and token agreement")
+    add("--structured", choices=("json",), default=None,
+        help="constrained decoding instead of the engine comparison: --num-requests JSON-schema requests at once, "
+             "constrained against unconstrained, and grammar compile times (--rounds rounds, ours only)")
+    add("--structured-items", type=int, default=4, help="--structured: each schema is an array of this many items")
+    add("--rounds", type=int, default=3, help="--structured: interleaved rounds of each variant (best is reported)")
     add("--smoke", action="store_true",
         help="tiny workload for CI (default flags become: 6 requests, prompts 8-32, outputs 4-12, static batch 4, "
              "2048 KV tokens, 1 thread)")
@@ -699,6 +711,136 @@ def print_report(report: dict) -> None:
         print(f"  mixed prefill steps: {eff['prefill_step_share']:.0%} of ours' step time (not in the efficiency)")
 
 
+# ------------------------------------------------------------------------------------------ structured outputs
+STRUCTURED_PROMPT = [{"role": "user", "content": "Reply with a JSON example."}]
+
+
+def time_compiles(generator, schemas: list[dict]) -> dict:
+    """Seconds to compile each schema on the generator's grammar compiler: first time, then from its cache."""
+    from hf_paged import StructuredOutputsParams
+
+    start = time.perf_counter()
+    generator.grammars.compile(StructuredOutputsParams(regex="warm-up")).result()  # reads the vocabulary once
+    setup, first, cached = time.perf_counter() - start, [], []
+    for schema in schemas:
+        for times in (first, cached):
+            start = time.perf_counter()
+            generator.grammars.compile(StructuredOutputsParams(json=schema)).result()
+            times.append(time.perf_counter() - start)
+    return dict(vocabulary_setup_s=setup, first_p50_s=percentile(first, 50), first_max_s=max(first),
+                cached_p50_s=percentile(cached, 50), cached_max_s=max(cached))
+
+
+def array_of(schema: dict, items: int) -> dict:
+    """An array of exactly ``items`` values of ``schema`` (its ``$defs`` moved to the root, where refs point)."""
+    inner = {k: v for k, v in schema.items() if k != "$defs"}
+    defs = {"$defs": schema["$defs"]} if "$defs" in schema else {}
+    return {"type": "array", "items": inner, "minItems": items, "maxItems": items, **defs}
+
+
+class GrammarClock:
+    """Times the structured-output work of the engine (bitmask filling, masking, matchers accepting tokens) while
+    ``counting``: its share of a run's time is the overhead, measured in the same moments as the run, which a shared
+    machine's drift between runs cannot blur."""
+
+    def __init__(self):
+        from hf_paged.generation import sampler
+        from hf_paged.generation.structured_outputs import GrammarMatcher
+
+        self.seconds, self.on = 0.0, False
+        for owner, name in ((sampler, "fill_bitmask"), (sampler, "apply_bitmask"), (GrammarMatcher, "advance")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += (time.perf_counter() - start) if self.on else 0.0
+
+        return timed
+
+    @contextlib.contextmanager
+    def counting(self, on: bool):
+        self.on = on
+        try:
+            yield
+        finally:
+            self.on = False
+
+
+def timed_run(generator, prompts, params) -> tuple[float, list]:
+    start = time.perf_counter()
+    outputs = generator.run(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def run_structured(args) -> dict:
+    """--structured json: the same requests with and without their JSON-schema constraint, on one generator."""
+    import torch
+
+    from hf_paged import SamplingParams, StructuredOutputsParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from structured_schemas import SCHEMAS
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, args.dtype, "paged", args.round_weights)
+    generator = make_generator(args, model, tokenizer)
+    compile_times = time_compiles(generator, SCHEMAS)  # before the run's schemas: none of them is cached yet
+    schemas = [array_of(SCHEMAS[i % len(SCHEMAS)], args.structured_items) for i in range(args.num_requests)]
+    prompts = [STRUCTURED_PROMPT] * len(schemas)
+    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_output,
+                                  structured_outputs=StructuredOutputsParams(json=schema))
+                   for i, schema in enumerate(schemas)]
+    generator.run(prompts[:4], constrained[:4], use_tqdm=False)  # warm-up
+    _, outputs = timed_run(generator, prompts, constrained)
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests refused, e.g. {errors[0]}")
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    valid = sum(o.outputs[0].finish_reason == "stop" and _parses(o.outputs[0].text) for o in outputs)
+    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
+    seconds, grammar_clock = dict(free=[], constrained=[]), GrammarClock()
+    for _ in range(args.rounds):
+        for name, params in (("free", free), ("constrained", constrained)):
+            with grammar_clock.counting(name == "constrained"):
+                wall, outputs = timed_run(generator, prompts, params)
+            if [len(o.outputs[0].token_ids) for o in outputs] != lengths:
+                raise RuntimeError(f"the {name} run produced other output lengths than the first constrained run")
+            seconds[name].append(wall)
+    tok_s = {name: sum(lengths) / min(walls) for name, walls in seconds.items()}
+    return dict(settings={k: v for k, v in vars(args).items() if not k.startswith("worker")},
+                grammar_share=grammar_clock.seconds / sum(seconds["constrained"]),
+                num_requests=len(schemas), output_tokens=sum(lengths), valid_json=valid / len(schemas),
+                seconds=seconds, output_tok_s=tok_s, ratio=tok_s["constrained"] / tok_s["free"],
+                compile=compile_times, num_schemas=len(SCHEMAS))
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def print_structured(report: dict) -> None:
+    c = report["compile"]
+    print(f"\n{report['num_requests']} JSON-schema requests at once ({report['num_schemas']} schemas), "
+          f"{report['output_tokens']} output tokens; {report['valid_json']:.0%} ended as valid JSON")
+    for name, tok_s in report["output_tok_s"].items():
+        rounds = ", ".join(f"{s:.2f}" for s in report["seconds"][name])
+        print(f"{name:<12} {tok_s:8.1f} output tok/s (best of rounds: {rounds} s)")
+    print(f"ratio constrained/free: {report['ratio']:.1%}; bitmask filling, masking and matcher updates took "
+          f"{report['grammar_share']:.1%} of the constrained runs' time")
+    print(f"grammar compile per schema: first p50 {c['first_p50_s'] * 1000:.1f} ms (max {c['first_max_s'] * 1000:.1f}),"
+          f" cached p50 {c['cached_p50_s'] * 1e6:.0f} us (max {c['cached_max_s'] * 1e6:.0f}); importing xgrammar and "
+          f"reading the vocabulary {c['vocabulary_setup_s'] * 1000:.0f} ms once")
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
@@ -710,6 +852,12 @@ def main(argv=None) -> dict | None:
     from hf_paged.default_model import resolve_model
 
     args.model = resolve_model(args.model)
+    if args.structured:
+        report = run_structured(args)
+        print_structured(report)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return report
     workload = make_workload(args, AutoTokenizer.from_pretrained(args.model))
     earlier = json.loads(Path(args.compare_with).read_text()) if args.compare_with else None
     if earlier is not None and earlier["workload"] != workload_summary(workload):

@@ -1,6 +1,7 @@
 """``hf-paged``: serve a model over an OpenAI-compatible HTTP API, or generate from the command line.
 
     hf-paged serve [MODEL] [--port 8000] [--api-key KEY] ...
+    hf-paged serve-ray [MODEL] [--num-replicas 2] [--address ray://...] ...   (needs the ``ray`` extra)
     hf-paged generate [MODEL] "prompt" [--max-tokens 128] ...
 
 MODEL is a local model directory; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is downloaded.
@@ -45,30 +46,62 @@ def _engine_options() -> argparse.ArgumentParser:
     return parser
 
 
+def _http_options() -> argparse.ArgumentParser:
+    """Options of the commands that serve over HTTP."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
+                             "default model's name)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="server log level (default: info)")
+    return parser
+
+
+def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
+    serve_ray = commands.add_parser(
+        "serve-ray", parents=parents, help="serve the model from N replicas on Ray Serve",
+        description="Serve MODEL as `serve` does, from replicas on a Ray cluster (a local one by default): each "
+                    "request goes to the replica whose prefix cache most likely holds its prompt. MODEL must be at "
+                    "the same path on every node. /metrics shows every replica's metrics.")
+    ray = serve_ray.add_argument_group("replicas")
+    ray.add_argument("--num-replicas", type=int, default=None,
+                     help="replicas to run, or to start with when autoscaling (default: 1, or --min-replicas)")
+    ray.add_argument("--min-replicas", type=int, default=None,
+                     help="autoscale: fewest replicas (with --max-replicas)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="autoscale: most replicas, scaling on requests in flight (with --min-replicas)")
+    ray.add_argument("--target-ongoing-requests", type=int, default=32,
+                     help="autoscale: requests in flight per replica to aim at (default: 32)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, default=None,
+                     help="GPUs each replica reserves (default: 1 if this machine has a CUDA GPU, else 0)")
+    ray.add_argument("--no-prefix-routing", action="store_true",
+                     help="route every request to the less loaded of two random replicas, ignoring prefix caches")
+    ray.add_argument("--address", default=None,
+                     help="Ray cluster to deploy on, e.g. auto or ray://head:10001 (default: start a local Ray)")
+    serve_ray.set_defaults(run=run_serve_ray, command_parser=serve_ray)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-paged`` argument parser with its ``serve`` and ``generate`` commands."""
     parser = argparse.ArgumentParser(
         prog="hf-paged",
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
-    engine = _engine_options()
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate}")
+    engine, http = _engine_options(), _http_options()
 
-    serve = commands.add_parser("serve", parents=[engine], help="serve the model over an OpenAI-compatible API",
+    serve = commands.add_parser("serve", parents=[engine, http], help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
-                            "default model's name)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
                             "(default: 5)")
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                       help="server log level (default: info)")
+    _add_serve_ray(commands, [engine, http])
 
     generate = commands.add_parser("generate", parents=[engine], help="generate from one prompt, streamed to stdout",
                                    description="Generate a continuation of PROMPT and stream it to stdout.")
@@ -127,6 +160,30 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.shutdown_timeout)
     generator.stop_workers()
+    return 0
+
+
+def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``hf-paged serve-ray``: deploy on Ray Serve and serve until interrupted."""
+    try:
+        from .serve_ray import ReplicaSpec, ServeRayConfig, serve_forever
+    except ImportError as err:
+        parser.error(f"serve-ray needs Ray Serve: pip install 'hf-paged[ray]' ({err})")
+    import torch
+
+    from .default_model import DEFAULT_MODEL_NAME, resolve_model
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
+    try:
+        spec = ReplicaSpec(resolve_model(args.model), args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+                           args.dtype, args.api_key, EngineConfig.from_cli_args(args))
+        config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
+                                args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
+                                prefix_affinity=not args.no_prefix_routing)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    serve_forever(config, args.address, args.host, args.port)
     return 0
 
 

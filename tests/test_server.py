@@ -265,9 +265,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
 
 
 @pytest.mark.parametrize("extra", [
-    {"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"tool_choice": "required"}, {"best_of": 3}, {"guided_regex": "[0-9]+"}, {"use_beam_search": True},
-    {"add_generation_prompt": False},
+    {"functions": [{"name": "f"}]}, {"best_of": 3}, {"use_beam_search": True}, {"add_generation_prompt": False},
 ], ids=lambda extra: next(iter(extra)))
 def test_unsupported_fields_are_refused_by_name(server, extra):
     name = next(iter(extra))

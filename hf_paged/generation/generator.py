@@ -27,6 +27,7 @@ from .sampler import build_sampling_batch, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
+from .structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_MEMORY = 2 << 30
@@ -77,8 +78,10 @@ class ContinuousBatchGenerator:
                   getattr(text_config, "max_position_embeddings", None)]
         self.max_model_len = min(limit for limit in limits if limit is not None)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        eos_token_ids = self._eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
-                                     self._eos_token_ids(model, tokenizer))
+                                     eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(config, self.kv, Detokenizer(tokenizer), self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, self.kv)
         self.requests: dict[str, Request] = {}
@@ -144,6 +147,8 @@ class ContinuousBatchGenerator:
         """Queue a request; it joins the batch at the next step. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params)
+        if request.params.structured_outputs is not None:  # compiles on another thread; the request waits for it
+            request.grammar = self.grammars.compile(request.params.structured_outputs)
         with self._ids_lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -185,6 +190,8 @@ class ContinuousBatchGenerator:
         """Run one engine step; returns the outputs of the requests that changed (new tokens, finished, aborted), as
         each request's ``output_kind`` asks."""
         changed = self._drain_inbox()
+        if self.scheduler.compiling:
+            changed += self.scheduler.admit_compiled()
         out = self.scheduler.schedule() if self.scheduler.has_work() else None
         if out is not None and out.seqs:
             now = time.monotonic()

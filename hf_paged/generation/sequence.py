@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -45,6 +46,7 @@ class Sequence:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.sent_finish = False
+        self.matcher = None  # a structured_outputs.GrammarMatcher over the output, for a constrained request
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +75,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
+        child.matcher = self.matcher.fork() if self.matcher is not None else None
         self.request.seqs.append(child)
         return child
 
@@ -121,6 +124,7 @@ class Request:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    grammar: Future | None = None  # the compiled constraint of structured outputs (compiling, then compiled)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

@@ -11,9 +11,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 * ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
 * ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
 * A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``echo``,
-  ``suffix``, ``best_of`` above ``n``, a ``response_format`` other than text, ``tools``, guided decoding, beam
-  search, ...; see ``protocol._UNSUPPORTED``) is a 400 naming it; a field that is not known at all is ignored, as
-  vLLM does.
+  ``suffix``, ``best_of`` above ``n``, beam search, ``tools`` on ``/v1/completions``, ...; see
+  ``protocol._UNSUPPORTED``) is a 400 naming it; a field that is not known at all is ignored, as vLLM does.
+* ``response_format``, ``structured_outputs`` (and ``guided_*``) and ``tools`` with ``tool_choice`` are served by
+  constrained decoding (see ``tool_calls.py`` for the tool-call format). The grammar is compiled before the request
+  is queued, so an invalid schema, regex or grammar is a 400 naming the field that carried it.
 * With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter or body
   (FastAPI's 422 included), 401 for a missing or wrong key, 404 for an unknown model, 500 when the engine failed.
@@ -26,6 +28,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -52,10 +55,12 @@ from .protocol import (
     CompletionFormat,
     CompletionRequest,
     GenerationRequest,
+    ToolChatFormat,
     error_body,
     token_decoder,
     usage,
 )
+from .tool_calls import render_prompt
 
 
 class APIError(Exception):
@@ -70,6 +75,8 @@ class APIError(Exception):
 def _bad_request(err: Exception, param: str | None) -> APIError:
     """A 400 for a ValueError, naming the SamplingParams field it came from when there is one."""
     message = str(err)
+    if getattr(err, "param", None) is not None:  # a protocol.RequestFieldError
+        return APIError(400, message, param=err.param)
     field = re.match(r"SamplingParams\.(\w+) ", message)
     if field:
         param, message = field.group(1), message[len("SamplingParams."):]
@@ -116,6 +123,15 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             raise APIError(400, f"{field} is not supported by this server", param=field)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    async def compile_constraint(body: GenerationRequest) -> None:
+        """Compile the request's structured-output grammar (off the loop) so that an invalid one is a 400."""
+        constraint = body.constraint()
+        if constraint is not None:
+            try:
+                await asyncio.wrap_future(generator.grammars.compile(constraint.spec))
+            except ValueError as err:
+                raise _bad_request(constraint.error(err), constraint.param) from err
 
     async def serve(body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
                     prefix: str, prompt_param: str, request: Request) -> Response:
@@ -179,6 +195,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             params = body.to_sampling_params()
         except ValueError as err:
             raise _bad_request(err, None) from err
+        await compile_constraint(body)
         fmt = CompletionFormat(decode, body.logprobs)
         return await serve(body, prompts, fmt, params, "cmpl", "prompt", request)
 
@@ -190,8 +207,21 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             messages = [message.to_template_dict() for message in body.messages]
         except ValueError as err:
             raise _bad_request(err, "messages") from err
-        fmt = ChatFormat(decode, (body.top_logprobs or 0) if body.logprobs else None)
-        return await serve(body, [messages], fmt, params, "chatcmpl", "messages", request)
+        await compile_constraint(body)
+        prompt, fmt = chat_prompt(body, messages, (body.top_logprobs or 0) if body.logprobs else None)
+        return await serve(body, [prompt], fmt, params, "chatcmpl", "messages", request)
+
+    def chat_prompt(body: ChatCompletionRequest, messages: list[dict], top_k: int | None) -> tuple[list, ChatFormat]:
+        """The prompt to submit and the answer's format; tools and earlier tool calls go through `render_prompt`."""
+        if not body.needs_tool_prompt():
+            return messages, ChatFormat(decode, top_k)
+        try:
+            text = render_prompt(generator.tokenizer, messages, body.tools)
+        except (ValueError, TypeError, TemplateError) as err:
+            raise _bad_request(err, "messages") from err
+        parser = body.tool_parser(generator.tokenizer, text)
+        fmt = ToolChatFormat(decode, top_k, parser) if parser is not None else ChatFormat(decode, top_k)
+        return generator.tokenizer(text, add_special_tokens=False).input_ids, fmt
 
     app.include_router(v1)
     return app
