@@ -32,6 +32,12 @@ def _engine_options() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
     EngineConfig.add_cli_arguments(engine)
+    return parser
+
+
+def _parallel_options() -> argparse.ArgumentParser:
+    """Tensor parallelism, for the commands that run one engine (serve, generate)."""
+    parser = argparse.ArgumentParser(add_help=False)
     parallel = parser.add_argument_group("tensor parallelism")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                           help="split the model across N ranks (Transformers' tensor-parallel plan; gloo on CPU, "
@@ -93,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate}")
-    engine, http = _engine_options(), _http_options()
+    engine, http, parallel = _engine_options(), _http_options(), _parallel_options()
 
-    serve = commands.add_parser("serve", parents=[engine, http], help="serve the model over an OpenAI-compatible API",
+    serve = commands.add_parser("serve", parents=[engine, http, parallel], help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -103,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: 5)")
     _add_serve_ray(commands, [engine, http])
 
-    generate = commands.add_parser("generate", parents=[engine], help="generate from one prompt, streamed to stdout",
+    generate = commands.add_parser("generate", parents=[engine, parallel], help="generate from one prompt, streamed to stdout",
                                    description="Generate a continuation of PROMPT and stream it to stdout.")
     generate.add_argument("prompt", help="the prompt (a user message when the chat template is applied)")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
@@ -226,6 +232,8 @@ def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, a
 
     from . import distributed
 
+    if not hasattr(args, "tensor_parallel_size"):  # serve-ray: one process per replica
+        return None
     ranks = int(os.environ.get("WORLD_SIZE", 1))
     size = args.tensor_parallel_size or ranks
     if size < 1:
