@@ -28,6 +28,7 @@ Usage:
     python benchmarks/throughput.py --smoke --json out.json
     python benchmarks/throughput.py --engines ours,ceiling --num-requests 16 --shared-prefix 256
     python benchmarks/throughput.py --structured json --num-requests 32
+    python benchmarks/throughput.py --engines ours --tensor-parallel-size 2 --threads 1   # two ranks, a core each
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--shared-prefix", type=int, default=0, help="prepend the same N-token system prompt to every prompt")
     add("--static-batch-size", type=int, default=32, help="batch size of the static `generate` engine")
     add("--kv-tokens", type=int, default=32768, help="KV-cache capacity in tokens of both continuous engines")
+    add("--kv-cache-memory", default=None,
+        help="ours: KV-cache size in bytes per rank (e.g. 64MiB) instead of --kv-tokens; with --tensor-parallel-size "
+             "each rank holds its own KV heads only, so the same bytes hold more tokens")
+    add("--tensor-parallel-size", type=int, default=1,
+        help="ours: split the model over N ranks (torchrun on this host, gloo on CPU); --threads is per rank")
     add("--block-size", type=int, default=16, help="KV block size of ours")
     add("--max-batch-tokens", type=int, default=512, help="most tokens per step of both continuous engines")
     add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
@@ -128,6 +134,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; choose from {','.join(ENGINES)}")
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be >= 1")
+    if args.kv_cache_memory is not None:
+        from hf_paged.cli import parse_memory
+
+        args.kv_cache_memory = parse_memory(str(args.kv_cache_memory))
     if not (1 <= args.min_prompt <= args.max_prompt and 1 <= args.min_output <= args.max_output):
         parser.error("need 1 <= --min-prompt <= --max-prompt and 1 <= --min-output <= --max-output")
     return args
@@ -358,9 +370,11 @@ def run_hf_cb(args, model, tokenizer, workload: dict) -> dict:
 def make_generator(args, model, tokenizer):
     from hf_paged import ContinuousBatchGenerator, EngineConfig
 
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
-                          prepack_weights=not args.no_prepack_weights, kv_cache_dtype=args.kv_cache_dtype)
+    sized = dict(kv_cache_memory=args.kv_cache_memory) if args.kv_cache_memory else dict(
+        num_blocks=args.kv_tokens // args.block_size)
+    config = EngineConfig(block_size=args.block_size, **sized, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_batch_tokens, prepack_weights=not args.no_prepack_weights,
+                          kv_cache_dtype=args.kv_cache_dtype)
     return ContinuousBatchGenerator(model, tokenizer, config)
 
 
@@ -372,6 +386,9 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
         return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lens]
 
     generator = make_generator(args, model, tokenizer)
+    if not generator.is_driver:  # another tensor-parallel rank: it steps with rank 0 and reports nothing
+        generator.run_worker()
+        return {}
     warm = warmup_workload(vocab_ids(tokenizer))
     generator.run(warm["prompts"], params(warm["output_lens"]), use_tqdm=False)
     recorder = StepRecorder(generator)
@@ -389,7 +406,13 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
     tpot = [per_token_time(m.first_token_time, m.finished_time, len(o.outputs[0].token_ids))
             for m, o in zip(metrics, outputs)]
     stats = generator.stats()
-    return dict(wall_s=wall, tokens=[o.outputs[0].token_ids for o in outputs], steps=recorder.steps,
+    generator.stop_workers()
+    cache = generator.kv_cache
+    kv_rank = dict(num_blocks=cache.num_blocks, tokens=cache.num_blocks * cache.block_size,
+                   num_kv_heads=cache.spec.num_kv_heads,
+                   bytes=sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache)))
+    return dict(wall_s=wall, kv_per_rank=kv_rank, tokens=[o.outputs[0].token_ids for o in outputs],
+                steps=recorder.steps,
                 kv=recorder.kv_report(), num_preemptions=stats.num_preemptions,
                 prefix_cache_hit_tokens=stats.prefix_cache_hits,
                 **latency_summary(ttft, [t for t in tpot if t is not None]))
@@ -438,13 +461,22 @@ def run_worker(args) -> None:
     job = json.loads(Path(in_path).read_text())
     if args.worker == "ours":
         import hf_paged  # noqa: F401  (registers the "paged" attention)
-    model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa",
-                                  args.round_weights)
+    if args.worker == "ours" and args.tensor_parallel_size > 1:
+        from hf_paged.loading import load_model as load_sharded
+
+        model, tokenizer = load_sharded(args.model, args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    else:
+        model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa",
+                                      args.round_weights)
     runners = dict(static=run_static, hf_cb=run_hf_cb, ours=run_ours)
     if args.worker == "ceiling":
         result = run_ceiling(args, model, tokenizer, job["ceiling_batches"])
     else:
         result = runners[args.worker](args, model, tokenizer, job["workload"])
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if os.environ.get("RANK", "0") != "0":
+        return
     result["peak_rss_mb"] = peak_rss_mb()
     Path(out_path).write_text(json.dumps(result))
 
@@ -456,8 +488,14 @@ def spawn_engine(engine: str, argv: list[str], job: dict, timeout: float) -> dic
         in_path.write_text(json.dumps(job))
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", engine,
                "--worker-io", str(in_path), str(out_path)]
+        ranks = int(argv[argv.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in argv else 1
+        env = dict(os.environ)
+        if engine == "ours" and ranks > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
+            if "--threads" in argv:
+                env["OMP_NUM_THREADS"] = argv[argv.index("--threads") + 1]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return dict(error=f"timed out after {timeout:.0f} s")
         if proc.returncode != 0 or not out_path.exists():
@@ -480,6 +518,10 @@ def worker_argv(args) -> list[str]:
         argv += ["--round-weights", args.round_weights]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.kv_cache_memory:
+        argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.smoke:
         argv += ["--smoke"]
     return argv
@@ -609,6 +651,8 @@ def build_report(args, workload: dict, results: dict) -> dict:
     for engine in ("ours", "static"):
         if "kv" in results.get(engine, {}):
             report["kv_memory"][engine] = results[engine]["kv"]
+    if "kv_per_rank" in ours:
+        report["kv_per_rank"] = dict(ours["kv_per_rank"], tensor_parallel_size=args.tensor_parallel_size)
     if "num_preemptions" in ours:
         report["ours_preemptions"] = ours["num_preemptions"]
         report["ours_prefix_cache_hit_tokens"] = ours["prefix_cache_hit_tokens"]
@@ -647,6 +691,10 @@ def print_report(report: dict) -> None:
         print(f"KV at peak ({engine}): {kv['peak_allocated_slots']} slots allocated, {kv['peak_stored_tokens']} tokens "
               f"stored, unused {kv['unused_fraction_of_allocated']:.1%} of allocated"
               + (f", {of_cache:.1%} of the whole cache" if of_cache is not None else ""))
+    if "kv_per_rank" in report:
+        kv = report["kv_per_rank"]
+        print(f"ours KV cache per rank (tensor-parallel size {kv['tensor_parallel_size']}): {kv['num_blocks']} blocks "
+              f"= {kv['tokens']} tokens of {kv['num_kv_heads']} KV heads, {kv['bytes'] / 2**20:.1f} MiB")
     if "ours_preemptions" in report:
         print(f"ours: {report['ours_preemptions']} preemptions, {report['ours_prefix_cache_hit_tokens']} prompt tokens "
               "served from the prefix cache")

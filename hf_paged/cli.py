@@ -36,6 +36,23 @@ def _engine_options() -> argparse.ArgumentParser:
     return parser
 
 
+def _parallel_options() -> argparse.ArgumentParser:
+    """Tensor parallelism, for the commands that run one engine (serve, generate)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parallel = parser.add_argument_group("tensor parallelism")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                          help="split the model across N ranks (Transformers' tensor-parallel plan; gloo on CPU, "
+                               "NCCL on GPU): started here as N local processes, or the ranks of the torchrun this "
+                               "runs under (default: 1, or torchrun's WORLD_SIZE)")
+    parallel.add_argument("--cpu-bind", default=None, metavar="0|1|LISTS",
+                          help="on CPU, bind each local rank to its cores: 1 splits the allowed cores in equal runs, "
+                               "'0-3|4-7' names one list per local rank (default: 0, unbound; or $HF_PAGED_CPU_BIND)")
+    parallel.add_argument("--distributed-timeout", type=float, default=60.0,
+                          help="seconds a rank waits for the others in a collective before the whole group stops "
+                               "with an error (default: 60)")
+    return parser
+
+
 def _http_options() -> argparse.ArgumentParser:
     """Options of the commands that serve over HTTP."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -149,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate}")
-    engine, http = _engine_options(), _http_options()
+    engine, http, parallel = _engine_options(), _http_options(), _parallel_options()
 
-    serve = commands.add_parser("serve", parents=[engine, http], help="serve the model over an OpenAI-compatible API",
+    serve = commands.add_parser("serve", parents=[engine, http, parallel], help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -160,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     _limit_options(serve)
     _add_serve_ray(commands, [engine, http])
 
-    generate = commands.add_parser("generate", parents=[engine], help="generate from one prompt, streamed to stdout",
+    generate = commands.add_parser("generate", parents=[engine, parallel], help="generate from one prompt, streamed to stdout",
                                    description="Generate a continuation of PROMPT and stream it to stdout.")
     generate.add_argument("prompt", help="the prompt (a user message when the chat template is applied)")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
@@ -190,7 +207,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as err:
         parser.error(str(err))
     try:
-        model, tokenizer = load_model(path, dtype=args.dtype)
+        model, tokenizer = load_model(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
@@ -208,6 +225,9 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     key, limits = api_key(parser, args), server_limits(parser, args)
     generator = load_generator(parser, args)
+    if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 serves HTTP
+        generator.run_worker()
+        return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = create_app(generator, name, api_key=key, limits=limits)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
@@ -230,6 +250,8 @@ def serve_until_stopped(server, app) -> int:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it shut down for
         pass
+    finally:
+        engine.generator.stop_workers()  # the other tensor-parallel ranks, if any
     if engine.fatal is not None:
         return 1
     return 0 if server.started else 3  # 3: uvicorn's code for a server that could not start
@@ -269,6 +291,16 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except ValueError as err:
         parser.error(str(err))
     generator = load_generator(parser, args)
+    if not generator.is_driver:
+        generator.run_worker()
+        return 0
+    try:
+        return _stream_one(generator, args, params)
+    finally:
+        generator.stop_workers()
+
+
+def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params) -> int:
     chat = args.chat if args.chat is not None else generator.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
     for output in generator.stream(prompt, params):
@@ -281,11 +313,48 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     return 0
 
 
+def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int | None:
+    """Resolve ``--tensor-parallel-size``; outside torchrun with N > 1, run this same command as N local ranks under
+    torchrun and return its exit code (None: go on in this process)."""
+    import os
+
+    from . import distributed
+
+    if not hasattr(args, "tensor_parallel_size"):  # serve-ray: one process per replica
+        return None
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    size = args.tensor_parallel_size or ranks
+    if size < 1:
+        parser.error(f"--tensor-parallel-size must be >= 1, got {size}")
+    if not args.distributed_timeout > 0:
+        parser.error(f"--distributed-timeout must be > 0 seconds, got {args.distributed_timeout}")
+    if args.cpu_bind is not None:
+        os.environ[distributed.CPU_BIND_ENV] = args.cpu_bind
+    args.tensor_parallel_size = size
+    if size > 1 and "WORLD_SIZE" not in os.environ:
+        return distributed.launch(["-m", "hf_paged.cli", *argv], size)
+    if size != ranks:
+        parser.error(f"--tensor-parallel-size {size} under a torchrun of {ranks} ranks: one rank per shard")
+    if size > 1:
+        distributed.init_process_group(args.distributed_timeout)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-paged`` console script."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    return args.run(args.command_parser, args)
+    code = _setup_parallel(args.command_parser, args, argv)
+    if code is not None:
+        return code
+    from .distributed import DistributedError
+
+    try:
+        return args.run(args.command_parser, args)
+    except DistributedError as err:
+        print(f"hf-paged: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

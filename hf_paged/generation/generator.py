@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -13,7 +14,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..cache import KVCacheManager, PagedKVStorage
+from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
+from ..distributed import DistributedError, Lockstep, is_tensor_parallel, prepack_sharded_linear_layers
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from .config import EngineConfig
@@ -27,6 +29,7 @@ from .scheduler import Scheduler
 from .sequence import Request
 from .structured_outputs import GrammarCompiler
 
+logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_MEMORY = 2 << 30
 
 
@@ -86,7 +89,14 @@ class ContinuousBatchGenerator:
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
         self._ids_lock = threading.Lock()
         self._prompt_tokens = 0
-        packed = prepack_linear_layers(model) if config.prepack_weights and model.device.type == "cpu" else 0
+        # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
+        self.lockstep = Lockstep() if is_tensor_parallel(model) else None
+        self._workers_stopped = False
+        packed = 0
+        if config.prepack_weights and model.device.type == "cpu":
+            packed = prepack_linear_layers(model)
+            if self.lockstep is not None:
+                prepack_sharded_linear_layers(model)
         try:
             self._check_model_runs()
         except Exception:
@@ -102,7 +112,8 @@ class ContinuousBatchGenerator:
             memory = torch.cuda.mem_get_info(model.device)[0] // 2 if model.device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
         dtype = config.kv_dtype(model.dtype)
         storage = PagedKVStorage(model.config, num_blocks=config.num_blocks, block_size=config.block_size,
-                                 memory_budget=memory, dtype=dtype, device=model.device)
+                                 memory_budget=memory, dtype=dtype, device=model.device,
+                                 spec=KVCacheSpec.from_model(model))
         storage.allocate(dtype, model.device)
         return storage
 
@@ -154,10 +165,18 @@ class ContinuousBatchGenerator:
 
     def _drain_inbox(self) -> list[Request]:
         """Admit queued requests to the scheduler and abort the ones asked; returns the aborted."""
-        aborted = []
+        actions = []
         while not self._inbox.empty():
-            action, item = self._inbox.get()
-            if action == "add":
+            actions.append(self._inbox.get())
+        if self.lockstep is not None:
+            if self._workers_stopped:
+                raise DistributedError("the other tensor-parallel ranks were stopped (stop_workers)")
+            actions = self.lockstep.exchange(actions)
+        aborted = []
+        for action, item in actions:
+            if action == "stop":
+                self._workers_stopped = True
+            elif action == "add":
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
                 self._prompt_tokens += item.num_prompt_tokens
@@ -183,6 +202,8 @@ class ContinuousBatchGenerator:
                 if len(out.draw_rows) != logits.shape[0]:
                     logits = logits[out.draw_rows]
                 sampled = sample(logits, build_sampling_batch(out.draws, logits.device)) if out.draws else None
+                if sampled is not None and self.lockstep is not None:
+                    self.lockstep.check_tokens(sampled.token_ids)
             except BaseException:
                 self.scheduler.rollback(out)
                 raise
@@ -195,6 +216,35 @@ class ContinuousBatchGenerator:
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    # ------------------------------------------------------------------------------------ tensor parallelism
+    @property
+    def is_driver(self) -> bool:
+        """Whether requests enter here: always, except on the ranks other than 0 of a tensor-parallel model."""
+        return self.lockstep is None or self.lockstep.is_driver
+
+    def run_worker(self) -> None:
+        """On a rank other than 0: step in lockstep with rank 0 until it calls `stop_workers` (or fails).
+
+        A step that fails on every rank alike (as rank 0's does) is logged and serving goes on, as on rank 0; a failed
+        collective raises `DistributedError`.
+        """
+        if self.is_driver:
+            raise RuntimeError("run_worker is for the tensor-parallel ranks other than 0; rank 0 takes requests")
+        while not self._workers_stopped:
+            try:
+                self.step()
+            except DistributedError:
+                raise
+            except Exception:
+                logger.exception("engine step failed on this rank, as on rank 0; going on")
+
+    def stop_workers(self) -> None:
+        """On rank 0 of a tensor-parallel model: end the other ranks' `run_worker` (no step may follow)."""
+        if self.lockstep is None or not self.is_driver or self._workers_stopped:
+            return
+        self._inbox.put(("stop", None))
+        self._drain_inbox()
 
     def _retire(self, request_id: str) -> None:
         with self._ids_lock:

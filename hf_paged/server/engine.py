@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from ..distributed import HEARTBEAT_S, DistributedError
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.generator import Prompt
 from .metrics import ServerMetrics
@@ -233,12 +235,19 @@ class EngineLoop:
         generated (a step that only hands back aborted requests is no sign of health)."""
         generator = self.generator
         if not generator.has_unfinished_requests():
-            self._wake.wait()
+            # Under tensor parallelism the other ranks wait for every step's inputs: an idle engine still steps now
+            # and then, so they do not time out and a dead rank is found.
+            heartbeat = HEARTBEAT_S if generator.lockstep is not None else None
+            self._wake.wait(heartbeat)
             self._wake.clear()
-            return failures
+            if heartbeat is None or self._stopping:
+                return failures
         generated = generator.scheduler.num_generated_tokens
         try:
             outputs = generator.step()
+        except DistributedError as err:
+            self._end_group(err)
+            return failures
         except Exception:
             logger.exception("engine step failed; failing the requests in flight")
             if self.metrics is not None:
@@ -264,6 +273,14 @@ class EngineLoop:
                 callback()
             except Exception:
                 logger.exception("an on_fatal callback failed")
+
+    def _end_group(self, error: DistributedError) -> None:
+        """A tensor-parallel rank failed: nothing can be served any more, so the server process ends (and torchrun
+        ends the other ranks)."""
+        self._fail_in_flight(EngineError(f"the tensor-parallel group failed: {error}"), abort_unrouted=False)
+        logger.critical("%s; the server exits", error)
+        logging.shutdown()
+        os._exit(1)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | EngineError]]] = {}
