@@ -4,6 +4,11 @@
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1 --clients 64 --max-tokens 128
     # start `hf-paged serve` here, load it, then run the same requests offline for the HTTP/offline ratio
     python benchmarks/serve_load.py --start-server --offline --clients 64 --json results.json
+    # the same load on `hf-paged serve-ray` with 2 replicas on a local Ray
+    python benchmarks/serve_load.py --start-server --ray-replicas 2 --clients 64
+
+    # chaos: a third of the clients disconnect, some read slowly, bad inputs, /health timed (see chaos.py)
+    python benchmarks/serve_load.py --start-server --chaos --clients 64 --json chaos.json
 
 Each client sends one request (``--requests`` to send more, ``--clients`` at a time). Prints completion tokens/s,
 TTFT p50/p99 (first content token, seen by the client), wall time and failures. ``--offline`` runs the same
@@ -26,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 
 import httpx
+from chaos import run_chaos  # imports common first, as every script here must
 from common import percentile
 
 PROMPTS = [
@@ -179,7 +185,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "hf_paged.cli", "serve", *engine_argv(args), "--port", str(port),
+    serve = ["serve-ray", "--num-replicas", str(args.ray_replicas)] if args.ray_replicas else ["serve"]
+    command = [sys.executable, "-m", "hf_paged.cli", *serve, *engine_argv(args), "--port", str(port),
                "--log-level", "warning"]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -206,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests in all (default: one per client)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default: 128)")
     parser.add_argument("--start-server", action="store_true", help="run `hf-paged serve` on a free port and load it")
+    parser.add_argument("--ray-replicas", type=int, default=0, metavar="N",
+                        help="with --start-server, run `hf-paged serve-ray --num-replicas N` on a local Ray instead")
     parser.add_argument("--offline", action="store_true",
                         help="also run the same requests offline in this process, and print the HTTP/offline ratio")
     parser.add_argument("--model", default=None,
@@ -215,7 +224,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-memory", default=None, help="KV cache size for --start-server/--offline")
     parser.add_argument("--server-log", default=None, help="file for the started server's output")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the numbers as JSON to PATH")
+    parser.add_argument("--chaos", action="store_true",
+                        help="instead of the load, the chaos run: disconnects, slow readers, bad inputs, /health timed")
+    parser.add_argument("--seed", type=int, default=0, help="the chaos run's random choices (default: 0)")
+    parser.add_argument("--health-p99-ms", type=float, default=100.0,
+                        help="the chaos run fails if /health's p99 is slower (default: 100)")
+    parser.add_argument("--rss-growth-mb", type=float, default=256.0,
+                        help="the chaos run fails if the started server's RSS grows more (default: 256)")
     args = parser.parse_args(argv)
+    if args.chaos:
+        chaos_main(args)
+        return
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests or args.clients)]
 
     report: dict = {"clients": args.clients, "requests": len(prompts), "max_tokens": args.max_tokens}
@@ -226,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if process is not None:
             process.terminate()
-            process.wait(30)
+            process.wait(60)
     http.show()
     report["http"] = asdict(http)
     if args.offline:
@@ -239,6 +258,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def chaos_main(args: argparse.Namespace) -> None:
+    process, base_url = start_server(args) if args.start_server else (None, args.base_url)
+    try:
+        model = args.served_model_name or httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
+        report = run_chaos(base_url, model, args.clients, args.max_tokens, PROMPTS, args.seed,
+                           process.pid if process else None)
+        report.engine_alive = report.engine_alive and (process is None or process.poll() is None)
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(30)
+    report.show()
+    failures = report.failures(args.health_p99_ms, args.rss_growth_mb)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**asdict(report), "failures": failures}, f, indent=2)
+    for failure in failures:
+        print(f"[chaos] FAILED: {failure}")
+    if failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

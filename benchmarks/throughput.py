@@ -18,15 +18,23 @@ requests/s, time to first token and time per output token (p50/p99), peak RSS; t
 agreement between engines, KV-cache slots allocated but unused at peak, and ours' decode speed per batch size against
 the bare-forward ceiling ("engine efficiency").
 
+``--structured json`` measures something else, in one process on ours only: the same requests (a mix of the test
+suite's JSON schemas, each as an array of ``--structured-items`` items so that decoding outweighs the prompt,
+temperature 1) with their constraint and without it (the same prompts, seeds and output lengths, ``ignore_eos``), in
+interleaved rounds; then grammar compile time per schema, first and cached.
+
 Usage:
     python benchmarks/throughput.py                      # 64 requests, prompts 16-512, outputs 16-256 tokens
     python benchmarks/throughput.py --smoke --json out.json
     python benchmarks/throughput.py --engines ours,ceiling --num-requests 16 --shared-prefix 256
+    python benchmarks/throughput.py --structured json --num-requests 32
+    python benchmarks/throughput.py --engines ours --tensor-parallel-size 2 --threads 1   # two ranks, a core each
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -126,6 +134,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="ours: speculative decoding, as JSON (see `hf-paged serve --help`), e.g. '{\"method\": \"ngram\"}'")
     add("--static-batch-size", type=int, default=32, help="batch size of the static `generate` engine")
     add("--kv-tokens", type=int, default=32768, help="KV-cache capacity in tokens of both continuous engines")
+    add("--kv-cache-memory", default=None,
+        help="ours: KV-cache size in bytes per rank (e.g. 64MiB) instead of --kv-tokens; with --tensor-parallel-size "
+             "each rank holds its own KV heads only, so the same bytes hold more tokens")
+    add("--tensor-parallel-size", type=int, default=1,
+        help="ours: split the model over N ranks (torchrun on this host, gloo on CPU); --threads is per rank")
     add("--block-size", type=int, default=16, help="KV block size of ours")
     add("--max-batch-tokens", type=int, default=512, help="most tokens per step of both continuous engines")
     add("--max-num-seqs", type=int, default=256, help="most sequences per step of both continuous engines")
@@ -143,6 +156,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--json", default=None, help="also write the report to this JSON file")
     add("--compare-with", default=None,
         help="a --json report of an earlier run on the same workload (e.g. fp32): per-engine ratio and token agreement")
+    add("--structured", choices=("json",), default=None,
+        help="constrained decoding instead of the engine comparison: --num-requests JSON-schema requests at once, "
+             "constrained against unconstrained, and grammar compile times (--rounds rounds, ours only)")
+    add("--structured-items", type=int, default=4, help="--structured: each schema is an array of this many items")
+    add("--rounds", type=int, default=3, help="--structured: interleaved rounds of each variant (best is reported)")
     add("--smoke", action="store_true",
         help="tiny workload for CI (default flags become: 6 requests, prompts 8-32, outputs 4-12, static batch 4, "
              "2048 KV tokens, 1 thread)")
@@ -155,6 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.engines) - set(ENGINES)
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; choose from {','.join(ENGINES)}")
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be >= 1")
+    if args.kv_cache_memory is not None:
+        from hf_paged.cli import parse_memory
+
+        args.kv_cache_memory = parse_memory(str(args.kv_cache_memory))
     if not (1 <= args.min_prompt <= args.max_prompt and 1 <= args.min_output <= args.max_output):
         parser.error("need 1 <= --min-prompt <= --max-prompt and 1 <= --min-output <= --max-output")
     return args
@@ -404,9 +428,11 @@ def run_hf_cb(args, model, tokenizer, workload: dict) -> dict:
 def make_generator(args, model, tokenizer):
     from hf_paged import ContinuousBatchGenerator, EngineConfig
 
-    config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_tokens // args.block_size,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batch_tokens,
-                          prepack_weights=not args.no_prepack_weights, kv_cache_dtype=args.kv_cache_dtype,
+    sized = dict(kv_cache_memory=args.kv_cache_memory) if args.kv_cache_memory else dict(
+        num_blocks=args.kv_tokens // args.block_size)
+    config = EngineConfig(block_size=args.block_size, **sized, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_batch_tokens, prepack_weights=not args.no_prepack_weights,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           speculative_config=args.speculative_config)
     return ContinuousBatchGenerator(model, tokenizer, config)
 
@@ -419,6 +445,9 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
         return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lens]
 
     generator = make_generator(args, model, tokenizer)
+    if not generator.is_driver:  # another tensor-parallel rank: it steps with rank 0 and reports nothing
+        generator.run_worker()
+        return {}
     warm = warmup_workload(vocab_ids(tokenizer))
     generator.run(warm["prompts"], params(warm["output_lens"]), use_tqdm=False)
     recorder = StepRecorder(generator)
@@ -436,7 +465,13 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
     tpot = [per_token_time(m.first_token_time, m.finished_time, len(o.outputs[0].token_ids))
             for m, o in zip(metrics, outputs)]
     stats = generator.stats()
-    return dict(wall_s=wall, tokens=[o.outputs[0].token_ids for o in outputs], steps=recorder.steps,
+    generator.stop_workers()
+    cache = generator.kv_cache
+    kv_rank = dict(num_blocks=cache.num_blocks, tokens=cache.num_blocks * cache.block_size,
+                   num_kv_heads=cache.spec.num_kv_heads,
+                   bytes=sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache)))
+    return dict(wall_s=wall, kv_per_rank=kv_rank, tokens=[o.outputs[0].token_ids for o in outputs],
+                steps=recorder.steps,
                 kv=recorder.kv_report(), num_preemptions=stats.num_preemptions,
                 prefix_cache_hit_tokens=stats.prefix_cache_hits,
                 spec_acceptance_rate=stats.spec_decode_acceptance_rate,
@@ -487,13 +522,22 @@ def run_worker(args) -> None:
     job = json.loads(Path(in_path).read_text())
     if args.worker == "ours":
         import hf_paged  # noqa: F401  (registers the "paged" attention)
-    model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa",
-                                  args.round_weights)
+    if args.worker == "ours" and args.tensor_parallel_size > 1:
+        from hf_paged.loading import load_model as load_sharded
+
+        model, tokenizer = load_sharded(args.model, args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+    else:
+        model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa",
+                                      args.round_weights)
     runners = dict(static=run_static, hf_cb=run_hf_cb, ours=run_ours)
     if args.worker == "ceiling":
         result = run_ceiling(args, model, tokenizer, job["ceiling_batches"])
     else:
         result = runners[args.worker](args, model, tokenizer, job["workload"])
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if os.environ.get("RANK", "0") != "0":
+        return
     result["peak_rss_mb"] = peak_rss_mb()
     Path(out_path).write_text(json.dumps(result))
 
@@ -505,8 +549,14 @@ def spawn_engine(engine: str, argv: list[str], job: dict, timeout: float) -> dic
         in_path.write_text(json.dumps(job))
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", engine,
                "--worker-io", str(in_path), str(out_path)]
+        ranks = int(argv[argv.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in argv else 1
+        env = dict(os.environ)
+        if engine == "ours" and ranks > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *cmd[1:]]
+            if "--threads" in argv:
+                env["OMP_NUM_THREADS"] = argv[argv.index("--threads") + 1]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return dict(error=f"timed out after {timeout:.0f} s")
         if proc.returncode != 0 or not out_path.exists():
@@ -529,6 +579,10 @@ def worker_argv(args) -> list[str]:
         argv += ["--round-weights", args.round_weights]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.kv_cache_memory:
+        argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    if args.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.smoke:
         argv += ["--smoke"]
     if args.speculative_config:
@@ -660,6 +714,8 @@ def build_report(args, workload: dict, results: dict) -> dict:
     for engine in ("ours", "static"):
         if "kv" in results.get(engine, {}):
             report["kv_memory"][engine] = results[engine]["kv"]
+    if "kv_per_rank" in ours:
+        report["kv_per_rank"] = dict(ours["kv_per_rank"], tensor_parallel_size=args.tensor_parallel_size)
     if "num_preemptions" in ours:
         report["ours_preemptions"] = ours["num_preemptions"]
         report["ours_prefix_cache_hit_tokens"] = ours["prefix_cache_hit_tokens"]
@@ -701,6 +757,10 @@ def print_report(report: dict) -> None:
         print(f"KV at peak ({engine}): {kv['peak_allocated_slots']} slots allocated, {kv['peak_stored_tokens']} tokens "
               f"stored, unused {kv['unused_fraction_of_allocated']:.1%} of allocated"
               + (f", {of_cache:.1%} of the whole cache" if of_cache is not None else ""))
+    if "kv_per_rank" in report:
+        kv = report["kv_per_rank"]
+        print(f"ours KV cache per rank (tensor-parallel size {kv['tensor_parallel_size']}): {kv['num_blocks']} blocks "
+              f"= {kv['tokens']} tokens of {kv['num_kv_heads']} KV heads, {kv['bytes'] / 2**20:.1f} MiB")
     if "ours_preemptions" in report:
         print(f"ours: {report['ours_preemptions']} preemptions, {report['ours_prefix_cache_hit_tokens']} prompt tokens "
               "served from the prefix cache")
@@ -721,6 +781,136 @@ def print_report(report: dict) -> None:
         print(f"  mixed prefill steps: {eff['prefill_step_share']:.0%} of ours' step time (not in the efficiency)")
 
 
+# ------------------------------------------------------------------------------------------ structured outputs
+STRUCTURED_PROMPT = [{"role": "user", "content": "Reply with a JSON example."}]
+
+
+def time_compiles(generator, schemas: list[dict]) -> dict:
+    """Seconds to compile each schema on the generator's grammar compiler: first time, then from its cache."""
+    from hf_paged import StructuredOutputsParams
+
+    start = time.perf_counter()
+    generator.grammars.compile(StructuredOutputsParams(regex="warm-up")).result()  # reads the vocabulary once
+    setup, first, cached = time.perf_counter() - start, [], []
+    for schema in schemas:
+        for times in (first, cached):
+            start = time.perf_counter()
+            generator.grammars.compile(StructuredOutputsParams(json=schema)).result()
+            times.append(time.perf_counter() - start)
+    return dict(vocabulary_setup_s=setup, first_p50_s=percentile(first, 50), first_max_s=max(first),
+                cached_p50_s=percentile(cached, 50), cached_max_s=max(cached))
+
+
+def array_of(schema: dict, items: int) -> dict:
+    """An array of exactly ``items`` values of ``schema`` (its ``$defs`` moved to the root, where refs point)."""
+    inner = {k: v for k, v in schema.items() if k != "$defs"}
+    defs = {"$defs": schema["$defs"]} if "$defs" in schema else {}
+    return {"type": "array", "items": inner, "minItems": items, "maxItems": items, **defs}
+
+
+class GrammarClock:
+    """Times the structured-output work of the engine (bitmask filling, masking, matchers accepting tokens) while
+    ``counting``: its share of a run's time is the overhead, measured in the same moments as the run, which a shared
+    machine's drift between runs cannot blur."""
+
+    def __init__(self):
+        from hf_paged.generation import sampler
+        from hf_paged.generation.structured_outputs import GrammarMatcher
+
+        self.seconds, self.on = 0.0, False
+        for owner, name in ((sampler, "fill_bitmask"), (sampler, "apply_bitmask"), (GrammarMatcher, "advance")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += (time.perf_counter() - start) if self.on else 0.0
+
+        return timed
+
+    @contextlib.contextmanager
+    def counting(self, on: bool):
+        self.on = on
+        try:
+            yield
+        finally:
+            self.on = False
+
+
+def timed_run(generator, prompts, params) -> tuple[float, list]:
+    start = time.perf_counter()
+    outputs = generator.run(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def run_structured(args) -> dict:
+    """--structured json: the same requests with and without their JSON-schema constraint, on one generator."""
+    import torch
+
+    from hf_paged import SamplingParams, StructuredOutputsParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from structured_schemas import SCHEMAS
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model, args.dtype, "paged", args.round_weights)
+    generator = make_generator(args, model, tokenizer)
+    compile_times = time_compiles(generator, SCHEMAS)  # before the run's schemas: none of them is cached yet
+    schemas = [array_of(SCHEMAS[i % len(SCHEMAS)], args.structured_items) for i in range(args.num_requests)]
+    prompts = [STRUCTURED_PROMPT] * len(schemas)
+    constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_output,
+                                  structured_outputs=StructuredOutputsParams(json=schema))
+                   for i, schema in enumerate(schemas)]
+    generator.run(prompts[:4], constrained[:4], use_tqdm=False)  # warm-up
+    _, outputs = timed_run(generator, prompts, constrained)
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests refused, e.g. {errors[0]}")
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    valid = sum(o.outputs[0].finish_reason == "stop" and _parses(o.outputs[0].text) for o in outputs)
+    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
+    seconds, grammar_clock = dict(free=[], constrained=[]), GrammarClock()
+    for _ in range(args.rounds):
+        for name, params in (("free", free), ("constrained", constrained)):
+            with grammar_clock.counting(name == "constrained"):
+                wall, outputs = timed_run(generator, prompts, params)
+            if [len(o.outputs[0].token_ids) for o in outputs] != lengths:
+                raise RuntimeError(f"the {name} run produced other output lengths than the first constrained run")
+            seconds[name].append(wall)
+    tok_s = {name: sum(lengths) / min(walls) for name, walls in seconds.items()}
+    return dict(settings={k: v for k, v in vars(args).items() if not k.startswith("worker")},
+                grammar_share=grammar_clock.seconds / sum(seconds["constrained"]),
+                num_requests=len(schemas), output_tokens=sum(lengths), valid_json=valid / len(schemas),
+                seconds=seconds, output_tok_s=tok_s, ratio=tok_s["constrained"] / tok_s["free"],
+                compile=compile_times, num_schemas=len(SCHEMAS))
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def print_structured(report: dict) -> None:
+    c = report["compile"]
+    print(f"\n{report['num_requests']} JSON-schema requests at once ({report['num_schemas']} schemas), "
+          f"{report['output_tokens']} output tokens; {report['valid_json']:.0%} ended as valid JSON")
+    for name, tok_s in report["output_tok_s"].items():
+        rounds = ", ".join(f"{s:.2f}" for s in report["seconds"][name])
+        print(f"{name:<12} {tok_s:8.1f} output tok/s (best of rounds: {rounds} s)")
+    print(f"ratio constrained/free: {report['ratio']:.1%}; bitmask filling, masking and matcher updates took "
+          f"{report['grammar_share']:.1%} of the constrained runs' time")
+    print(f"grammar compile per schema: first p50 {c['first_p50_s'] * 1000:.1f} ms (max {c['first_max_s'] * 1000:.1f}),"
+          f" cached p50 {c['cached_p50_s'] * 1e6:.0f} us (max {c['cached_max_s'] * 1e6:.0f}); importing xgrammar and "
+          f"reading the vocabulary {c['vocabulary_setup_s'] * 1000:.0f} ms once")
+
+
 # ---------------------------------------------------------------------------------------------------------- main
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
@@ -732,6 +922,12 @@ def main(argv=None) -> dict | None:
     from hf_paged.default_model import resolve_model
 
     args.model = resolve_model(args.model)
+    if args.structured:
+        report = run_structured(args)
+        print_structured(report)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2))
+        return report
     workload = make_workload(args, AutoTokenizer.from_pretrained(args.model))
     earlier = json.loads(Path(args.compare_with).read_text()) if args.compare_with else None
     if earlier is not None and earlier["workload"] != workload_summary(workload):

@@ -21,6 +21,7 @@ from .generation import (  # noqa: E402  (after registration: the generator reli
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "KVCacheManager",
     "NoFreeBlocksError",
     "PagedCache",

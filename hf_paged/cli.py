@@ -1,6 +1,7 @@
 """``hf-paged``: serve a model over an OpenAI-compatible HTTP API, or generate from the command line.
 
-    hf-paged serve [MODEL] [--port 8000] [--api-key KEY] ...
+    hf-paged serve [MODEL] [--port 8000] [--api-key-file FILE] [--max-num-waiting N] ...
+    hf-paged serve-ray [MODEL] [--num-replicas 2] [--address ray://...] ...   (needs the ``ray`` extra)
     hf-paged generate [MODEL] "prompt" [--max-tokens 128] ...
 
 MODEL is a local model directory; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is downloaded.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -34,32 +36,148 @@ def _engine_options() -> argparse.ArgumentParser:
     return parser
 
 
+def _parallel_options() -> argparse.ArgumentParser:
+    """Tensor parallelism, for the commands that run one engine (serve, generate)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parallel = parser.add_argument_group("tensor parallelism")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                          help="split the model across N ranks (Transformers' tensor-parallel plan; gloo on CPU, "
+                               "NCCL on GPU): started here as N local processes, or the ranks of the torchrun this "
+                               "runs under (default: 1, or torchrun's WORLD_SIZE)")
+    parallel.add_argument("--cpu-bind", default=None, metavar="0|1|LISTS",
+                          help="on CPU, bind each local rank to its cores: 1 splits the allowed cores in equal runs, "
+                               "'0-3|4-7' names one list per local rank (default: 0, unbound; or $HF_PAGED_CPU_BIND)")
+    parallel.add_argument("--distributed-timeout", type=float, default=60.0,
+                          help="seconds a rank waits for the others in a collective before the whole group stops "
+                               "with an error (default: 60)")
+    return parser
+
+
+def _http_options() -> argparse.ArgumentParser:
+    """Options of the commands that serve over HTTP."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else no "
+                          "key); a key given here is visible to other users in `ps`, prefer the file or variable")
+    key.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
+                             "default model's name)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="server log level (default: info)")
+    return parser
+
+
+def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
+    serve_ray = commands.add_parser(
+        "serve-ray", parents=parents, help="serve the model from N replicas on Ray Serve",
+        description="Serve MODEL as `serve` does, from replicas on a Ray cluster (a local one by default): each "
+                    "request goes to the replica whose prefix cache most likely holds its prompt. MODEL must be at "
+                    "the same path on every node. /metrics shows every replica's metrics.")
+    ray = serve_ray.add_argument_group("replicas")
+    ray.add_argument("--num-replicas", type=int, default=None,
+                     help="replicas to run, or to start with when autoscaling (default: 1, or --min-replicas)")
+    ray.add_argument("--min-replicas", type=int, default=None,
+                     help="autoscale: fewest replicas (with --max-replicas)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="autoscale: most replicas, scaling on requests in flight (with --min-replicas)")
+    ray.add_argument("--target-ongoing-requests", type=int, default=32,
+                     help="autoscale: requests in flight per replica to aim at (default: 32)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves (default: 1)")
+    ray.add_argument("--replica-gpus", type=float, default=None,
+                     help="GPUs each replica reserves (default: 1 if this machine has a CUDA GPU, else 0)")
+    ray.add_argument("--no-prefix-routing", action="store_true",
+                     help="route every request to the less loaded of two random replicas, ignoring prefix caches")
+    ray.add_argument("--address", default=None,
+                     help="Ray cluster to deploy on, e.g. auto or ray://head:10001 (default: start a local Ray)")
+    serve_ray.set_defaults(run=run_serve_ray, command_parser=serve_ray)
+
+
+# ServerLimits fields as `hf-paged serve` options: field -> (option, type, help).
+_LIMITS = {
+    "max_body_bytes": ("--max-body-size", parse_memory,
+                       "largest request body, e.g. 4MiB; a larger one gets a 413 before it is read (default: 4MiB)"),
+    "max_client_batch_size": ("--max-client-batch-size", int, "most prompts in one /v1/completions call (default: 32)"),
+    "max_concurrent_requests": ("--max-concurrent-requests", int,
+                                "most generation calls in progress; more get a 503 with Retry-After (default: 512)"),
+    "max_num_waiting": ("--max-num-waiting", int,
+                        "most sequences queued beyond the --max-num-seqs that one step runs; a call that would "
+                        "queue more gets a 503 with Retry-After (default: 1024)"),
+    "max_n": ("--max-n", int, "most samples (n) per prompt (default: half of --max-num-seqs, at most 128)"),
+    "max_stop_sequences": ("--max-stop-sequences", int, "most stop strings per call (default: 4, as OpenAI)"),
+    "max_stop_length": ("--max-stop-length", int, "most characters in one stop string (default: 256)"),
+    "max_stop_token_ids": ("--max-stop-token-ids", int, "most stop_token_ids per call (default: 64)"),
+    "max_logit_bias": ("--max-logit-bias", int, "most logit_bias entries per call (default: 300, as OpenAI)"),
+    "max_logprobs": ("--max-logprobs", int, "most logprobs / top_logprobs per token (default: 20)"),
+    "max_logprob_entries": ("--max-logprob-entries", int,
+                            "most log-probabilities one call may return, n x (logprobs + 1) x new tokens over its "
+                            "prompts (default: 1048576)"),
+    "max_chars_per_token": ("--max-chars-per-token", int,
+                            "a prompt longer than max_model_len x this many characters is refused before it is "
+                            "tokenized (default: 32)"),
+    "tokenizer_workers": ("--tokenizer-workers", int,
+                          "threads that tokenize prompts, each with its own tokenizer copy (default: 2)"),
+}
+
+
+def _limit_options(serve: argparse.ArgumentParser) -> None:
+    limits = serve.add_argument_group("limits per call and per server")
+    for field, (option, kind, help_text) in _LIMITS.items():
+        metavar = "SIZE" if kind is parse_memory else "N"
+        limits.add_argument(option, dest=field, type=kind, default=None, metavar=metavar, help=help_text)
+
+
+def server_limits(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The `ServerLimits` the options ask for (defaults for the ones not given); a bad value exits with code 2."""
+    from .server import ServerLimits
+
+    given = {field: getattr(args, field) for field in _LIMITS if getattr(args, field) is not None}
+    try:
+        return ServerLimits(**given)
+    except ValueError as err:
+        option = next((_LIMITS[f][0] for f in _LIMITS if str(err).startswith(f + " ")), "a limit")
+        parser.error(f"{option}: {err}")
+
+
+def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $HF_PAGED_API_KEY, else None (no key)."""
+    if args.api_key is not None:
+        key = args.api_key
+    elif args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as file:
+                key = file.readline().strip()
+        except OSError as err:
+            parser.error(f"--api-key-file: cannot read {args.api_key_file}: {err.strerror}")
+        if not key:
+            parser.error(f"--api-key-file: {args.api_key_file} is empty")
+    else:
+        key = os.environ.get("HF_PAGED_API_KEY") or None
+    return key
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-paged`` argument parser with its ``serve`` and ``generate`` commands."""
     parser = argparse.ArgumentParser(
         prog="hf-paged",
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
-    engine = _engine_options()
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate}")
+    engine, http, parallel = _engine_options(), _http_options(), _parallel_options()
 
-    serve = commands.add_parser("serve", parents=[engine], help="serve the model over an OpenAI-compatible API",
+    serve = commands.add_parser("serve", parents=[engine, http, parallel], help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
-                            "default model's name)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
                             "(default: 5)")
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                       help="server log level (default: info)")
+    _limit_options(serve)
+    _add_serve_ray(commands, [engine, http])
 
-    generate = commands.add_parser("generate", parents=[engine], help="generate from one prompt, streamed to stdout",
+    generate = commands.add_parser("generate", parents=[engine, parallel], help="generate from one prompt, streamed to stdout",
                                    description="Generate a continuation of PROMPT and stream it to stdout.")
     generate.add_argument("prompt", help="the prompt (a user message when the chat template is applied)")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
@@ -89,7 +207,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as err:
         parser.error(str(err))
     try:
-        model, tokenizer = load_model(path, dtype=args.dtype)
+        model, tokenizer = load_model(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
@@ -105,13 +223,61 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    key, limits = api_key(parser, args), server_limits(parser, args)
     generator = load_generator(parser, args)
+    if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 serves HTTP
+        generator.run_worker()
+        return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = create_app(generator, name, api_key=args.api_key)
+    app = create_app(generator, name, api_key=key, limits=limits)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    return serve_until_stopped(uvicorn.Server(config), app)
+
+
+def serve_until_stopped(server, app) -> int:
+    """Run a uvicorn ``server`` of ``app``; 1 if it stopped because the engine died (so a supervisor restarts it)."""
+    engine = app.state.engine
+
+    def stop() -> None:
+        logging.getLogger("hf_paged").critical("the engine stopped after an unrecoverable error; shutting down")
+        server.should_exit = True
+
+    engine.on_fatal.append(stop)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it shut down for
+        pass
+    finally:
+        engine.generator.stop_workers()  # the other tensor-parallel ranks, if any
+    if engine.fatal is not None:
+        return 1
+    return 0 if server.started else 3  # 3: uvicorn's code for a server that could not start
+
+
+def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``hf-paged serve-ray``: deploy on Ray Serve and serve until interrupted."""
+    try:
+        from .serve_ray import ReplicaSpec, ServeRayConfig, serve_forever
+    except ImportError as err:
+        parser.error(f"serve-ray needs Ray Serve: pip install 'hf-paged[ray]' ({err})")
+    import torch
+
+    from .default_model import DEFAULT_MODEL_NAME, resolve_model
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
+    try:
+        spec = ReplicaSpec(resolve_model(args.model), args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+                           args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args))
+        config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
+                                args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
+                                prefix_affinity=not args.no_prefix_routing)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    serve_forever(config, args.address, args.host, args.port)
     return 0
 
 
@@ -125,6 +291,16 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except ValueError as err:
         parser.error(str(err))
     generator = load_generator(parser, args)
+    if not generator.is_driver:
+        generator.run_worker()
+        return 0
+    try:
+        return _stream_one(generator, args, params)
+    finally:
+        generator.stop_workers()
+
+
+def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params) -> int:
     chat = args.chat if args.chat is not None else generator.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
     for output in generator.stream(prompt, params):
@@ -137,11 +313,48 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     return 0
 
 
+def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int | None:
+    """Resolve ``--tensor-parallel-size``; outside torchrun with N > 1, run this same command as N local ranks under
+    torchrun and return its exit code (None: go on in this process)."""
+    import os
+
+    from . import distributed
+
+    if not hasattr(args, "tensor_parallel_size"):  # serve-ray: one process per replica
+        return None
+    ranks = int(os.environ.get("WORLD_SIZE", 1))
+    size = args.tensor_parallel_size or ranks
+    if size < 1:
+        parser.error(f"--tensor-parallel-size must be >= 1, got {size}")
+    if not args.distributed_timeout > 0:
+        parser.error(f"--distributed-timeout must be > 0 seconds, got {args.distributed_timeout}")
+    if args.cpu_bind is not None:
+        os.environ[distributed.CPU_BIND_ENV] = args.cpu_bind
+    args.tensor_parallel_size = size
+    if size > 1 and "WORLD_SIZE" not in os.environ:
+        return distributed.launch(["-m", "hf_paged.cli", *argv], size)
+    if size != ranks:
+        parser.error(f"--tensor-parallel-size {size} under a torchrun of {ranks} ranks: one rank per shard")
+    if size > 1:
+        distributed.init_process_group(args.distributed_timeout)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-paged`` console script."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    return args.run(args.command_parser, args)
+    code = _setup_parallel(args.command_parser, args, argv)
+    if code is not None:
+        return code
+    from .distributed import DistributedError
+
+    try:
+        return args.run(args.command_parser, args)
+    except DistributedError as err:
+        print(f"hf-paged: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import padding_mask, paged_attention_forward
-from .cache import PagedCache, unpaged_layer_types
+from .cache import KVCacheSpec, PagedCache, unpaged_layer_types
 
 ATTN_IMPLEMENTATION = "paged"
 DEFAULT_BLOCK_SIZE = 16
@@ -49,7 +49,7 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     blocks_per_row = -(-min(max_cache_length, INITIAL_TOKENS_PER_ROW) // DEFAULT_BLOCK_SIZE) + 1
     model_kwargs["cache"] = PagedCache(
         self.config, num_blocks=rows * blocks_per_row, block_size=DEFAULT_BLOCK_SIZE, dtype=self.dtype,
-        device=self.device, growable=True,
+        device=self.device, growable=True, spec=KVCacheSpec.from_model(self),
     )
 
 

@@ -61,6 +61,20 @@ def test_throughput_smoke_reports_every_engine(smollm2_path, tmp_path):
 
 
 @pytest.mark.slow
+def test_throughput_structured_reports_both_variants_and_compile_times(smollm2_path, tmp_path):
+    out = tmp_path / "structured.json"
+    proc = run_script("throughput.py", "--structured", "json", "--smoke", "--model", smollm2_path, "--num-requests",
+                      "3", "--structured-items", "1", "--rounds", "1", "--max-output", "200", "--json", str(out),
+                      timeout=300)
+    report = json.loads(out.read_text())
+    assert report["valid_json"] == 1 and report["output_tokens"] > 3
+    assert report["output_tok_s"]["free"] > 0 and report["output_tok_s"]["constrained"] > 0
+    assert 0 < report["grammar_share"] < 1
+    assert 0 < report["compile"]["cached_p50_s"] < report["compile"]["first_max_s"]
+    assert "ratio constrained/free" in proc.stdout
+
+
+@pytest.mark.slow
 def test_outputs_cut_short_are_an_error_not_a_speed(smollm2_path, tmp_path):
     """A cache too small for the requested lengths cuts ours' outputs at max_model_len: the row must say so instead
     of counting tokens that were never made."""

@@ -142,6 +142,10 @@ def test_aborting_a_preempted_or_forked_request_frees_everything():
         step(scheduler)
     scheduler.abort(forked)
     assert all(s.finish_reason == "abort" for s in forked.seqs)
+    unforked = make_request("d", range(50, 55), n=3)
+    scheduler.add(unforked)
+    scheduler.abort(unforked)  # before its prompt forked: one sequence of three
+    assert unforked.is_finished and len(unforked.seqs) == 1
     run_to_end(scheduler, [])
     assert_no_leak(scheduler)
 

@@ -3,7 +3,7 @@ and `generate`; `KVCacheSpec`: their shape, read from a model config."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PretrainedConfig
@@ -19,6 +19,28 @@ def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
     hybrid models whose layers a paged KV cache cannot hold."""
     types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
     return sorted(set(types) - set(PAGED_LAYER_TYPES))
+
+
+def local_kv_heads(model: torch.nn.Module, spec: "KVCacheSpec") -> int | None:
+    """The KV heads this rank's attention layers see, for a tensor-parallel model: counted from the first ``k_proj``
+    this rank holds, else what Transformers' plan gives each rank (fused projections); None for a model held whole by
+    one process (its config is right)."""
+    tp_size = getattr(model, "_tp_size", None) or 1
+    if tp_size <= 1:
+        return None
+    for module in model.modules():
+        k_proj = getattr(module, "k_proj", None)
+        if isinstance(k_proj, torch.nn.Linear):
+            weight = k_proj.weight
+            rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+            return rows // getattr(module, "head_dim", spec.head_dim)
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    heads = get_kv_heads_per_rank(model.tp_plan, spec.num_kv_heads, tp_size)
+    if heads is None:
+        raise NotImplementedError(f"{type(model).__name__}'s {spec.num_kv_heads} KV heads do not split over "
+                                  f"{tp_size} ranks")
+    return heads
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,14 @@ class KVCacheSpec:
         shared = getattr(config, "num_kv_shared_layers", None) or 0
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, shared)
 
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "KVCacheSpec":
+        """The spec of ``model``'s cache on this rank: under tensor parallelism its attention layers see only their
+        local KV heads, counted from the key projection this rank holds (not from the config)."""
+        spec = cls.from_config(model.config)
+        local = local_kv_heads(model, spec)
+        return spec if local is None else replace(spec, num_kv_heads=local)
+
     @property
     def num_cached_layers(self) -> int:
         return self.num_layers - self.num_shared_layers
@@ -58,6 +88,7 @@ class PagedKVStorage:
 
     Args:
         config: the model config (its number of layers and KV heads size the blocks).
+        spec: the blocks' shape when not the config's (``KVCacheSpec.from_model``: a tensor-parallel rank's heads).
         num_blocks: how many blocks to hold. Either this or ``memory_budget`` (bytes).
         block_size: tokens per block.
         dtype / device: of the KV tensors; by default those of the first keys written.
@@ -71,6 +102,7 @@ class PagedKVStorage:
         memory_budget: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        spec: KVCacheSpec | None = None,
     ):
         unpaged = unpaged_layer_types(config)
         if unpaged:
@@ -78,7 +110,7 @@ class PagedKVStorage:
                 f"a paged KV cache holds attention keys and values only; this model also has {unpaged} layers, whose "
                 "states it cannot keep (hybrid models are not supported by the paged backend's cache)"
             )
-        self.spec = KVCacheSpec.from_config(config)
+        self.spec = spec or KVCacheSpec.from_config(config)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         if num_blocks is None:
@@ -128,7 +160,7 @@ class PagedKVStorage:
         if key.shape[1] != k_cache.shape[1] or key.shape[3] != k_cache.shape[3]:
             raise ValueError(
                 f"layer {layer_idx} produced keys with {key.shape[1]} heads of dim {key.shape[3]}, but the KV cache "
-                f"was sized from the config for {k_cache.shape[1]} heads of dim {k_cache.shape[3]}"
+                f"was sized for {k_cache.shape[1]} heads of dim {k_cache.shape[3]}"
             )
         return k_cache.transpose(1, 2), self.value_cache[layer_idx].transpose(1, 2)
 

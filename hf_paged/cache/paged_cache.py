@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 
 from .block_pool import NoFreeBlocksError
 from .kv_cache_manager import BlockCopy, KVCacheManager
-from .kv_storage import PagedKVStorage
+from .kv_storage import KVCacheSpec, PagedKVStorage
 from .metadata import PagedMetadata
 
 
@@ -29,6 +29,7 @@ class PagedCache(Cache):
         growable: when the blocks run out, double them instead of raising `NoFreeBlocksError` (the cache
             ``generate`` creates on its own grows, so it can be passed to a later call or kept by an assistant model;
             one built by hand keeps its size).
+        spec: the cache's shape when not the config's (``KVCacheSpec.from_model``: a tensor-parallel rank's heads).
     """
 
     def __init__(
@@ -40,9 +41,10 @@ class PagedCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         growable: bool = False,
+        spec: KVCacheSpec | None = None,
     ):
         super().__init__(layers=[])
-        self.kv = PagedKVStorage(config, num_blocks, block_size, memory_budget, dtype, device)
+        self.kv = PagedKVStorage(config, num_blocks, block_size, memory_budget, dtype, device, spec)
         self.growable = growable
         self.rows = KVCacheManager(self.kv.pool, enable_prefix_caching=False)
         self._row_lens: list[int] = []

@@ -3,7 +3,7 @@
 from .config import EngineConfig
 from .generator import ContinuousBatchGenerator, EngineStats
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "CompletionOutput",
@@ -14,4 +14,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

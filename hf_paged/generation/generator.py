@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -13,7 +14,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..cache import KVCacheManager, PagedKVStorage
+from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
+from ..distributed import DistributedError, Lockstep, is_tensor_parallel, prepack_sharded_linear_layers
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from .config import EngineConfig
@@ -26,7 +28,9 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from .spec_decode import Speculator, verify_drafts
+from .structured_outputs import GrammarCompiler
 
+logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_MEMORY = 2 << 30
 
 
@@ -93,8 +97,10 @@ class ContinuousBatchGenerator:
                   getattr(text_config, "max_position_embeddings", None)]
         self.max_model_len = min(limit for limit in limits if limit is not None)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        eos_token_ids = self._eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
-                                     self._eos_token_ids(model, tokenizer))
+                                     eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(config, self.kv, Detokenizer(tokenizer), self.max_model_len)
         self.runner = ModelRunner(model, self.kv_cache, self.kv)
         spec = config.speculative_config
@@ -104,7 +110,14 @@ class ContinuousBatchGenerator:
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
         self._ids_lock = threading.Lock()
         self._prompt_tokens = 0
-        packed = prepack_linear_layers(model) if config.prepack_weights and model.device.type == "cpu" else 0
+        # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
+        self.lockstep = Lockstep() if is_tensor_parallel(model) else None
+        self._workers_stopped = False
+        packed = 0
+        if config.prepack_weights and model.device.type == "cpu":
+            packed = prepack_linear_layers(model)
+            if self.lockstep is not None:
+                prepack_sharded_linear_layers(model)
         try:
             self._check_model_runs()
         except Exception:
@@ -120,7 +133,8 @@ class ContinuousBatchGenerator:
             memory = torch.cuda.mem_get_info(model.device)[0] // 2 if model.device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
         dtype = config.kv_dtype(model.dtype)
         storage = PagedKVStorage(model.config, num_blocks=config.num_blocks, block_size=config.block_size,
-                                 memory_budget=memory, dtype=dtype, device=model.device)
+                                 memory_budget=memory, dtype=dtype, device=model.device,
+                                 spec=KVCacheSpec.from_model(model))
         storage.allocate(dtype, model.device)
         return storage
 
@@ -154,6 +168,8 @@ class ContinuousBatchGenerator:
         """Queue a request; it joins the batch at the next step. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params)
+        if request.params.structured_outputs is not None:  # compiles on another thread; the request waits for it
+            request.grammar = self.grammars.compile(request.params.structured_outputs)
         with self._ids_lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -170,10 +186,18 @@ class ContinuousBatchGenerator:
 
     def _drain_inbox(self) -> list[Request]:
         """Admit queued requests to the scheduler and abort the ones asked; returns the aborted."""
-        aborted = []
+        actions = []
         while not self._inbox.empty():
-            action, item = self._inbox.get()
-            if action == "add":
+            actions.append(self._inbox.get())
+        if self.lockstep is not None:
+            if self._workers_stopped:
+                raise DistributedError("the other tensor-parallel ranks were stopped (stop_workers)")
+            actions = self.lockstep.exchange(actions)
+        aborted = []
+        for action, item in actions:
+            if action == "stop":
+                self._workers_stopped = True
+            elif action == "add":
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
                 self._prompt_tokens += item.num_prompt_tokens
@@ -187,6 +211,8 @@ class ContinuousBatchGenerator:
         """Run one engine step; returns the outputs of the requests that changed (new tokens, finished, aborted), as
         each request's ``output_kind`` asks."""
         changed = self._drain_inbox()
+        if self.scheduler.compiling:
+            changed += self.scheduler.admit_compiled()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule() if self.scheduler.has_work() else None
@@ -196,6 +222,8 @@ class ContinuousBatchGenerator:
                 seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             try:  # nothing about a sequence changes until `update`; a step that raises is undone
                 sampled = self._sample(out, self.runner.execute(out))
+                if sampled is not None and self.lockstep is not None:
+                    self.lockstep.check_tokens(sampled.token_ids)
             except BaseException:
                 self.scheduler.rollback(out)
                 raise
@@ -217,6 +245,35 @@ class ContinuousBatchGenerator:
         if len(out.draw_rows) != logits.shape[0]:
             logits = logits[out.draw_rows]
         return sample(logits, build_sampling_batch(out.draws, logits.device))
+
+    # ------------------------------------------------------------------------------------ tensor parallelism
+    @property
+    def is_driver(self) -> bool:
+        """Whether requests enter here: always, except on the ranks other than 0 of a tensor-parallel model."""
+        return self.lockstep is None or self.lockstep.is_driver
+
+    def run_worker(self) -> None:
+        """On a rank other than 0: step in lockstep with rank 0 until it calls `stop_workers` (or fails).
+
+        A step that fails on every rank alike (as rank 0's does) is logged and serving goes on, as on rank 0; a failed
+        collective raises `DistributedError`.
+        """
+        if self.is_driver:
+            raise RuntimeError("run_worker is for the tensor-parallel ranks other than 0; rank 0 takes requests")
+        while not self._workers_stopped:
+            try:
+                self.step()
+            except DistributedError:
+                raise
+            except Exception:
+                logger.exception("engine step failed on this rank, as on rank 0; going on")
+
+    def stop_workers(self) -> None:
+        """On rank 0 of a tensor-parallel model: end the other ranks' `run_worker` (no step may follow)."""
+        if self.lockstep is None or not self.is_driver or self._workers_stopped:
+            return
+        self._inbox.put(("stop", None))
+        self._drain_inbox()
 
     def _retire(self, request_id: str) -> None:
         with self._ids_lock:

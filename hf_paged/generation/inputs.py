@@ -13,6 +13,18 @@ from .sequence import Request
 Prompt = str | list[int] | list[dict]
 
 
+def tokenize_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """``(text, token_ids)`` of a prompt as the engine sees it: chat messages go through the chat template."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer(prompt).input_ids
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return text, tokenizer(text, add_special_tokens=False).input_ids
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}")
+
+
 class InputProcessor:
     """Tokenizes prompts (text, token ids or chat messages) and checks them, and their parameters, against the
     model's vocabulary and context and the engine's limits. Every refusal is a ``ValueError`` naming the problem."""
@@ -50,17 +62,7 @@ class InputProcessor:
         return params
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer(prompt).input_ids
-        elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            text, token_ids = None, list(prompt)
-        else:
-            raise ValueError(
-                f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}"
-            )
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         # A tokenizer can know more tokens than the model embeds; such a prompt would fail every step it joins.
         bad = self._outside_vocabulary(token_ids)
         if bad:

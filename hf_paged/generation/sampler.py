@@ -8,6 +8,7 @@ import torch
 
 from .sampling_params import FLOAT32_MAX
 from .sequence import Sequence
+from .structured_outputs import apply_bitmask, fill_bitmask
 
 _MASK31 = (1 << 31) - 1
 
@@ -61,6 +62,8 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # logit_bias entries of all rows: (row indices, token ids, biases).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured outputs: a bitmask of the tokens each constrained row allows next (CPU), and those rows.
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
     max_logprobs: int = 0
 
 
@@ -88,8 +91,14 @@ def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device
         _add_draw_tensors(batch, draws, device, offsets or [0] * len(draws))
     if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
         _add_penalty_tensors(batch, draws, device)
-    rows = [row for row, (seq, _) in enumerate(draws) if seq.num_output_tokens < seq.request.params.min_tokens]
-    if rows:  # stop tokens are banned until min_tokens are out
+    rows = [row for row, (seq, _) in enumerate(draws) if seq.matcher is not None]
+    if rows:  # every draw of a sequence (n > 1 at its prompt) has its state: one bitmask row per draw
+        batch.token_bitmask = (fill_bitmask([draws[row][0].matcher for row in rows], rows, len(draws)), rows)
+    # Stop tokens are banned until min_tokens are out; not in a constrained row, whose grammar says when it may end
+    # (banning its end token could leave nothing allowed).
+    rows = [row for row, (seq, _) in enumerate(draws)
+            if seq.num_output_tokens < seq.request.params.min_tokens and seq.matcher is None]
+    if rows:
         ids = [draws[row][0].request.stop_ids_tensor for row in rows]
         batch.banned = (_rows_of(rows, ids, device), torch.cat(ids).to(device))
     rows = [row for row, p in enumerate(params) if p.logit_bias]
@@ -159,7 +168,10 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The logits after penalties, biases and bans: what greedy rows take the argmax of."""
+    """The logits after the grammar's bitmask, penalties, biases and bans: what greedy rows take the argmax of."""
+    if batch.token_bitmask is not None:  # first: penalties, temperature and top-k/p only see allowed tokens
+        logits = logits.clone() if batch.max_logprobs else logits  # logprobs are the model's own distribution
+        apply_bitmask(logits, *batch.token_bitmask)
     if batch.repetition_penalty is not None:
         logits = apply_penalties(logits, batch)
     if batch.logit_bias is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 from transformers import GenerationConfig
@@ -21,6 +22,74 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output, with vLLM's names; exactly one field is given.
+
+    ``json``: a JSON schema (a dict or its JSON text); ``json_object=True``: any JSON object; ``regex``: a regular
+    expression the whole output matches; ``choice``: one of these strings exactly; ``grammar``: an EBNF (GBNF-style,
+    ``root ::= ...``) or Lark grammar.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"SamplingParams.structured_outputs must set exactly one of json, regex, choice, grammar "
+                             f"and json_object, got {given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as err:
+                    raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
+            self._require(isinstance(schema, dict), "json", "a JSON schema (an object)")
+            object.__setattr__(self, "json", schema)
+        self._require(self.regex is None or isinstance(self.regex, str), "regex", "a string")
+        self._require(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()), "grammar",
+                      "a non-empty string")
+        self._require(self.json_object in (None, True, False), "json_object", "a boolean")
+        if self.choice is not None:
+            self._require(isinstance(self.choice, (list, tuple)) and self.choice
+                          and all(isinstance(c, str) and c for c in self.choice), "choice",
+                          "a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @staticmethod
+    def _require(ok: bool, name: str, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"SamplingParams.structured_outputs.{name} must be {allowed}")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The constraint as (kind, canonical text): equal keys compile to the same grammar.
+
+        Schema keys keep their order: it is the order in which the output writes an object's properties.
+        """
+        value = getattr(self, self.kind)
+        if self.kind in ("regex", "grammar"):
+            return self.kind, value
+        return self.kind, json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StructuredOutputsParams) and self.key == other.key
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters of one request, with vLLM's names and meanings.
@@ -31,6 +100,9 @@ class SamplingParams:
     are matched on the detokenized text and cut out unless ``include_stop_str_in_output``. ``logprobs=k`` returns the
     ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
     distribution. ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
+    ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
+    a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
+    and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.
     ``output_kind`` says what each output of the request carries (see `RequestOutputKind`).
     """
 
@@ -52,6 +124,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -80,6 +153,8 @@ class SamplingParams:
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         self._check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias", self.logit_bias,
                     "a map of token ids to numbers in [-100, 100]")
+        self._check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                    "structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
         self._check(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
                     "a RequestOutputKind")
         if self.top_k == -1:

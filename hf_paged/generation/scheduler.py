@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from ..cache import KVCacheManager
@@ -14,7 +15,8 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .sampler import SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
-from .stopping import check_stop
+from .stopping import Stop, check_stop
+from .structured_outputs import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +61,39 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.compiling: dict[str, Request] = {}  # constrained requests whose grammar is not compiled yet, by id
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # steps in which a prompt was computed only in part (chunked prefill)
         self.num_generated_tokens = 0
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request.seqs[0])
+        if request.grammar is not None:
+            self.compiling[request.request_id] = request
+        else:
+            self.waiting.append(request.seqs[0])
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.compiling)
+
+    def admit_compiled(self) -> list[Request]:
+        """Queue the requests whose grammar has compiled, and fail those whose grammar did not; returns the failed.
+
+        A request waits here, out of the batch, while its grammar compiles on another thread; with nothing else to
+        run the engine waits for the first grammar a little rather than spin.
+        """
+        if not (self.waiting or self.running):
+            wait([r.grammar for r in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed = []
+        for request in [r for r in self.compiling.values() if r.grammar.done()]:
+            del self.compiling[request.request_id]
+            error = request.grammar.exception()
+            if error is not None:
+                self.fail(request, str(error))
+                failed.append(request)
+            else:
+                request.seqs[0].matcher = GrammarMatcher.of(request.grammar.result())
+                self.waiting.append(request.seqs[0])
+        return failed
 
     # ------------------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -225,6 +251,8 @@ class Scheduler:
         new_text = self.detokenizer.step(seq, params.skip_special_tokens)
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
                           seq.request.stop_ids, self.max_model_len)
+        if seq.matcher is not None and not seq.matcher.advance(token) and stop is None:
+            stop = Stop("stop")  # the grammar is complete: its end token came (min_tokens cannot hold it back)
         if stop is not None:
             if stop.text_end is not None:
                 seq.text = seq.text[: stop.text_end]
@@ -240,6 +268,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self.compiling.pop(seq.request.request_id, None)
         self.kv.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

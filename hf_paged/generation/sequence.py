@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -46,6 +47,7 @@ class Sequence:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.sent_finish = False
+        self.matcher = None  # a structured_outputs.GrammarMatcher over the output, for a constrained request
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +76,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
+        child.matcher = self.matcher.fork() if self.matcher is not None else None
         self.request.seqs.append(child)
         return child
 
@@ -122,6 +125,7 @@ class Request:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    grammar: Future | None = None  # the compiled constraint of structured outputs (compiling, then compiled)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -150,7 +154,9 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
+        # A request aborted before its prompt forked into n samples has fewer sequences, all finished.
+        return all(seq.is_finished for seq in self.seqs) and (
+            len(self.seqs) == self.params.n or any(seq.finish_reason == "abort" for seq in self.seqs))
 
     def output(self) -> RequestOutput | None:
         """The output this request hands back now, per its ``output_kind`` (None: nothing to hand back yet)."""

@@ -5,7 +5,8 @@ token once instead of copying the blocks into a contiguous batch first (as the t
 rows and prefill chunks up to `max_query_len`, and stores the step's new keys and values in the same call; longer
 chunks are faster through torch's SDPA. The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels``
 (default ``~/.cache/hf_paged/kernels``), keyed by the source, the compiler and the CPU, and shares torch's OpenMP
-runtime. Without a compiler `available()` is False and the dispatcher keeps the torch path.
+runtime. Without a compiler `available()` is False and the dispatcher keeps the torch path. The directory is
+created private (0700), and a library or directory that another user could have written is never loaded.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -28,7 +30,10 @@ MAX_NATIVE_QUERY_LEN = 128  # longer prefill chunks go to torch's SDPA, whose ma
 # bf16 with the kernel's AVX512-BF16 score path: as fast as SDPA or faster on chunks up to this long (512 rows: 3.4
 # against 4.9 ms over 512 keys, even over 1024; SDPA wins from about 4 keys per row).
 MAX_NATIVE_QUERY_LEN_BF16_DOT = 512
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
+# Linked without -ffast-math: linking with it adds GCC's crtfastmath.o, whose constructor turns on flush-to-zero for
+# the whole process when the library loads (every subnormal float anywhere then reads as 0).
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # What the kernel's index checks (check_indices in cpu_attention.cpp) found, by status.
 _INDEX_ERRORS = {
@@ -75,22 +80,59 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
+def kernel_dir() -> Path:
+    """``$HF_PAGED_CACHE/kernels`` (an empty variable means the default ``~/.cache/hf_paged``), created private.
+
+    The server loads and runs the library found there, so a relative root (which would depend on the directory the
+    server was started in) is refused, and so is a directory that another user could write to.
+    """
+    root = os.environ.get("HF_PAGED_CACHE") or str(Path.home() / ".cache" / "hf_paged")
+    if not os.path.isabs(root):
+        raise RuntimeError(f"HF_PAGED_CACHE must be an absolute path, got {root!r}: the native kernel would be loaded "
+                           "from a directory relative to wherever the server starts")
+    directory = Path(root) / "kernels"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(directory)
+    return directory
+
+
+def check_private(path: Path) -> None:
+    """Refuse ``path`` unless it is owned by this user and not writable by its group or by others."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"refusing to load code from {path}: it must belong to this user (uid {os.getuid()}) and "
+                           f"be writable by nobody else (it belongs to uid {info.st_uid}, mode "
+                           f"{stat.filemode(info.st_mode)})")
+
+
+def _compile(compiler_path: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built, objects = Path(tmp) / target.name, Path(tmp) / "kernel.o"
+        compile_ = [*_FLAGS, "-c", str(_SOURCE), "-o", str(objects)]
+        for command in (compile_, [*_LINK_FLAGS, str(objects), "-o", str(built)]):
+            result = subprocess.run([compiler_path, *command], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
+        built.chmod(0o700)
+        os.replace(built, target)
+
+
+def library_path(compiler_path: str) -> Path:
+    """Where the library built by this compiler from this source for this CPU lives."""
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
+    parts = [_SOURCE.read_text(), *_FLAGS, *_LINK_FLAGS, version, platform.machine(), _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode())
+    return kernel_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
+
+
 def _build() -> ctypes.CDLL:
     compiler_path = compiler()
     if compiler_path is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version, platform.machine(), _cpu_id()]).encode())
-    root = Path(os.environ.get("HF_PAGED_CACHE", Path.home() / ".cache" / "hf_paged")) / "kernels"
-    target = root / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    target = library_path(compiler_path)
     if not target.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler_path, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
-            os.replace(built, target)
+        _compile(compiler_path, target)
+    check_private(target)
     library = ctypes.CDLL(str(target))
     library.hf_paged_attention.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
     library.hf_paged_has_bf16_dot.argtypes = [ctypes.c_int]

@@ -1,11 +1,13 @@
 """An OpenAI-compatible HTTP server over `ContinuousBatchGenerator` (needs the ``server`` extra).
 
-``create_app(generator, served_model_name, api_key=None)`` returns a FastAPI app; run it with uvicorn, or use
-``hf-paged serve``.
+``create_app(generator, served_model_name, api_key=None, limits=None)`` returns a FastAPI app; run it with uvicorn,
+or use ``hf-paged serve``.
 """
 
 from .app import APIError, create_app
-from .engine import EngineError, EngineLoop, RequestStream
+from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, RequestStream
+from .limits import ServerLimits
 from .metrics import ServerMetrics
 
-__all__ = ["APIError", "EngineError", "EngineLoop", "RequestStream", "ServerMetrics", "create_app"]
+__all__ = ["APIError", "EngineDead", "EngineError", "EngineLoop", "EngineOverloaded", "RequestStream",
+           "ServerLimits", "ServerMetrics", "create_app"]

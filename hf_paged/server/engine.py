@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from ..distributed import HEARTBEAT_S, DistributedError
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.generator import Prompt
 from .metrics import ServerMetrics
@@ -97,21 +99,56 @@ class RequestStream:
             self.pending_ids.clear()
 
 
+class EngineOverloaded(EngineError):
+    """The engine's queue is full: the call is refused before anything was queued (a 503 with Retry-After)."""
+
+
+class EngineDead(EngineError):
+    """The engine thread has stopped for good (an unrecoverable error): nothing more can be served."""
+
+
+FATAL_CONSECUTIVE_FAILURES = 3  # failed steps with no token generated in between: the engine itself is broken
+
+
 class EngineLoop:
     """Drives ``generator.step()`` on one background thread while there is work, sleeping when there is none.
 
-    A step that raises does not stop the thread: the error is logged, every request in flight fails with
-    `EngineError` (a step gives no way to tell which request broke it) and is aborted, and serving goes on.
+    A step that raises an ``Exception`` does not stop the thread: the error is logged, every request in flight fails
+    with `EngineError` (a step gives no way to tell which request broke it) and is aborted, and serving goes on.
+    A ``BaseException`` in a step, or `FATAL_CONSECUTIVE_FAILURES` failed steps with no token generated between
+    them (whichever requests were in them), are unrecoverable: every request in flight fails, the thread ends,
+    `healthy` turns False and the ``on_fatal`` callbacks run (``hf-paged serve`` then exits non-zero, so a
+    supervisor restarts it).
+
+    ``max_num_waiting`` bounds the sequences in flight beyond the ``max_num_seqs`` that one step runs: a call that
+    would pass it is refused with `EngineOverloaded` before anything is queued.
     """
 
-    def __init__(self, generator: ContinuousBatchGenerator, metrics: ServerMetrics | None = None):
+    def __init__(self, generator: ContinuousBatchGenerator, metrics: ServerMetrics | None = None,
+                 max_num_waiting: int | None = None):
         self.generator = generator
         self.metrics = metrics
+        self.max_num_seqs_in_flight = None if max_num_waiting is None else \
+            generator.scheduler.config.max_num_seqs + max_num_waiting
+        self.fatal: BaseException | None = None
+        self.on_fatal: list[Callable[[], None]] = []
         self._routes: dict[str, RequestStream] = {}
+        self._seats: dict[str, int] = {}  # sequences each routed request will be (its n)
+        self._num_seqs = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine can serve: no unrecoverable error, and its thread runs unless it was never started."""
+        thread = self._thread
+        return self.fatal is None and (thread is None or thread.is_alive() or self._stopping)
+
+    @property
+    def num_seqs_in_flight(self) -> int:
+        return self._num_seqs
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -132,14 +169,23 @@ class EngineLoop:
         self._fail_in_flight(EngineError("the server is shutting down"), abort_unrouted=not stepping)
 
     def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]) -> RequestStream:
-        """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input."""
+        """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input,
+        `EngineOverloaded` when the queue is full and `EngineDead` once the engine has stopped for good.
+
+        Give token ids: a text prompt would be tokenized here, on the caller's thread, under the engine's lock."""
+        if self.fatal is not None:
+            raise EngineDead("the engine has stopped after an unrecoverable error")
         self.start()
         stream = RequestStream(self, request_ids)
         # Routes and the generator's inbox change together: a failing step that aborts everything routed then
         # either precedes this request entirely or queues its abort after the request's "add".
         with self._lock:
+            seats = params.n * len(request_ids)
+            limit = self.max_num_seqs_in_flight
+            if limit is not None and self._num_seqs + seats > limit and self._num_seqs > 0:
+                raise EngineOverloaded(f"{self._num_seqs} sequences in flight, --max-num-waiting")
             for request_id in request_ids:
-                self._routes[request_id] = stream
+                self._route(request_id, stream, params.n)
             try:
                 for prompt, request_id in zip(prompts, request_ids):
                     self.generator.add_request(prompt, params, request_id)
@@ -156,41 +202,92 @@ class EngineLoop:
             self._unroute(request_ids)
         self._wake.set()
 
+    def _route(self, request_id: str, stream: RequestStream, seats: int) -> None:
+        self._routes[request_id] = stream
+        self._seats[request_id] = seats
+        self._num_seqs += seats
+
+    def _drop_route(self, request_id: str) -> RequestStream | None:
+        """Forget a request's route (hold the lock); returns its stream, or None if it had none."""
+        self._num_seqs -= self._seats.pop(request_id, 0)
+        return self._routes.pop(request_id, None)
+
     def _unroute(self, request_ids: list[str]) -> None:
         """Drop the routes of these requests and abort the ones that had one (hold the lock)."""
         for request_id in request_ids:
-            if self._routes.pop(request_id, None) is not None:
+            if self._drop_route(request_id) is not None:
                 self.generator.abort_request(request_id)
 
     # ------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        failures = 0
+        try:
+            while not self._stopping and failures < FATAL_CONSECUTIVE_FAILURES:
+                failures = self._step(failures)
+            if failures >= FATAL_CONSECUTIVE_FAILURES:
+                self._die(EngineError(f"{failures} engine steps failed in a row"))
+        except BaseException as err:  # noqa: BLE001 - whatever ends the thread must not leave handlers waiting
+            logger.critical("the engine thread stopped after an unrecoverable error", exc_info=True)
+            self._die(err)
+
+    def _step(self, failures: int) -> int:
+        """One step, its outputs delivered; returns the number of steps that have failed since a token was last
+        generated (a step that only hands back aborted requests is no sign of health)."""
         generator = self.generator
-        while not self._stopping:
-            if not generator.has_unfinished_requests():
-                self._wake.wait()
-                self._wake.clear()
-                continue
+        if not generator.has_unfinished_requests():
+            # Under tensor parallelism the other ranks wait for every step's inputs: an idle engine still steps now
+            # and then, so they do not time out and a dead rank is found.
+            heartbeat = HEARTBEAT_S if generator.lockstep is not None else None
+            self._wake.wait(heartbeat)
+            self._wake.clear()
+            if heartbeat is None or self._stopping:
+                return failures
+        generated = generator.scheduler.num_generated_tokens
+        try:
+            outputs = generator.step()
+        except DistributedError as err:
+            self._end_group(err)
+            return failures
+        except Exception:
+            logger.exception("engine step failed; failing the requests in flight")
+            if self.metrics is not None:
+                self.metrics.step_failures.inc()
+            self._fail_in_flight(EngineError("the engine failed while serving this request (see the server log)"))
+            return failures + 1
+        try:
+            self._dispatch(outputs)
+        except Exception:
+            logger.exception("could not deliver the outputs of a step")
+        if self.metrics is not None:
             try:
-                outputs = generator.step()
-            except Exception as err:
-                logger.exception("engine step failed; failing the requests in flight")
-                if self.metrics is not None:
-                    self.metrics.step_failures.inc()
-                self._fail_in_flight(EngineError(f"the engine failed while serving this request: {err!r}"))
-                continue
-            try:
-                if self.metrics is not None:
-                    self.metrics.observe_step(generator.stats(), outputs)
-                self._dispatch(outputs)
+                self.metrics.observe_step(generator.stats(), outputs)
             except Exception:
-                logger.exception("could not deliver the outputs of a step")
+                logger.exception("could not record the metrics of a step")
+        return 0 if generator.scheduler.num_generated_tokens > generated else failures
+
+    def _die(self, err: BaseException) -> None:
+        self.fatal = err
+        self._fail_in_flight(EngineError("the engine stopped after an unrecoverable error (see the server log)"))
+        for callback in self.on_fatal:
+            try:
+                callback()
+            except Exception:
+                logger.exception("an on_fatal callback failed")
+
+    def _end_group(self, error: DistributedError) -> None:
+        """A tensor-parallel rank failed: nothing can be served any more, so the server process ends (and torchrun
+        ends the other ranks)."""
+        self._fail_in_flight(EngineError(f"the tensor-parallel group failed: {error}"), abort_unrouted=False)
+        logger.critical("%s; the server exits", error)
+        logging.shutdown()
+        os._exit(1)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | EngineError]]] = {}
         with self._lock:
             for output in outputs:
-                route = self._routes.pop if output.finished else self._routes.get
-                stream = route(output.request_id, None)
+                stream = self._drop_route(output.request_id) if output.finished else \
+                    self._routes.get(output.request_id)
                 if stream is not None:
                     by_loop.setdefault(stream.loop, []).append((stream, output))
         for loop, items in by_loop.items():
@@ -202,7 +299,7 @@ class EngineLoop:
     def _fail_in_flight(self, error: EngineError, abort_unrouted: bool = True) -> None:
         """Fail every routed request; with ``abort_unrouted`` (only safe while no step runs) abort all others too."""
         with self._lock:
-            routes, self._routes = self._routes, {}
+            routes, self._routes, self._seats, self._num_seqs = self._routes, {}, {}, 0
         unrouted = set(self.generator.requests) if abort_unrouted else set()
         for request_id in set(routes) | unrouted:
             self.generator.abort_request(request_id)

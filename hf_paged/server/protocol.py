@@ -2,18 +2,22 @@
 
 Fields that OpenAI marks optional may also be sent as ``null``; either way the documented default applies. Besides
 OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output`` and ``skip_special_tokens``.
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
+``structured_outputs`` (with its older spellings ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from functools import lru_cache
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..generation import CompletionOutput, RequestOutputKind, SamplingParams
+from ..generation import CompletionOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from .tool_calls import ToolCallParser, calls_schema, tool_functions
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
 
@@ -27,18 +31,13 @@ class StreamOptions(BaseModel):
 # Fields of OpenAI's API and of vLLM's extensions to it that change the output and that this server does not
 # implement, with the values that ask for nothing more than it does. Any other value is refused by name rather than
 # ignored; fields that are not known at all are ignored, as vLLM does.
+# ``tools`` and ``tool_choice`` are fields of the chat endpoint; elsewhere (``/v1/completions``) they are refused here.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
     "tools": lambda value: not value,
     "tool_choice": lambda value: value in (None, "none", "auto"),
     "functions": lambda value: not value,
     "function_call": lambda value: value in (None, "none", "auto"),
     "prompt_logprobs": lambda value: value is None,
-    "structured_outputs": lambda value: value is None,
-    "guided_json": lambda value: value is None,
-    "guided_regex": lambda value: value is None,
-    "guided_choice": lambda value: value is None,
-    "guided_grammar": lambda value: value is None,
     "use_beam_search": lambda value: not value,
     "bad_words": lambda value: not value,
     "allowed_token_ids": lambda value: value is None,
@@ -50,6 +49,72 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "chat_template_kwargs": lambda value: not value,
     "documents": lambda value: not value,
 }
+
+
+class RequestFieldError(ValueError):
+    """A bad value of the request field ``param``."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+_SPEC_NAME = re.compile(r"^SamplingParams\.structured_outputs(\.\w+)?")
+
+
+@dataclass
+class Constraint:
+    """A structured-output constraint and the request field that asked for it.
+
+    ``label`` names it in errors; ``{kind}`` in it stands for ``.json``, ``.regex``, ... where the error names one.
+    """
+
+    param: str
+    label: str
+    spec: StructuredOutputsParams
+
+    def error(self, err: ValueError) -> RequestFieldError:
+        return _field_error(self.param, self.label, err)
+
+    @classmethod
+    def of(cls, param: str, label: str, **spec) -> "Constraint":
+        try:
+            return cls(param, label, StructuredOutputsParams(**spec))
+        except ValueError as err:
+            raise _field_error(param, label, err) from None
+
+
+def _field_error(param: str, label: str, err: ValueError) -> RequestFieldError:
+    """``err`` from `StructuredOutputsParams` or its compilation, worded after the request field."""
+    return RequestFieldError(param, _SPEC_NAME.sub(lambda m: label.format(kind=m.group(1) or ""), str(err)))
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``; without a ``schema`` any JSON value is allowed."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of its fields."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class GenerationRequest(BaseModel):
@@ -77,6 +142,39 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraints(self) -> list[Constraint]:
+        """Every structured-output constraint the request asks for (raises ``RequestFieldError`` for a bad one)."""
+        asked = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(Constraint.of("response_format", "response_format", json_object=True))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+            asked.append(Constraint.of("response_format", "response_format.json_schema.schema",
+                                       json=schema if schema is not None else {}))
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(exclude_none=True)
+            spec = {("json" if k == "json_" else k): v for k, v in given.items()}
+            asked.append(Constraint.of("structured_outputs", "structured_outputs{kind}", **spec))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                asked.append(Constraint.of(f"guided_{kind}", f"guided_{kind}", **{kind: value}))
+        return asked
+
+    def constraint(self) -> Constraint | None:
+        """The one structured-output constraint of the request, or None."""
+        asked = self.constraints()
+        if len(asked) > 1:
+            raise RequestFieldError(asked[1].param, f"{asked[0].param} and {asked[1].param} cannot be combined")
+        return asked[0] if asked else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request as `SamplingParams`; raises ``ValueError`` naming the bad field."""
@@ -90,8 +188,10 @@ class GenerationRequest(BaseModel):
             "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias(),
         }
         values = {name: value for name, value in given.items() if value is not None}
+        constraint = self.constraint()
         # The server merges each request's deltas itself (see `engine.RequestStream`).
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA, **values)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
+                              structured_outputs=constraint.spec if constraint else None, **values)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys, so as strings."""
@@ -121,7 +221,7 @@ class CompletionRequest(GenerationRequest):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
     suffix: str | None = None
 
@@ -142,6 +242,10 @@ class CompletionRequest(GenerationRequest):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return self.sampling_params(max_tokens, self.logprobs)
+
+    def logprobs_param(self) -> tuple[str, int | None]:
+        """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
+        return "logprobs", self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -175,7 +279,50 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_choice_name(self) -> str:
+        """``"none"``, ``"auto"``, ``"required"`` or the named function; raises ``RequestFieldError``."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if isinstance(choice, dict):
+            function = choice.get("function") if choice.get("type", "function") == "function" else None
+            choice = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(choice, str):
+                raise RequestFieldError("tool_choice", 'a named tool_choice is {"type": "function", "function": '
+                                                       '{"name": ...}}')
+        if choice != "none" and not self.tools:
+            raise RequestFieldError("tool_choice", f"tool_choice {choice!r} needs tools")
+        return choice
+
+    def tool_parser(self, tokenizer, prompt: str) -> ToolCallParser | None:
+        """What reads tool calls out of this request's outputs, or None when it reads none."""
+        choice = self.tool_choice_name()
+        if choice == "none":
+            return None
+        return ToolCallParser("auto" if choice == "auto" else "json", tokenizer, prompt, self.tools)
+
+    def constraints(self) -> list[Constraint]:
+        asked = super().constraints()
+        choice = self.tool_choice_name()
+        if choice in ("none", "auto"):
+            return asked
+        try:
+            functions = tool_functions(self.tools)
+        except ValueError as err:
+            raise RequestFieldError("tools", str(err)) from None
+        if choice != "required" and choice not in functions:
+            raise RequestFieldError("tool_choice", f"tool_choice names {choice!r}, which is not among the tools")
+        schema = calls_schema(functions, None if choice == "required" else choice)
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return [Constraint.of("tools", "tools", json=schema)] + asked
+
+    def needs_tool_prompt(self) -> bool:
+        """Whether the prompt holds tools or earlier tool calls, so it is rendered by `tool_calls.render_prompt`."""
+        return bool(self.tools) or any((m.model_extra or {}).get("tool_calls") for m in self.messages)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -184,20 +331,28 @@ class ChatCompletionRequest(GenerationRequest):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
+    def logprobs_param(self) -> tuple[str, int | None]:
+        """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
+        return "top_logprobs", (self.top_logprobs or 0) if self.logprobs else None
+
+
 # --------------------------------------------------------------------------------------------------- responses
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
     """An error in OpenAI's shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def token_decoder(tokenizer) -> Callable[[int], str]:
-    """``id -> text`` of a single token, cached: logprobs name every token they report."""
-
-    @lru_cache(maxsize=1 << 16)
-    def decode(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
-    return decode
 
 
 def _ranked(top: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -274,6 +429,44 @@ class ChatFormat(CompletionFormat):
 
     def opening_choice(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+class ToolChatFormat(ChatFormat):
+    """Chat choices whose text may hold tool calls: those are answered as ``message.tool_calls`` (streamed as
+    ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``."""
+
+    def __init__(self, decode: Callable[[int], str], top_k: int | None, parser: ToolCallParser):
+        super().__init__(decode, top_k)
+        self.parser = parser
+        self.streams = {}
+
+    def choice(self, index: int, output: CompletionOutput) -> dict:
+        choice = super().choice(index, output)
+        content, calls = self.parser.parse(output.text)
+        if calls:
+            choice["message"] = {"role": "assistant", "content": content,
+                                 "tool_calls": [call.to_dict() for call in calls]}
+            choice["finish_reason"] = _tool_finish(output.finish_reason)
+        return choice
+
+    def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                     text_offset: int, finish_reason: str | None) -> dict:
+        stream = self.streams.setdefault(index, self.parser.stream())
+        content, calls = stream.feed(text)
+        called = False
+        if finish_reason is not None:
+            rest, last, called = stream.finish()
+            content, calls = content + rest, calls + last
+        choice = super().chunk_choice(index, content, token_ids, logprobs, text_offset, finish_reason)
+        if calls:
+            choice["delta"]["tool_calls"] = calls
+        if called:
+            choice["finish_reason"] = _tool_finish(finish_reason)
+        return choice
+
+
+def _tool_finish(finish_reason: str | None) -> str | None:
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,0 +1,137 @@
+"""Constrained decoding: grammars compiled from `StructuredOutputsParams`, per-sequence matchers and token bitmasks.
+
+The only module that knows the backend, xgrammar: its matchers accept a token, roll back and fork cheaply, fill a
+whole batch's bitmasks from its own threads, and its CPU kernel masks fp32/bf16 logits in place (a Triton/CUDA one on
+GPU). Grammars compile on a background thread, never on the engine thread, and are cached by their constraint's
+canonical text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .sampling_params import StructuredOutputsParams
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:42: " before a message
+
+
+def _xgrammar():
+    import xgrammar  # takes about a second: imported when the first constrained request comes
+
+    return xgrammar
+
+
+class GrammarMatcher:
+    """Where one sequence's output stands in its grammar."""
+
+    def __init__(self, matcher: "xgrammar.GrammarMatcher", vocab_size: int):
+        self._matcher, self.vocab_size = matcher, vocab_size
+
+    @classmethod
+    def of(cls, grammar: "xgrammar.CompiledGrammar") -> "GrammarMatcher":
+        """A matcher at the start of a compiled grammar (what `GrammarCompiler.compile` gives)."""
+        return cls(_xgrammar().GrammarMatcher(grammar), grammar.tokenizer_info.vocab_size)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and no change) if the grammar does not allow it."""
+        return self._matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its end token was accepted."""
+        return self._matcher.is_terminated()
+
+    def advance(self, token_id: int) -> bool:
+        """Accept a sampled token; False when the output must end here: its grammar is complete (the token was an
+        end token), or the token is outside the grammar, which masking makes impossible."""
+        return self.accept(token_id) and not self.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        self._matcher.rollback(num_tokens)
+
+    def fork(self) -> "GrammarMatcher":
+        return GrammarMatcher(self._matcher.fork(), self.vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary, off the caller's thread, with an LRU cache.
+
+    ``end_token_ids`` are the tokens a finished grammar allows (the model's end-of-sequence tokens).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, end_token_ids, cache_size: int = 256):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.end_token_ids = sorted(end_token_ids)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")  # one: _compile is not reentrant
+        self._compiler = None  # an xgrammar.GrammarCompiler, built on first use: it reads the whole vocabulary
+
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        """A future of the compiled grammar; it raises ``ValueError`` naming the field if the constraint is invalid."""
+        key = spec.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._pool.submit(self._compile, spec)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+        return future
+
+    def _compile(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+        xgrammar = _xgrammar()
+        if self._compiler is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=self.end_token_ids)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        compiler = self._compiler
+        try:
+            if spec.json is not None:
+                return compiler.compile_json_schema(spec.json, any_whitespace=False)
+            if spec.json_object:
+                return compiler.compile_json_schema({"type": "object"}, any_whitespace=False)
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+            if "::=" in spec.grammar:
+                return compiler.compile_grammar(spec.grammar)
+            return compiler.compile_lark(spec.grammar)
+        except Exception as err:  # noqa: BLE001 - whatever the backend refuses is this constraint's fault
+            message = _LOG_PREFIX.sub("", str(err)).strip()
+            raise ValueError(f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_batch_matcher = None  # an xgrammar.BatchGrammarMatcher (it owns a thread pool), made once
+
+
+def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int) -> torch.Tensor:
+    """A ``[num_rows, ceil(vocab_size / 32)]`` int32 bitmask whose ``rows`` allow what ``matchers`` allow next.
+
+    Rows not in ``rows`` are left all-allowed; the matchers are filled in parallel on xgrammar's threads.
+    """
+    global _batch_matcher
+    xgrammar = _xgrammar()
+    if _batch_matcher is None:
+        _batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
+    bitmask = xgrammar.allocate_token_bitmask(num_rows, matchers[0].vocab_size)
+    _batch_matcher.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, rows)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of ``rows`` that their bitmask rows forbid."""
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

@@ -1,0 +1,126 @@
+"""`Ingress`: the app's HTTP entry. It reads each request, hashes its prompt's blocks for the router, and passes
+it to an engine replica whose `create_app` server answers; ``/metrics`` gathers every replica's metrics.
+
+Serve's HTTP proxy hands a deployment the request's headers but not its body, so routing on the prompt needs this
+hop: the ingress is light (a tokenizer, no model) and the router runs in its process.
+"""
+
+
+import asyncio
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from ..generation.inputs import Prompt, tokenize_prompt
+from ..server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from .affinity import prefix_hashes
+from .asgi import HTTPRequest, HTTPResponseStart
+from .metrics import merged_metrics
+from .registry import router_of
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="hf_paged on Ray Serve")
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def _prompt(path: str, body: bytes) -> Prompt | None:
+    if path == "/v1/chat/completions":
+        return [m.to_template_dict() for m in ChatCompletionRequest.model_validate_json(body).messages]
+    if path == "/v1/completions":
+        prompts = CompletionRequest.model_validate_json(body).prompts()
+        return prompts[0] if prompts else None
+    return None
+
+
+async def _rest(start: HTTPResponseStart, response):
+    """The body after ``start``; a replica that dies mid-stream ends an event stream with an error event."""
+    yield start.body
+    try:
+        async for piece in response:
+            yield piece
+    except Exception as err:
+        logger.warning("an engine replica failed mid-response: %r", err)
+        if (start.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            error = error_body(f"the engine replica serving this request failed: {err!r}", "server_error", code=503)
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        response.cancel()  # the client left early: the replica's app then aborts the request
+
+
+def _headers(start: HTTPResponseStart) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower() != b"content-length"}
+
+
+def _replica_failed(err: Exception) -> JSONResponse:
+    message = f"the engine replica serving this request failed: {err!r}"
+    return JSONResponse(error_body(message, "server_error", code=503), status_code=503)
+
+
+# Serve pickles the ingress class when it is decorated: what its methods use must be defined above it.
+@serve.deployment(name="Ingress")
+@serve.ingress(api)
+class Ingress:
+    """The app's HTTP entry in front of the ``engine`` deployment. With ``prefix_affinity=False`` it sends no block
+    hashes, so the router always takes the less loaded of two random replicas."""
+
+    def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
+                 metrics_timeout_s: float = 5.0):
+        from transformers import AutoTokenizer
+
+        self.engine = engine
+        self.stream = engine.options(stream=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.block_size = block_size
+        self.prefix_affinity = prefix_affinity
+        self.metrics_timeout_s = metrics_timeout_s
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        router = router_of(self.engine.app_name)
+        if router is None:  # the handle makes its router at its first call
+            await self.engine.metrics.remote()
+            router = router_of(self.engine.app_name)
+        texts = {}
+        # One at a time: calls made while serving one HTTP request share Serve's request id, and the router
+        # hands a chosen replica to the first pending call with that id.
+        for replica in [r.unique_id for r in router.curr_replicas]:
+            try:
+                answer = self.engine.metrics.remote(replica=replica)
+                answered_by, texts[replica] = await asyncio.wait_for(answer, self.metrics_timeout_s)
+                if answered_by != replica:
+                    raise RuntimeError(f"replica {answered_by} answered instead")
+            except Exception as err:
+                logger.warning("replica %s did not report its metrics: %r", replica, err)
+        return Response(merged_metrics(texts, router.stats), media_type=CONTENT_TYPE_LATEST)
+
+    @api.api_route("/{path:path}", methods=_METHODS)
+    async def forward(self, path: str, request: Request) -> Response:
+        body, path = await request.body(), "/" + path  # relative to where this app is mounted
+        http = HTTPRequest(request.method, path, request.url.query.encode(), request.headers.raw, body)
+        response = self.stream.remote(http, prefix=self._prefix(path, body))
+        try:
+            start: HTTPResponseStart = await response.__anext__()
+        except Exception as err:
+            logger.warning("an engine replica failed before it answered: %r", err)
+            return _replica_failed(err)
+        if start.complete:
+            return Response(start.body, status_code=start.status, headers=_headers(start))
+        return StreamingResponse(_rest(start, response), status_code=start.status, headers=_headers(start))
+
+    def _prefix(self, path: str, body: bytes) -> list[bytes] | None:
+        """The prompt's block hashes, or None when the request has no prompt (or a malformed one: the replica
+        answers that with its 400)."""
+        if not self.prefix_affinity:
+            return None
+        try:
+            prompt = _prompt(path, body)
+            if prompt is None:
+                return None
+            return prefix_hashes(tokenize_prompt(self.tokenizer, prompt)[1], self.block_size)
+        except Exception:
+            return None

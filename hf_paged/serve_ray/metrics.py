@@ -1,0 +1,61 @@
+"""The app's ``/metrics``: every replica's server metrics labelled ``replica="<id>"``, their total labelled
+``replica="all"`` (sums; the mean for fractions such as ``kv_cache_usage_perc``), and the router's counters."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from .router import RoutingStats
+
+TOTAL = "all"
+
+
+def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None) -> bytes:
+    """Prometheus text of the replicas' metrics (``{replica id: its /metrics text}``) and the router's."""
+    families: dict[str, Metric] = {}
+    totals: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for replica, text in sorted(replica_texts.items()):
+        for family in text_string_to_metric_families(text):
+            if family.name.endswith("_created"):
+                continue
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                merged.add_sample(sample.name, {"replica": replica, **sample.labels}, sample.value)
+                totals[family.name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
+    for name, samples in totals.items():
+        mean = name.endswith("_perc")
+        for (sample_name, labels), values in samples.items():
+            value = sum(values) / len(values) if mean else sum(values)
+            families[name].add_sample(sample_name, {"replica": TOTAL, **dict(labels)}, value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed([*families.values(), *_router_families(stats, len(replica_texts))]))
+    return generate_latest(registry)
+
+
+def _router_families(stats: RoutingStats | None, num_replicas: int) -> list[Metric]:
+    replicas = GaugeMetricFamily("hf_paged:router_replicas", "Engine replicas the router can send requests to.",
+                                 value=num_replicas)
+    if stats is None:
+        return [replicas]
+    counters = [
+        ("requests", "Requests routed with a prompt.", stats.requests),
+        ("affinity_requests", "Requests sent to a replica that was sent their first prompt block before.",
+         stats.affinity_requests),
+        ("prompt_blocks", "Full prompt blocks of the routed requests.", stats.prompt_blocks),
+        ("matched_blocks", "Prompt blocks the chosen replica was sent before (predicted prefix hits).",
+         stats.matched_blocks),
+    ]
+    return [replicas, *(CounterMetricFamily(f"hf_paged:router_{name}", text, value=value)
+                        for name, text, value in counters)]
+
+
+class _Fixed:
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return self.families

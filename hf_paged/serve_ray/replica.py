@@ -1,0 +1,65 @@
+"""`EngineReplica`: one `ContinuousBatchGenerator` behind the `create_app` server, as a Ray Serve deployment.
+
+The ingress hands it raw HTTP requests (`HTTPRequest`); it runs each through its own app in-process, so every
+replica answers exactly as ``hf-paged serve`` does, API key check, errors and metrics included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from prometheus_client import generate_latest
+from ray import serve
+
+from ..generation import EngineConfig
+from .asgi import HTTPRequest, HTTPResponseStart, call_app
+
+REPLICA_HEADER = b"x-hf-paged-replica"
+
+
+@dataclass
+class ReplicaSpec:
+    """What every replica loads and serves; it is pickled to each replica."""
+
+    model: str  # a local model directory, the same path on every node
+    served_model_name: str
+    dtype: str = "auto"
+    api_key: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def load(self):
+        """The replica's generator (call on the replica)."""
+        from ..generation import ContinuousBatchGenerator
+        from ..loading import load_model
+
+        model, tokenizer = load_model(self.model, dtype=self.dtype)
+        return ContinuousBatchGenerator(model, tokenizer, self.engine)
+
+
+@serve.deployment(name="Engine")
+class EngineReplica:
+    def __init__(self, spec: ReplicaSpec):
+        from ..server import create_app
+
+        self.generator = spec.load()
+        self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key)
+        self.app.state.engine.start()
+        self.replica = serve.get_replica_context().replica_id.unique_id
+
+    async def __call__(self, request: HTTPRequest, prefix: list[bytes] | None = None,
+                       ) -> AsyncIterator[HTTPResponseStart | bytes]:
+        """The app's answer in pieces, its header naming this replica; ``prefix`` (the prompt's block hashes) is
+        for the router, not used here."""
+        async for piece in call_app(self.app, request):
+            if isinstance(piece, HTTPResponseStart):
+                piece.headers.append((REPLICA_HEADER, self.replica.encode()))
+            yield piece
+
+    async def metrics(self, replica: str | None = None) -> tuple[str, str]:
+        """``(replica id, Prometheus text of this replica's server)``; ``replica`` picks the replica (router)."""
+        return self.replica, generate_latest(self.app.state.metrics.registry).decode()
+
+    def __del__(self):
+        if hasattr(self, "app"):  # Serve's graceful shutdown; requests still in flight fail
+            self.app.state.engine.stop(timeout=5.0)

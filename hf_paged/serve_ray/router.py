@@ -1,0 +1,100 @@
+"""`PrefixAffinityRouter`: Ray Serve's request router for the engine replicas.
+
+A request carries its prompt's block hashes (``prefix=`` keyword, computed by the ingress). It goes to the replica
+that was last sent the longest prefix of them, unless that replica has ``max_imbalance`` more requests in flight
+from this router than the least busy one; otherwise, and when no replica was sent its first block, to the less
+loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only (the ingress reads each
+replica's metrics that way).
+
+The router lives in the ingress's process; `registry.router_of(app_name)` finds it there, for its statistics.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from . import registry
+from .affinity import AffinityTable
+
+
+@dataclass
+class RoutingStats:
+    """What the router did with the requests that carried a prompt."""
+
+    requests: int = 0
+    affinity_requests: int = 0  # sent to a replica that was sent at least the prompt's first block
+    prompt_blocks: int = 0
+    matched_blocks: int = 0  # of those, blocks the chosen replica was sent before: the predicted prefix hits
+
+    @property
+    def hit_rate(self) -> float:
+        """Predicted prefix hit rate, in blocks."""
+        return self.matched_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Prefix-cache affinity with power-of-two-choices fallback (see the module docstring)."""
+
+    def initialize_state(self, max_imbalance: int = 8, table_capacity: int = 1 << 17):
+        self.max_imbalance = max_imbalance
+        self.table = AffinityTable(table_capacity)
+        self.stats = RoutingStats()
+        self.in_flight: Counter[ReplicaID] = Counter()
+        self._routed: dict[str, ReplicaID] = {}
+        registry.ROUTERS[self.app_name] = self
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        kwargs = {}
+        if pending_request is not None:
+            kwargs = pending_request.kwargs
+            pending_request.routing_context.should_backoff = True  # when no choice is taken, wait before the next
+        target = kwargs.get("replica")
+        if target is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        balanced = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        best, _ = self.table.best(kwargs.get("prefix") or (), by_id)
+        if best is None or self._overloaded(best, by_id):
+            return [balanced]
+        return [[by_id[best]], balanced]
+
+    def _overloaded(self, replica: ReplicaID, candidates: dict[ReplicaID, RunningReplica]) -> bool:
+        least = min(self.in_flight[r] for r in candidates)
+        return self.in_flight[replica] - least > self.max_imbalance
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self.in_flight[replica_id] += 1
+        self._routed[pending_request.metadata.internal_request_id] = replica_id
+        hashes = pending_request.kwargs.get("prefix")
+        if hashes is None:
+            return
+        matched = self.table.matched(hashes, replica_id)
+        self.stats.requests += 1
+        self.stats.affinity_requests += matched > 0
+        self.stats.prompt_blocks += len(hashes)
+        self.stats.matched_blocks += matched
+        self.table.record(hashes, replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._routed.pop(internal_request_id, None) is not None:
+            self.in_flight[replica_id] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for gone in [r for r in self.in_flight if r not in live]:
+            self._forget(gone)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
+        self.table.forget(replica_id)
+        self.in_flight.pop(replica_id, None)

@@ -1,0 +1,84 @@
+"""`ServerLimits`: what one HTTP call may ask of the server, checked before any of it reaches the engine.
+
+Every limit is a ``hf-paged serve`` option. A call over a limit is a 400 that names the field (or a 413 for the body,
+a 503 with ``Retry-After`` when the server is full), so no single call can stall or exhaust the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .protocol import APIError, GenerationRequest
+
+OPENAI_MAX_N = 128
+
+
+@dataclass
+class ServerLimits:
+    """Limits per call and per server; the defaults follow OpenAI's API and TGI's launcher where they have one."""
+
+    max_body_bytes: int = 4 << 20  # a request body, read before anything is parsed
+    max_client_batch_size: int = 32  # prompts in one /v1/completions call
+    max_concurrent_requests: int = 512  # generation calls in progress at once
+    max_num_waiting: int = 1024  # sequences queued beyond the max_num_seqs that one step runs
+    max_n: int | None = None  # samples per prompt; None: half of max_num_seqs, at most OpenAI's 128
+    max_stop_sequences: int = 4  # OpenAI's and TGI's limit
+    max_stop_length: int = 256  # characters of one stop string
+    max_stop_token_ids: int = 64
+    max_logit_bias: int = 300  # OpenAI's limit
+    max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's max_logprobs)
+    max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens of one call
+    max_chars_per_token: int = 32  # prompts longer than max_model_len x this are refused before tokenizing
+    tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if not (value is None and field.name == "max_n") and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+
+    def resolved_max_n(self, max_num_seqs: int) -> int:
+        """The most samples per prompt: by default half the batch, so one call never takes every seat."""
+        if self.max_n is not None:
+            return self.max_n
+        return max(1, min(OPENAI_MAX_N, max_num_seqs // 2))
+
+    def check_body(self, body: GenerationRequest, max_num_seqs: int) -> None:
+        """The per-call limits that need only the body (before tokenization); raises a 400 naming the field."""
+        max_n = self.resolved_max_n(max_num_seqs)
+        if body.n is not None and body.n > max_n:
+            _refuse("n", f"n must be at most {max_n} on this server (--max-n; by default half of max_num_seqs="
+                         f"{max_num_seqs}, so one call leaves seats for others), got {body.n}")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        _at_most("stop", len(stop), self.max_stop_sequences, "stop strings", "--max-stop-sequences")
+        longest = max((len(s) for s in stop), default=0)
+        _at_most("stop", longest, self.max_stop_length, "characters in a stop string", "--max-stop-length")
+        _at_most("stop_token_ids", len(body.stop_token_ids or ()), self.max_stop_token_ids, "stop_token_ids",
+                 "--max-stop-token-ids")
+        _at_most("logit_bias", len(body.logit_bias or ()), self.max_logit_bias, "logit_bias entries",
+                 "--max-logit-bias")
+        param, logprobs = body.logprobs_param()
+        _at_most(param, logprobs or 0, self.max_logprobs, f"{param}", "--max-logprobs")
+
+    def check_prompt_count(self, num_prompts: int) -> None:
+        _at_most("prompt", num_prompts, self.max_client_batch_size, "prompts in one call", "--max-client-batch-size")
+
+    def check_logprob_entries(self, body: GenerationRequest, n: int, new_tokens: list[int]) -> None:
+        """Bound the log-probabilities one call returns: ``new_tokens`` is the most each prompt can generate."""
+        param, logprobs = body.logprobs_param()
+        if logprobs is None:
+            return
+        entries = n * (logprobs + 1) * sum(new_tokens)
+        if entries > self.max_logprob_entries:
+            _refuse(param, f"n x (logprobs + 1) x new tokens over all prompts is {entries} log-probabilities, more "
+                           f"than this server returns for one call ({self.max_logprob_entries}, "
+                           f"--max-logprob-entries): lower max_tokens, n or {param}")
+
+
+def _at_most(param: str, value: int, limit: int, what: str, option: str) -> None:
+    if value > limit:
+        _refuse(param, f"at most {limit} {what} are allowed on this server ({option}), got {value}")
+
+
+def _refuse(param: str, message: str) -> None:
+    raise APIError(400, message, param=param)

@@ -1,0 +1,97 @@
+"""`PromptEncoder`: prompts to token ids on worker threads, off the event loop and off the engine's lock.
+
+Each worker thread has its own copy of the tokenizer: a fast tokenizer object used from two threads at once can raise
+"Already borrowed" (Rust's borrow check), and the engine thread keeps using the generator's own one to detokenize.
+A prompt that could not fit the context even at ``max_chars_per_token`` characters per token is refused before it
+is tokenized, so a huge prompt costs a length check, not seconds of tokenization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+from jinja2 import TemplateError
+
+from ..generation.inputs import InputProcessor, Prompt
+from .protocol import APIError
+
+
+class PromptEncoder:
+    """Renders chat templates and tokenizes prompts with the engine's own `InputProcessor` (each worker thread has a
+    copy of it, with a copy of the tokenizer), so the engine gets the token ids it would have made itself."""
+
+    def __init__(self, inputs: InputProcessor, max_chars_per_token: int, workers: int):
+        self.inputs = inputs
+        self.max_model_len = inputs.max_model_len
+        self.max_chars = self.max_model_len * max_chars_per_token
+        self._master = copy.deepcopy(inputs.tokenizer)  # copied from only under _copy_lock
+        self._copy_lock = threading.Lock()
+        self._local = threading.local()
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None
+
+    def processor(self) -> InputProcessor:
+        """This thread's own `InputProcessor`, with its own tokenizer."""
+        processor = getattr(self._local, "processor", None)
+        if processor is None:
+            processor = copy.copy(self.inputs)
+            with self._copy_lock:
+                processor.tokenizer = copy.deepcopy(self._master)
+            self._local.processor = processor
+        return processor
+
+    async def encode(self, prompt: Prompt, param: str) -> list[int]:
+        """The prompt's token ids; raises a 400 naming ``param`` for a prompt that is too long or cannot render."""
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            self._check_tokens(len(prompt), param)
+            return prompt
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(str(v)) for m in prompt for v in m.values())
+        if chars > self.max_chars:
+            raise APIError(400, f"the prompt is {chars} characters long, more than could fit this engine's context "
+                                f"(max_model_len) of {self.max_model_len} tokens", param=param)
+        return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param)
+
+    def _encode(self, prompt: str | list[dict], param: str) -> list[int]:
+        try:
+            _, token_ids = self.processor().tokenize(prompt)
+        except TemplateError as err:
+            raise APIError(400, f"the chat template cannot render these messages: {err}", param=param) from err
+        except (TypeError, ValueError) as err:
+            raise APIError(400, str(err), param=param) from err
+        self._check_tokens(len(token_ids), param)
+        return token_ids
+
+    def _check_tokens(self, num_tokens: int, param: str) -> None:
+        if num_tokens >= self.max_model_len:
+            raise APIError(400, f"the prompt is {num_tokens} tokens long but this engine's context (max_model_len) "
+                                f"is {self.max_model_len} tokens, prompt and output together", param=param)
+
+    def decoder(self) -> Callable[[int], str]:
+        """``id -> text`` of a single token, cached, on a tokenizer copy of its own: logprobs name every token."""
+        with self._copy_lock:
+            tokenizer = copy.deepcopy(self._master)
+        lock = threading.Lock()  # responses are built on the event loop, large ones on a worker thread
+
+        @lru_cache(maxsize=1 << 16)
+        def decode(token_id: int) -> str:
+            with lock:
+                return tokenizer.decode([token_id])
+
+        return decode
+
+    def start(self) -> ThreadPoolExecutor:
+        """The worker threads, started on first use (idempotent)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="hf-paged-tokenize")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker threads (a later `encode` starts them again)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,257 @@
+"""Tool calling on the chat endpoint: tools in the prompt, the constraint behind ``tool_choice``, calls read back.
+
+* ``tools`` go to the chat template (``apply_chat_template(..., tools=...)``). A template that does not mention
+  tools gets them in its system message instead, described in the hermes convention: each call is written as
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+* ``tool_choice="required"`` or a named function constrains the output to a JSON array of calls,
+  ``[{"name": ..., "arguments": {...}}, ...]``, each call matching its tool's ``parameters`` schema (a named
+  function: exactly one call of it).
+* ``tool_choice="auto"`` generates freely; calls are read out of the text: with the tokenizer's own
+  ``parse_response`` where it defines a ``response_template``, else from hermes ``<tool_call>`` blocks.
+* ``tool_choice="none"`` reads no calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE_TAG) + r"|$)", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str
+
+    @classmethod
+    def of(cls, name: str, arguments) -> "ToolCall":
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return cls(name, text, f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_dict(self, index: int | None = None) -> dict:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+# ------------------------------------------------------------------------------------------------ the request
+def tool_functions(tools: list[dict]) -> dict[str, dict]:
+    """``{name: parameters schema}`` of OpenAI ``tools``; raises ``ValueError`` for a malformed entry."""
+    functions = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        name, parameters = function.get("name"), function.get("parameters")
+        if not isinstance(name, str) or not name:
+            raise ValueError("each tool's function needs a name")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise ValueError(f"the parameters of tool {name!r} must be a JSON schema object")
+        functions[name] = parameters if parameters is not None else {"type": "object"}
+    return functions
+
+
+def calls_schema(functions: dict[str, dict], only: str | None = None) -> dict:
+    """The JSON schema of a non-empty array of calls of ``functions`` (of ``only``, exactly once, when given)."""
+    names = [only] if only is not None else list(functions)
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": functions[name]},
+              "required": ["name", "arguments"]} for name in names]
+    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    return {**schema, "maxItems": 1} if only is not None else schema
+
+
+# ------------------------------------------------------------------------------------------------- the prompt
+def template_takes_tools(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return not isinstance(template, str) or "tools" in template
+
+
+def _hermes_call(call: dict) -> str:
+    function = call.get("function", {})
+    arguments = function.get("arguments", {})
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        pass
+    return f"{OPEN_TAG}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n{CLOSE_TAG}"
+
+
+def _for_template(message: dict, native: bool) -> dict:
+    """A message with OpenAI tool calls as the template expects them: arguments as a dict (Transformers'
+    convention), or written into the content in the hermes form for a template that knows no tools."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message if message.get("content") is not None else {**message, "content": ""}
+    if native:
+        converted = []
+        for call in calls:
+            function = dict(call.get("function", {}))
+            try:
+                function["arguments"] = json.loads(function.get("arguments") or "{}")
+            except (TypeError, ValueError):
+                pass
+            converted.append({**call, "function": function})
+        return {**message, "tool_calls": converted}
+    written = "\n".join(_hermes_call(call) for call in calls)
+    content = message.get("content") or ""
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": f"{content}\n{written}" if content else written}
+
+
+def _tools_system_text(tools: list[dict]) -> str:
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("You can call these functions (JSON schemas of their arguments in <tools></tools>):\n"
+            f"<tools>\n{listed}\n</tools>\n"
+            f"To call one, answer with {OPEN_TAG}{{\"name\": \"<function name>\", \"arguments\": {{...}}}}{CLOSE_TAG}, "
+            "one block per call.")
+
+
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """The chat prompt as text, with ``tools`` and any earlier tool calls and results in it."""
+    native = template_takes_tools(tokenizer)
+    messages = [_for_template(message, native) for message in messages]
+    if tools and not native:
+        text = _tools_system_text(tools)
+        if messages[0].get("role") == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{text}".lstrip()}
+        else:
+            messages.insert(0, {"role": "system", "content": text})
+    extra = {"tools": tools} if tools and native else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+
+# ------------------------------------------------------------------------------------------------- the output
+class ToolCallParser:
+    """Reads calls out of one request's outputs; ``mode`` is ``"auto"`` (free text) or ``"json"`` (constrained)."""
+
+    def __init__(self, mode: str, tokenizer=None, prompt: str = "", tools: list[dict] | None = None):
+        self.mode, self.tokenizer, self.prompt, self.tools = mode, tokenizer, prompt, tools
+        self.response_template = getattr(tokenizer, "response_template", None) if mode == "auto" else None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """``(content, calls)``; text that holds no readable call is all content."""
+        if self.mode == "json":
+            return self._parse_json(text)
+        if self.response_template is not None:
+            return self._parse_with_template(text)
+        calls, content = [], text
+        for match in _HERMES_CALL.finditer(text):
+            try:
+                call = json.loads(match.group(1))
+                calls.append(ToolCall.of(call["name"], call.get("arguments", {})))
+            except (ValueError, KeyError, TypeError):
+                return text, []  # a block that is not a call: leave the text as it is
+            content = content.replace(match.group(0), "", 1)
+        return (content.strip() or None) if calls else text, calls
+
+    def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        try:
+            return None, [ToolCall.of(call["name"], call["arguments"]) for call in json.loads(text)]
+        except (ValueError, KeyError, TypeError):
+            return text, []  # cut short by max_tokens
+
+    def _parse_with_template(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        try:
+            message = self.tokenizer.parse_response(text, prefix=self.prompt, tools=self.tools)
+            functions = [call.get("function", call) for call in message.get("tool_calls") or []]
+            calls = [ToolCall.of(function["name"], function.get("arguments", {})) for function in functions]
+        except Exception:  # noqa: BLE001 - a response the model's own parser cannot read is plain content
+            return text, []
+        return message.get("content") or None, calls
+
+    def stream(self) -> "ToolCallStream":
+        return ToolCallStream(self)
+
+
+class ToolCallStream:
+    """One streamed choice, as OpenAI streams it: content passes through until a call may begin; then each call is
+    announced (``index``, ``id``, ``name``, empty ``arguments``) as soon as its name is out, and its arguments follow
+    as they are written.
+
+    Calls are followed as they come when written ``{"name": ..., "arguments": ...}`` (the constrained JSON array, or
+    hermes blocks in that key order); otherwise, and with a tokenizer's response template, they are read whole when
+    the choice finishes.
+    """
+
+    def __init__(self, parser: ToolCallParser):
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of text sent as content
+        self.holding = parser.mode == "json" or parser.response_template is not None  # no more content as it comes
+        self.follow = parser.response_template is None  # follow calls as they are written
+        self.header = _JSON_HEADER if parser.mode == "json" else _HERMES_HEADER
+        self.calls: list[ToolCall] = []  # announced so far
+        self.scan = 0  # where the next call's header may start
+        self.args_start: int | None = None  # where the arguments of the last announced call start, while unfinished
+        self.args_sent = 0
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """The content and the ``delta.tool_calls`` entries that can be sent now."""
+        self.text += delta
+        content = ""
+        if not self.holding:
+            # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``.
+            start = self.text.find(OPEN_TAG, self.sent)
+            self.holding = start >= 0
+            end = start if self.holding else len(self.text) - _partial_tag(self.text)
+            content, self.sent = self.text[self.sent:end], max(self.sent, end)
+            self.scan = max(self.scan, self.sent)
+        return content, self._call_deltas() if self.holding and self.follow else []
+
+    def _call_deltas(self) -> list[dict]:
+        entries: dict[int, dict] = {}
+        while True:
+            if self.args_start is None:
+                match = self.header.search(self.text, self.scan)
+                if match is None:
+                    return list(entries.values())
+                call = ToolCall.of(json.loads(f'"{match.group(1)}"'), "")
+                self.calls.append(call)
+                entries[len(self.calls) - 1] = call.to_dict(len(self.calls) - 1)
+                self.args_start = self.args_sent = match.end()
+            try:
+                end = _DECODER.raw_decode(self.text, self.args_start)[1]
+            except ValueError:
+                end = None  # the arguments are still being written: all of the text so far is theirs
+            upto = len(self.text) if end is None else end
+            if upto > self.args_sent:
+                entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
+                                                                 "function": {"arguments": ""}})
+                entry["function"]["arguments"] += self.text[self.args_sent:upto]
+                self.args_sent = upto
+            if end is None:
+                return list(entries.values())
+            self.args_start, self.scan = None, end
+
+    def finish(self) -> tuple[str, list[dict], bool]:
+        """Once the choice has finished: the content not sent yet, the last ``delta.tool_calls`` entries, and
+        whether it called tools at all."""
+        if self.calls:  # followed as they came
+            return self._rest(), self._call_deltas(), True
+        content, calls = self.parser.parse(self.text)
+        if not calls:
+            return self.text[self.sent:], [], False
+        return (content or "") if not self.sent else self._rest(), [c.to_dict(i) for i, c in enumerate(calls)], True
+
+    def _rest(self) -> str:
+        """The content written since a call began: hermes text around the blocks (none in a JSON array of calls)."""
+        return "" if self.parser.mode == "json" else _HERMES_CALL.sub("", self.text[self.sent:]).strip()
+
+
+_DECODER = json.JSONDecoder()
+# Ends where the arguments' value starts (so not until it has begun: whitespace may still be coming).
+_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)'
+_JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
+_HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
+
+
+def _partial_tag(text: str) -> int:
+    """Length of the longest end of ``text`` that begins ``<tool_call>``, held back until it is decided."""
+    for size in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
+        if OPEN_TAG.startswith(text[-size:]):
+            return size
+    return 0

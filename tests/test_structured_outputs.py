@@ -1,0 +1,229 @@
+"""Structured outputs in the engine: every sampled output follows its JSON schema, regex, choice or grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+from structured_schemas import AGE, SCHEMAS
+from test_scheduler import assert_no_leak, make_request, make_scheduler, run_to_end, step
+
+from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams
+from hf_paged.generation.structured_outputs import GrammarCompiler, GrammarMatcher
+
+pytestmark = pytest.mark.slow
+
+SEEDS = (0, 1, 2)
+PROMPT = [{"role": "user", "content": "Reply with a JSON example."}]
+REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(cat|dog|bird)s?", r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)", r"-?[1-9][0-9]{0,2}",
+           r"(true|false)"]
+CHOICES = [["yes", "no"], ["Paris", "London", "Rome", "New York"], ["a \"quoted\" one", "back\\slash", "é"]]
+OBJECT_QUESTION = 'Write {"name": ..., "age": ...} for Ada Lovelace as JSON.'
+EBNF = 'root ::= "(" expr ")"\nexpr ::= num (("+" | "*") num)*\nnum ::= [1-9] [0-9]?'
+
+
+@pytest.fixture(scope="module")
+def generator(smollm2):
+    model, tokenizer = smollm2
+    return ContinuousBatchGenerator(model, tokenizer, num_blocks=1024)
+
+
+def constrained(seed: int, max_tokens: int = 160, **spec) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**spec))
+
+
+def test_params_are_validated_and_keyed():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        StructuredOutputsParams(json="{nope")
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    text = StructuredOutputsParams(json='{"type": "object", "properties": {"b": {}, "a": {}}}')
+    same = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    reordered = StructuredOutputsParams(json={"type": "object", "properties": {"a": {}, "b": {}}})
+    assert text.key == same.key and text == same and hash(text) == hash(same)
+    assert text.key != reordered.key  # property order is the order the output writes them in
+
+
+def test_compile_errors_name_the_field_and_the_cache_reuses_grammars(smollm2):
+    _, tokenizer = smollm2
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id], cache_size=2)
+    for spec, field in [({"json": {"type": "nonsense"}}, "json"), ({"regex": "[a-"}, "regex"),
+                        ({"grammar": "root ::= undefined_rule"}, "grammar")]:
+        with pytest.raises(ValueError, match=rf"structured_outputs\.{field} is invalid: \S"):
+            compiler.compile(StructuredOutputsParams(**spec)).result()
+    first = compiler.compile(StructuredOutputsParams(json={"type": "integer"}))
+    assert compiler.compile(StructuredOutputsParams(json='{"type": "integer"}')) is first
+    compiler.compile(StructuredOutputsParams(regex="a"))
+    compiler.compile(StructuredOutputsParams(regex="b"))  # cache_size=2: the schema is the least recently used
+    assert compiler.compile(StructuredOutputsParams(json={"type": "integer"})) is not first
+    compiler.shutdown()
+
+
+def test_json_schemas_regexes_choices_and_grammars_always_hold(generator):
+    """Temperature 1, several seeds, every constraint kind in one `run`: 100% of outputs valid, none cut short."""
+    assert len(SCHEMAS) >= 30
+    cases = [(schema, seed) for schema in SCHEMAS for seed in SEEDS]
+    params = [constrained(seed, json=schema) for schema, seed in cases]
+    params += [constrained(seed, regex=regex) for regex in REGEXES for seed in SEEDS]
+    params += [constrained(seed, choice=choice) for choice in CHOICES for seed in SEEDS]
+    params += [constrained(seed, grammar=EBNF) for seed in SEEDS]
+    params += [constrained(0, json_object=True).replace(temperature=0)]
+    # Any JSON object is unbounded: a prompt that asks for a short one, greedily.
+    prompts = [PROMPT] * (len(params) - 1) + [[{"role": "user", "content": OBJECT_QUESTION}]]
+    outputs = generator.run(prompts, params, use_tqdm=False)
+    assert all(o.error is None for o in outputs)
+    texts = [o.outputs[0].text for o in outputs]
+    cut = [(p.structured_outputs.key, t) for p, o, t in zip(params, outputs, texts)
+           if o.outputs[0].finish_reason != "stop"]
+    assert not cut
+    for (schema, _), text in zip(cases, texts):
+        jsonschema.validate(json.loads(text), schema)
+    rest = iter(texts[len(cases):])
+    for regex in REGEXES:
+        for _ in SEEDS:
+            assert re.fullmatch(regex, next(rest))
+    for choice in CHOICES:
+        for _ in SEEDS:
+            assert next(rest) in choice
+    for _ in SEEDS:
+        assert re.fullmatch(r"\(([1-9][0-9]?[+*])*[1-9][0-9]?\)", next(rest))
+    assert isinstance(json.loads(next(rest)), dict)
+    assert len({t for t, (s, _) in zip(texts, cases) if s is SCHEMAS[0]}) == len(SEEDS)  # seeds do sample
+
+
+PERSON = SCHEMAS[0]
+
+
+def test_constrained_and_free_requests_share_a_batch(generator):
+    """A free request's tokens do not change when constrained ones run beside it (greedy, exact)."""
+    free = SamplingParams(temperature=0, max_tokens=24)
+    questions = [[{"role": "user", "content": q}] for q in ("Name three rivers.", "What is 2+2?")]
+    alone = generator.run(questions, free, use_tqdm=False)
+    mixed = generator.run(questions + [PROMPT] * 3,
+                          [free, free] + [constrained(seed, json=PERSON) for seed in range(3)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    for output in mixed[2:]:
+        jsonschema.validate(json.loads(output.outputs[0].text), PERSON)
+
+
+def test_n_samples_each_follow_the_schema(generator):
+    [output] = generator.run([PROMPT], constrained(3, json=PERSON).replace(n=4), use_tqdm=False)
+    texts = [c.text for c in output.outputs]
+    assert len(texts) == 4 and len(set(texts)) > 1
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_preempted_constrained_request_recomputes_the_same_tokens(smollm2, generator):
+    """Preemption keeps the tokens, so the matcher stays valid: outputs equal those of an engine that never preempts."""
+    model, tokenizer = smollm2
+    schema = {"type": "array", "items": PERSON, "minItems": 2, "maxItems": 2}
+    params = [constrained(seed, max_tokens=200, json=schema) for seed in range(3)]
+    expected = generator.run([PROMPT] * 3, params, use_tqdm=False)
+    small = ContinuousBatchGenerator(model, tokenizer, num_blocks=10)
+    outputs = small.run([PROMPT] * 3, params, use_tqdm=False)
+    assert small.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+
+
+def test_a_grammar_that_does_not_compile_fails_only_its_request(generator):
+    good, bad = generator.run([PROMPT, PROMPT], [constrained(0, json=PERSON), constrained(0, regex="(unclosed")],
+                              use_tqdm=False)
+    assert good.error is None and good.outputs[0].finish_reason == "stop"
+    assert bad.finished and "structured_outputs.regex is invalid" in bad.error
+    assert not generator.has_unfinished_requests() and generator.kv.pool.num_used_blocks == 0
+
+
+def test_a_failed_step_leaves_the_matchers_as_they_were(generator, monkeypatch):
+    """Matchers advance only in `Scheduler.update`, after the step can no longer fail: a step that raises and is
+    rolled back leaves them untouched, and the retried run samples the same tokens as one that never failed."""
+    params = [constrained(seed, json=PERSON) for seed in range(3)]
+    expected = generator.run([PROMPT] * 3, params, use_tqdm=False)
+    execute, calls = generator.runner.execute, []
+
+    def fail_the_fifth_step(out):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected failure")
+        return execute(out)
+
+    monkeypatch.setattr(generator.runner, "execute", fail_the_fifth_step)
+    for request_id, p in zip("abc", params):
+        generator.add_request(PROMPT, p, request_id=request_id)
+    with pytest.raises(RuntimeError, match="injected"):
+        while generator.has_unfinished_requests():
+            generator.step()
+    outputs = {}
+    while generator.has_unfinished_requests():
+        for output in generator.step():
+            outputs[output.request_id] = output.outputs[0].token_ids  # cumulative outputs: the last is all
+    assert len(calls) > 5
+    assert [outputs[r] for r in "abc"] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_request_waits_for_its_grammar_without_stalling_the_batch(generator, monkeypatch):
+    release = threading.Event()
+    compile_grammar = generator.grammars._compile
+    monkeypatch.setattr(generator.grammars, "_compile", lambda spec: release.wait(30) and compile_grammar(spec))
+    slow = generator.add_request(PROMPT, constrained(0, json={"type": "object", "properties": {"slow": AGE},
+                                                               "required": ["slow"]}))
+    free = generator.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=8))
+    finished = []
+    while free not in finished:
+        finished += [o.request_id for o in generator.step() if o.finished]
+    assert slow not in finished and generator.scheduler.compiling  # the free request ran to its end meanwhile
+    release.set()
+    while slow not in finished:
+        for output in generator.step():
+            text = output.outputs[0].text  # cumulative outputs: the last is all
+            finished += [output.request_id] if output.finished else []
+    assert 0 <= json.loads(text)["slow"] <= 120
+
+
+def test_matcher_rollback_and_fork(generator):
+    grammar = generator.grammars.compile(StructuredOutputsParams(choice=["yes", "no"])).result()
+    matcher = GrammarMatcher.of(grammar)
+    tokenizer = generator.tokenizer
+    [y, *rest] = tokenizer("yes", add_special_tokens=False).input_ids
+    assert matcher.accept(y) and not matcher.accept(tokenizer("no", add_special_tokens=False).input_ids[0])
+    twin = matcher.fork()
+    matcher.rollback(1)
+    assert matcher.accept(tokenizer("no", add_special_tokens=False).input_ids[0])  # back at the start
+    assert all(twin.accept(t) for t in rest) and twin.advance(tokenizer.eos_token_id) is False
+    assert twin.is_terminated() and not matcher.is_terminated()
+
+
+def test_the_scheduler_keeps_compiling_requests_out_of_the_batch():
+    """Model-free: a request whose grammar compiles is never scheduled, one whose grammar failed fails alone, and one
+    aborted while compiling leaves no trace."""
+    scheduler = make_scheduler()
+    compiling, broken = Future(), Future()
+    pending, bad, free = make_request("p", [5, 6, 7]), make_request("b", [5, 6]), make_request("f", [8, 9, 10])
+    pending.grammar, bad.grammar = compiling, broken
+    for request in (pending, bad, free):
+        scheduler.add(request)
+    assert scheduler.admit_compiled() == []
+    out, _ = step(scheduler)
+    assert [seq.request for seq in out.seqs] == [free]
+    broken.set_exception(ValueError("SamplingParams.structured_outputs.regex is invalid: unclosed"))
+    assert scheduler.admit_compiled() == [bad]
+    assert "regex is invalid" in bad.error and bad.seqs[0].finish_reason == "abort"
+    scheduler.abort(pending)
+    assert not scheduler.compiling
+    run_to_end(scheduler, [])
+    assert free.is_finished and not pending.seqs[0].num_computed_tokens
+    assert_no_leak(scheduler)

@@ -1,0 +1,202 @@
+"""Structured outputs and tool calls through the real server and the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from hf_paged import ContinuousBatchGenerator  # noqa: E402
+from hf_paged.server import create_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-structured"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population_millions: float = Field(ge=0, le=50)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    model, tokenizer = smollm2
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=512)
+    app = create_app(generator, MODEL)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.05)
+    yield SimpleNamespace(base=base, generator=generator)
+    uv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=kwargs.pop("messages", QUESTION), **kwargs)
+
+
+def test_parse_with_a_pydantic_model(client):
+    done = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], response_format=City,
+        temperature=0, max_tokens=80)
+    city = done.choices[0].message.parsed
+    assert isinstance(city, City) and city.name and 0 <= city.population_millions <= 50
+    assert done.choices[0].finish_reason == "stop"
+
+
+def test_response_format_and_structured_outputs_on_both_endpoints(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer"]}
+    for seed in range(3):
+        done = chat(client, temperature=1, seed=seed, max_tokens=30, response_format={
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+        jsonschema.validate(json.loads(done.choices[0].message.content), schema)
+    done = client.completions.create(model=MODEL, prompt="A JSON object with a name:", max_tokens=60, temperature=0,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(done.choices[0].text), dict)
+    done = client.completions.create(model=MODEL, prompt="A phone number:", max_tokens=20, temperature=1, seed=1,
+                                     extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", done.choices[0].text)
+    done = chat(client, max_tokens=5, n=3, temperature=1, seed=2, extra_body={"guided_choice": ["sunny", "rainy"]})
+    assert {c.message.content for c in done.choices} <= {"sunny", "rainy"}
+    stream = chat(client, max_tokens=20, temperature=0, stream=True,
+                  extra_body={"structured_outputs": {"choice": ["Paris is sunny", "Paris is rainy"]}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text in ("Paris is sunny", "Paris is rainy")
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "response_format.json_schema.schema is invalid"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "structured_outputs.regex is invalid"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"lark": "a"}}, "structured_outputs", ""),
+    ({"guided_grammar": "root ::= nothing_here"}, "guided_grammar", "guided_grammar is invalid"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "cannot be combined"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "tools is invalid"),
+    ({"tool_choice": "sometimes"}, "tool_choice", ""),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
+    response = httpx.post(f"{server.base}/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": QUESTION, "max_tokens": 5, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_tools_are_refused_on_completions(server):
+    response = httpx.post(f"{server.base}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "hi", "tools": [WEATHER], "tool_choice": "required"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+def streamed_calls(stream) -> tuple[str, list[dict], str | None]:
+    """Content, tool calls and finish_reason of a streamed choice, accumulated as an OpenAI client does."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": "", "pieces": 0})
+                call["id"] += delta.id or ""
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+                call["pieces"] += bool(delta.function.arguments)
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_round_trip(client, stream):
+    """Call (forced by a named tool_choice, then by "required"), tool result, final answer."""
+    messages = list(QUESTION)
+    for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        reply = chat(client, messages=messages, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0,
+                     max_tokens=60, stream=stream)
+        if stream:
+            content, calls, finish = streamed_calls(reply)
+        else:
+            message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+            content = message.content
+            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                     for c in message.tool_calls]
+        assert finish == "tool_calls" and not content
+        assert calls and all(c["id"].startswith("call_") for c in calls)
+        assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"])["city"]
+        assert not stream or calls[0]["pieces"] > 1  # the arguments stream as they are written
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                    {"id": calls[0]["id"], "type": "function",
+                     "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}]},
+                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 degrees and sunny"}]
+    reply = chat(client, messages=messages, tools=[WEATHER, CLOCK], tool_choice="none", temperature=0, max_tokens=40,
+                 stream=stream)
+    if stream:
+        content, calls, finish = streamed_calls(reply)
+    else:
+        content, calls, finish = reply.choices[0].message.content, reply.choices[0].message.tool_calls, \
+            reply.choices[0].finish_reason
+    assert content and not calls and finish in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_reads_hermes_calls_out_of_free_text(client, stream):
+    """``auto`` parses what the model writes; a choice constraint makes this small model write a call."""
+    written = "Let me check.\n" + HERMES_CALL
+    reply = chat(client, tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=60, stream=stream,
+                 extra_body={"structured_outputs": {"choice": [written]}})
+    if stream:
+        content, calls, finish = streamed_calls(reply)
+    else:
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        content = message.content
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert content.strip() == "Let me check." and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    plain = chat(client, tools=[WEATHER], temperature=0, max_tokens=8, extra_body={"guided_choice": ["No tools."]})
+    assert plain.choices[0].message.content == "No tools." and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "stop"

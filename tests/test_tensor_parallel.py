@@ -1,0 +1,199 @@
+"""Tensor parallelism on CPU with gloo: real torchrun launches on this host, compared token for token with one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig
+
+from tiny_models import COMMON, tiny_model
+from tp_worker import run_model
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ("llama", "qwen2", "gemma2", "gemma")  # GQA; biases; softcap + sliding window; 1 KV head on 2 ranks
+PROMPT = "The three primary colors are"
+
+
+def _env() -> dict:
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(*args: str, nproc: int = 2, rendezvous: tuple[str, ...] = ("--standalone",)) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *args]
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(smollm2_path) -> str:
+    return smollm2_path
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, tokenizer_path) -> dict[str, str]:
+    """The tiny architectures saved with SmolLM2's tokenizer (their prompts are token ids below their vocabulary)."""
+    root = tmp_path_factory.mktemp("tp_models")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    dirs = {}
+    for name in TINY:
+        model, _ = tiny_model(name, attn_implementation="eager")
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory, tokenizer_path) -> str:
+    """A tiny random Llama over SmolLM2's whole vocabulary, for the command line and the server (text prompts)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tp_text") / "llama"
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+                         **{**COMMON, "vocab_size": 49152})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+    return str(path)
+
+
+def _check_ranks_match_one_process(out: Path, paths: list[str], world: int) -> None:
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    for path in paths:
+        name = os.path.basename(path)
+        reference = run_model(path, tensor_parallel_size=1)
+        got = ranks[0][name]
+        assert got["generate"] == reference["generate"], name
+        assert got["engine"] == reference["engine"], name
+        assert got["sampled"] == reference["sampled"], name
+        for other in ranks[1:]:
+            assert other[name]["generate"] == got["generate"], name
+            assert other[name]["digest"] == got["digest"], f"{name}: the ranks sampled different tokens"
+        config = json.loads(Path(path, "config.json").read_text())
+        kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        assert got["kv_heads"] == max(1, kv_heads // world), name
+
+
+def test_two_ranks_match_one_process_on_three_architectures(tiny_dirs, tmp_path):
+    paths = list(tiny_dirs.values())
+    _run(_torchrun(str(ROOT / "tests" / "tp_worker.py"), str(tmp_path), *paths), timeout=240)
+    _check_ranks_match_one_process(tmp_path, paths, world=2)
+
+
+def test_smollm2_on_three_ranks_matches_one_process(smollm2_path, tmp_path):
+    # 9 query heads and 3 KV heads: one KV head and three query heads a rank.
+    _run(_torchrun(str(ROOT / "tests" / "tp_worker.py"), str(tmp_path), smollm2_path, nproc=3), timeout=300)
+    _check_ranks_match_one_process(tmp_path, [smollm2_path], world=3)
+
+
+def _one_process_text(path: str, max_tokens: int = 12) -> str:
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+    from hf_paged.loading import load_model
+
+    model, tokenizer = load_model(path)
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return generator.run([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_command_line_starts_its_own_ranks(text_model):
+    command = [sys.executable, "-m", "hf_paged.cli", "generate", text_model, PROMPT, "--tensor-parallel-size", "2",
+               "--temperature", "0", "--max-tokens", "12", "--no-chat", "--cpu-bind", "1"]
+    done = _run(command, timeout=180)
+    assert done.stdout.rstrip("\n") == _one_process_text(text_model)
+
+
+def _descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for child in children for c in (child, *_descendants(int(child)))]
+
+
+def _wait_up(base: str, process: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the tensor-parallel server did not come up")
+
+
+def test_two_node_server_answers_openai_then_ends_when_a_rank_dies(text_model):
+    """Two torchrun launches with --nnodes 2 rendezvous on localhost, as two machines would; node 0 serves HTTP.
+    When node 1's rank is killed, node 0's torchrun cannot see it: the server itself must notice and exit."""
+    master, port = _free_port(), _free_port()
+    nodes = []
+    for node in (0, 1):
+        rendezvous = ("--nnodes=2", f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={master}")
+        command = _torchrun("-m", "hf_paged.cli", "serve", text_model, "--port", str(port),
+                            "--distributed-timeout", "20", nproc=1, rendezvous=rendezvous)
+        nodes.append(subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_up(base, nodes[0], timeout=180)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        answer = client.completions.create(model=text_model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == _one_process_text(text_model)
+        stream = client.chat.completions.create(model=text_model, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+        time.sleep(1.5)  # idle: the heartbeat keeps the waiting rank from timing out
+        for pid in _descendants(nodes[1].pid):
+            os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = nodes[0].communicate(timeout=60)
+        assert nodes[0].returncode != 0
+        assert time.monotonic() - killed < 30
+        assert "another rank died or stopped answering" in stderr, stderr[-3000:]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+
+
+def test_cpu_shares_and_head_layouts():
+    from transformers import AutoConfig
+
+    from hf_paged.distributed import cpu_share, kv_heads_need_replication
+
+    assert cpu_share(1, 2, "0-3|4,6") == [4, 6]
+    assert cpu_share(0, 2, "0-3|4-7") == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="names 1 core lists for 2 local ranks"):
+        cpu_share(0, 2, "0-3")
+    assert len(cpu_share(0, 1, "auto")) == len(os.sched_getaffinity(0))
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=1, hidden_size=64)
+    assert kv_heads_need_replication(config, 2) and not kv_heads_need_replication(config, 1)
+    smollm2 = AutoConfig.for_model("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    assert not kv_heads_need_replication(smollm2, 3)
+    with pytest.raises(ValueError, match="the 9 query heads to split evenly"):
+        kv_heads_need_replication(smollm2, 2)

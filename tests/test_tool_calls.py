@@ -1,0 +1,139 @@
+"""Tool calls in prompts and outputs (`hf_paged.server.tool_calls`), without a model."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from hf_paged.server.tool_calls import ToolCallParser, calls_schema, render_prompt, tool_functions
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+HERMES_TEMPLATE = {"start_anchor": "<|im_start|>assistant\n", "fields": {
+    "content": {"content": "text", "optional": True},
+    "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                   "transform": {"type": "function", "function": "{content}"}}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def test_calls_schema_accepts_only_calls_of_the_tools():
+    functions = tool_functions([WEATHER, TIME])
+    assert functions["get_time"] == {"type": "object"}
+    required, named = calls_schema(functions), calls_schema(functions, "get_weather")
+    ok = [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]
+    jsonschema.validate(ok, required)
+    jsonschema.validate(ok[:1], named)
+    for bad, schema in [([], required), ([{"name": "nope", "arguments": {}}], required), (ok, named),
+                        ([{"name": "get_weather", "arguments": {}}], named)]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    with pytest.raises(ValueError, match="needs a name"):
+        tool_functions([{"type": "function", "function": {}}])
+
+
+def test_a_template_without_tools_gets_them_and_earlier_calls_in_the_hermes_form(tokenizer):
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    text = render_prompt(tokenizer, messages, [WEATHER])
+    assert text.startswith("<|im_start|>system\nYou can call these functions")
+    assert json.dumps(WEATHER) in text
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert text.endswith("<|im_start|>tool\n18 C, sunny<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_hermes_calls_are_read_out_of_free_text():
+    parser = ToolCallParser("auto")
+    content, calls = parser.parse(f"Let me check.\n{CALL}\n{CALL.replace('Paris', 'Rome')}")
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_weather", {"city": "Rome"})]
+    assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+    assert parser.parse("No tools needed.") == ("No tools needed.", [])
+    assert parser.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    _, [unclosed] = parser.parse('<tool_call>{"name": "get_time", "arguments": {}}')  # the model stopped early
+    assert unclosed.name == "get_time"
+
+
+def test_json_calls_are_read_and_a_cut_one_is_content():
+    parser = ToolCallParser("json")
+    content, [call] = parser.parse('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    assert content is None and json.loads(call.arguments) == {"city": "Oslo"}
+    assert parser.parse('[{"name": "get_wea') == ('[{"name": "get_wea', [])
+
+
+def stream_all(stream, text: str, step: int) -> tuple[str, list[dict], bool]:
+    """Feed ``text`` in pieces of ``step`` characters; the content sent, every tool-call delta, whether it called."""
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        sent, calls = stream.feed(text[i:i + step])
+        content, deltas = content + sent, deltas + calls
+    rest, last, called = stream.finish()
+    return content + rest, deltas + last, called
+
+
+def accumulate(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas merged by index, as an OpenAI client does."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += delta.get("id", "")
+        call["name"] += delta.get("function", {}).get("name", "")
+        call["arguments"] += delta.get("function", {}).get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_a_stream_holds_back_what_may_begin_a_call_and_streams_the_arguments(step):
+    text = f"Sure <tool! Checking.\n{CALL}\n{CALL.replace('Paris', 'Rome')}"
+    content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
+    assert content == "Sure <tool! Checking.\n" and called  # as it came, before the call began
+    calls = accumulate(deltas)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                         ("get_weather", {"city": "Rome"})]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # Each call is announced once, with its id and name; then its arguments arrive piece by piece.
+    assert sum("id" in d for d in deltas) == 2 and sum("arguments" in d["function"] for d in deltas) > 2
+    plain = ToolCallParser("auto").stream()
+    assert plain.feed("a <tool_") == ("a ", []) and plain.finish() == ("<tool_", [], False)
+
+
+def test_a_constrained_array_of_calls_streams_as_it_is_written():
+    text = '[{"name": "get_weather", "arguments": {"city": "Oslo", "note": "a } and a \\" inside"}}, ' \
+           '{"name": "get_time", "arguments": {}}]'
+    content, deltas, called = stream_all(ToolCallParser("json").stream(), text, 2)
+    assert content == "" and called
+    calls = accumulate(deltas)
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in calls] == [call["arguments"] for call in json.loads(text)]
+
+
+def test_calls_in_another_key_order_arrive_whole_at_the_end():
+    text = '<tool_call>{"arguments": {"city": "Lima"}, "name": "get_weather"}</tool_call>'
+    content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, 4)
+    assert content == "" and called and len(deltas) == 1
+    assert accumulate(deltas)[0]["name"] == "get_weather"
+
+
+def test_a_tokenizer_response_template_parses_calls(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "response_template", HERMES_TEMPLATE, raising=False)
+    parser = ToolCallParser("auto", tokenizer, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", [WEATHER])
+    content, [call] = parser.parse(f"Let me look.\n{CALL}")
+    assert content == "Let me look." and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    stream = parser.stream()
+    assert stream.feed("Let me look.\n") == ("", [])  # read whole at the end
+    assert stream.feed(CALL) == ("", [])
+    content, [call], called = stream.finish()
+    assert content == "Let me look." and called and call["function"]["name"] == "get_weather"
