@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams
 from hf_paged.generation import EngineConfig
 from hf_paged.generation.config import SpeculativeConfig
 from hf_paged.generation.sampler import SamplerOutput, SamplingBatch, sample
@@ -199,6 +199,16 @@ def test_a_sequence_without_guesses_samples_as_without_speculation(smollm2, grou
     plain, _ = generate(smollm2, prompts, params)
     fast, stats = generate(smollm2, prompts, params, speculative_config=dict())
     assert fast == plain and stats.spec_decode_num_drafts > 0
+
+
+def test_constrained_requests_do_not_speculate(smollm2, grounded_prompts):
+    """Their grammar would have to follow every guess; they decode one token a step, and keep to it."""
+    sentence = "The lighthouse on the northern cape was built in the spring of a wet year"
+    params = SamplingParams(temperature=0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(choice=[sentence, "No."]))
+    (tokens,), stats = generate(smollm2, grounded_prompts[:1], [params], speculative_config=dict())
+    assert smollm2[1].decode(tokens, skip_special_tokens=True) in (sentence, "No.")
+    assert stats.spec_decode_num_drafts == 0
 
 
 def test_metrics_report_acceptance(smollm2, grounded_prompts):
