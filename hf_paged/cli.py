@@ -118,6 +118,9 @@ _LIMITS = {
     "max_chars_per_token": ("--max-chars-per-token", int,
                             "a prompt longer than max_model_len x this many characters is refused before it is "
                             "tokenized (default: 32)"),
+    "stream_write_timeout": ("--stream-write-timeout", int,
+                             "seconds a client may read nothing while its outputs wait; then its requests are "
+                             "aborted and their KV blocks freed (default: 60)"),
     "tokenizer_workers": ("--tokenizer-workers", int,
                           "threads that tokenize prompts, each with its own tokenizer copy (default: 2)"),
 }

@@ -78,3 +78,28 @@ def test_a_stream_nobody_reads_holds_one_pending_output(long_generator):
     (pending,) = stream.undelivered.values()
     assert most_pending == 1 and pending.finished and len(pending.outputs[0].token_ids) == LONG
     assert long_generator.kv.pool.num_used_blocks == 0
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(long_generator):
+    """Its KV blocks are not held for the whole answer: after --stream-write-timeout without a read it is aborted."""
+    from hf_paged.server.engine import EngineError, EngineLoop
+
+    engine = EngineLoop(long_generator, write_timeout=0.5)
+    params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def never_read_then_look():
+        stream = engine.submit([[5, 6, 7]], params, ["stalled"])
+        while long_generator.has_unfinished_requests():
+            await asyncio.sleep(0.05)
+        with pytest.raises(EngineError, match="read nothing"):
+            async for _ in stream:
+                pass
+        return stream
+
+    try:
+        stream = asyncio.run(never_read_then_look())
+    finally:
+        engine.stop()
+    (pending,) = stream.undelivered.values()
+    assert not pending.finished and len(pending.outputs[0].token_ids) < LONG
+    assert long_generator.kv.pool.num_used_blocks == 0 and not long_generator.requests

@@ -95,7 +95,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     """
     limits = limits or ServerLimits()
     metrics = ServerMetrics()
-    engine = EngineLoop(generator, metrics, limits.max_num_waiting)
+    engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
     decode = encoder.decoder()
     max_num_seqs = generator.scheduler.config.max_num_seqs

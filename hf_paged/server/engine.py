@@ -31,11 +31,13 @@ class RequestStream:
 
     The engine hands back deltas (`RequestOutputKind.DELTA`); those the handler has not read yet are merged into one
     pending output per request, so a client that reads slowly costs at most one pending output per request, however
-    long it lags. Iterating yields each request's merged delta until all have finished; it raises `EngineError` if
-    the engine failed.
+    long it lags. A handler that has taken nothing for ``write_timeout`` seconds while outputs wait (its client stopped
+    reading, so its writes block) has its requests aborted, which frees their KV blocks. Iterating yields each
+    request's merged delta until all have finished; it raises `EngineError` if the engine failed or the client was
+    too slow.
     """
 
-    def __init__(self, engine: "EngineLoop", request_ids: list[str]):
+    def __init__(self, engine: "EngineLoop", request_ids: list[str], write_timeout: float | None = None):
         self.engine = engine
         self.request_ids = request_ids
         self.pending_ids = set(request_ids)  # not finished yet
@@ -43,11 +45,18 @@ class RequestStream:
         self.error: EngineError | None = None
         self.ready = asyncio.Event()
         self.loop = asyncio.get_running_loop()
+        self.write_timeout = write_timeout
+        self.last_read = self.loop.time()
 
     def put(self, item: RequestOutput | EngineError) -> None:
         """Take an output (or the engine's failure) from the engine thread; runs on the stream's loop."""
+        stalled = self.write_timeout is not None and self.loop.time() - self.last_read > self.write_timeout
+        if self.undelivered and stalled and self.error is None:
+            self.engine.abort(list(self.pending_ids))
+            self.error = EngineError(f"the client read nothing for {self.write_timeout:g} s: its requests were "
+                                     "aborted (--stream-write-timeout)")
         if isinstance(item, EngineError):
-            self.error = item
+            self.error = self.error or item
         elif item.request_id in self.undelivered:
             self.undelivered[item.request_id].add(item)
         else:
@@ -69,9 +78,10 @@ class RequestStream:
                 return
             self.ready.clear()
             if self.error is not None:
-                self.pending_ids.clear()
+                self.close()
                 raise self.error
             outputs, self.undelivered = list(self.undelivered.values()), {}
+            self.last_read = self.loop.time()
             for output in outputs:
                 if output.finished:
                     self.pending_ids.discard(output.request_id)
@@ -125,9 +135,10 @@ class EngineLoop:
     """
 
     def __init__(self, generator: ContinuousBatchGenerator, metrics: ServerMetrics | None = None,
-                 max_num_waiting: int | None = None):
+                 max_num_waiting: int | None = None, write_timeout: float | None = None):
         self.generator = generator
         self.metrics = metrics
+        self.write_timeout = write_timeout
         self.max_num_seqs_in_flight = None if max_num_waiting is None else \
             generator.scheduler.config.max_num_seqs + max_num_waiting
         self.fatal: BaseException | None = None
@@ -176,7 +187,7 @@ class EngineLoop:
         if self.fatal is not None:
             raise EngineDead("the engine has stopped after an unrecoverable error")
         self.start()
-        stream = RequestStream(self, request_ids)
+        stream = RequestStream(self, request_ids, self.write_timeout)
         # Routes and the generator's inbox change together: a failing step that aborts everything routed then
         # either precedes this request entirely or queues its abort after the request's "add".
         with self._lock:

@@ -30,6 +30,7 @@ class ServerLimits:
     max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens of one call
     max_chars_per_token: int = 32  # prompts longer than max_model_len x this are refused before tokenizing
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
+    stream_write_timeout: int = 60  # seconds a client may read nothing while its outputs wait, then it is aborted
 
     def __post_init__(self) -> None:
         for field in fields(self):
