@@ -58,6 +58,14 @@ def test_throughput_smoke_reports_every_engine(smollm2_path, tmp_path):
                             "--num-requests", "3", "--compare-with", str(out)], capture_output=True, text=True,
                            timeout=120)
     assert other.returncode != 0 and "ran another workload" in other.stderr
+    # The input-grounded chat workload, with speculative decoding.
+    grounded = tmp_path / "grounded.json"
+    run_script("throughput.py", "--smoke", "--model", smollm2_path, "--engines", "ours", "--workload", "grounded",
+               "--min-output", "24", "--max-output", "24", "--speculative-config", '{"method": "ngram"}',
+               "--json", str(grounded), timeout=300)
+    report = json.loads(grounded.read_text())
+    assert report["rows"][0]["error"] is None and report["rows"][0]["output_tok_s"] > 0
+    assert report["settings"]["workload"] == "grounded" and report["workload"]["prompt_tokens"] > 6 * 32
 
 
 @pytest.mark.slow
