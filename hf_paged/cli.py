@@ -210,7 +210,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as err:
         parser.error(str(err))
     try:
-        model, tokenizer = load_model(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
+        model, tokenizer = load_model(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1)
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
