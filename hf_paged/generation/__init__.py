@@ -1,7 +1,8 @@
 """Continuous batching: engine options, requests, scheduling, the model runner, sampling and the public generator."""
 
 from .config import EngineConfig
-from .generator import ContinuousBatchGenerator, EngineStats
+from .generator import ContinuousBatchGenerator
+from .stats import EngineStats
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -8,7 +8,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -20,51 +19,19 @@ from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .inputs import InputProcessor, Prompt, final_only
+from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput
 from .sampler import build_sampling_batch, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
+from .stats import EngineStats
 from .spec_decode import Speculator, verify_drafts
 from .structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_MEMORY = 2 << 30
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_used_blocks: int
-    num_blocks: int
-    num_preemptions: int
-    num_partial_prefills: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens: int
-    generation_tokens: int
-    # Speculative decoding: steps that verified guesses of a sequence, guesses verified, guesses kept.
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-
-    @property
-    def spec_decode_acceptance_rate(self) -> float | None:
-        """Kept guesses over verified guesses (None before any)."""
-        if not self.spec_decode_num_draft_tokens:
-            return None
-        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
-
-    @property
-    def spec_decode_mean_accepted_length(self) -> float | None:
-        """Tokens a sequence gained per step that verified its guesses: the kept guesses and the model's own."""
-        if not self.spec_decode_num_drafts:
-            return None
-        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
 
 class ContinuousBatchGenerator:
@@ -97,7 +64,7 @@ class ContinuousBatchGenerator:
                   getattr(text_config, "max_position_embeddings", None)]
         self.max_model_len = min(limit for limit in limits if limit is not None)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        eos_token_ids = self._eos_token_ids(model, tokenizer)
+        eos_token_ids = model_eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
                                      eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
@@ -137,15 +104,6 @@ class ContinuousBatchGenerator:
                                  spec=KVCacheSpec.from_model(model))
         storage.allocate(dtype, model.device)
         return storage
-
-    @staticmethod
-    def _eos_token_ids(model, tokenizer) -> set[int]:
-        ids = set()
-        eos = getattr(model.generation_config, "eos_token_id", None)
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-        if tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        return ids
 
     def _check_model_runs(self) -> None:
         """One tiny real step, so a model the paged backend cannot drive is refused here, not mid-serving."""
@@ -282,14 +240,7 @@ class ContinuousBatchGenerator:
 
     # ------------------------------------------------------------------------------------- batch interfaces
     def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
-            prompts = [prompts]
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-            per_prompt = sampling_params
-        else:
-            per_prompt = [sampling_params] * len(prompts)
+        prompts, per_prompt = one_params_per_prompt(prompts, sampling_params)
         submitted = []
         for prompt, params in zip(prompts, per_prompt):
             try:

@@ -96,3 +96,24 @@ def final_only(params: SamplingParams | None) -> SamplingParams | GenerationConf
     if isinstance(params, SamplingParams):
         return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
     return params
+
+
+def one_params_per_prompt(prompts, sampling_params) -> tuple[list[Prompt], list]:
+    """``prompts`` as a list (one prompt alone is wrapped), with its parameters: one for all, or a list of one each."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+        prompts = [prompts]
+    if not isinstance(sampling_params, list):
+        return prompts, [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+    return prompts, sampling_params
+
+
+def model_eos_token_ids(model, tokenizer) -> set[int]:
+    """The tokens that end a sequence: the model's generation config's EOS ids and the tokenizer's."""
+    ids = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
