@@ -1,0 +1,238 @@
+"""hf_paged on Ray Serve: a local Ray (2 CPUs) with 2 SmolLM2 replicas, driven over HTTP by the `openai` client.
+
+One app serves the whole module (Ray and the replicas start once); the shared-prefix test adds a second ingress in
+front of the same replicas, without prefix affinity, for its baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+import hf_paged
+from hf_paged import ContinuousBatchGenerator, EngineConfig
+from hf_paged.default_model import DEFAULT_MODEL_NAME
+from hf_paged.server import create_app
+from hf_paged.serve_ray import APP_NAME, ReplicaSpec, ServeRayConfig, build_app, ingress
+from hf_paged.serve_ray.affinity import AffinityTable, prefix_hashes
+
+pytestmark = pytest.mark.slow
+
+ENGINE = EngineConfig(num_blocks=256)
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "user", "content": "Name three rivers."}]]
+PROMPTS = ["The three primary colors are", "Once upon a time"]
+FILLER = ("Answer briefly and politely. Prefer plain words over jargon, give one example when it helps, say so when "
+          "you do not know, and never invent facts, names or numbers. Keep every answer under three sentences unless "
+          "the user asks for more detail, and end with a short question that checks the user understood.")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def config(model_path: str, prefix_affinity: bool = True) -> ServeRayConfig:
+    spec = ReplicaSpec(model_path, DEFAULT_MODEL_NAME, dtype="float32", engine=ENGINE)
+    return ServeRayConfig(spec, num_replicas=2, replica_cpus=1, prefix_affinity=prefix_affinity)
+
+
+@pytest.fixture(scope="module")
+def base(smollm2_path):
+    """A local Ray with the app deployed; the base URL of Serve's HTTP proxy."""
+    root = str(Path(hf_paged.__file__).parent.parent)  # replicas import this checkout's hf_paged
+    env = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="warning")
+    try:
+        for attempt in range(3):  # another process may take the free port before Serve's proxy binds it
+            port = free_port()
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                break
+            except Exception:
+                serve.shutdown()
+                if attempt == 2:
+                    raise
+        serve.run(build_app(config(smollm2_path)), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def totals(base: str) -> dict[str, float]:
+    """The app's /metrics: the ``replica="all"`` samples (summed over their other labels) and the router's, by
+    sample name, and ``"replicas"``: how many replicas reported."""
+    out, replicas = {}, set()
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+        for sample in family.samples:
+            replica = sample.labels.get("replica", "all")
+            replicas.add(replica)
+            if replica == "all" and "le" not in sample.labels:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    out["replicas"] = len(replicas - {"all"})
+    return out
+
+
+def test_affinity_table_prefers_the_longest_prefix_of_a_live_replica():
+    tokens = list(range(100))
+    hashes = prefix_hashes(tokens, 16)
+    assert len(hashes) == 6 and prefix_hashes(tokens[:40], 16) == hashes[:2]
+    table = AffinityTable(capacity=8)
+    table.record(hashes[:2], "a")
+    table.record(hashes[:5], "b")  # the last replica sent a block owns it
+    table.record(hashes[:1], "c")
+    assert table.best(hashes, {"a", "b", "c"}) == ("b", 5)
+    assert table.best(hashes, {"a", "c"}) == ("c", 1)  # a dead replica's blocks do not count
+    assert table.best(prefix_hashes(list(range(1, 100)), 16), {"a", "b", "c"}) == (None, 0)
+    table.forget("c")
+    assert table.best(hashes, {"a", "b"}) == ("b", 5) and table.matched(hashes, "c") == 0
+    table.record(prefix_hashes(list(range(200, 300)), 16), "a")  # 6 more: the 2 least recent are dropped
+    assert table.best(hashes, {"b"}) == ("b", 5) and table.best(hashes[:3], {"b"}) == (None, 0)
+
+
+def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypatch, capsys):
+    import hf_paged.serve_ray
+    from hf_paged.cli import main
+
+    deployed = []
+    monkeypatch.setattr(hf_paged.serve_ray, "serve_forever", lambda *args: deployed.append(args))
+    main(["serve-ray", smollm2_path, "--min-replicas", "2", "--max-replicas", "4", "--num-blocks", "64",
+          "--no-prefix-routing", "--address", "auto", "--port", "9000", "--api-key", "k"])
+    (config, address, host, port), = deployed
+    assert (address, host, port) == ("auto", "127.0.0.1", 9000)
+    assert config.replica.engine == EngineConfig(num_blocks=64) and config.replica.api_key == "k"
+    assert not config.prefix_affinity and config.scaling()["autoscaling_config"] == {
+        "min_replicas": 2, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 32}
+    with pytest.raises(SystemExit):
+        main(["serve-ray", smollm2_path, "--num-replicas", "5", "--min-replicas", "1", "--max-replicas", "4"])
+    assert "num_replicas (5) must lie between" in capsys.readouterr().err
+
+
+def test_openai_client_streams_and_greedy_answers_equal_a_single_server(base, client, smollm2):
+    model, tokenizer = smollm2
+    with TestClient(create_app(ContinuousBatchGenerator(model, tokenizer, ENGINE), DEFAULT_MODEL_NAME)) as local:
+        single = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=local)
+        greedy = {"model": DEFAULT_MODEL_NAME, "temperature": 0, "max_tokens": 12}
+        for messages in CHATS:
+            expected = single.chat.completions.create(messages=messages, **greedy).choices[0].message.content
+            stream = client.chat.completions.create(messages=messages, stream=True, **greedy)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+            assert client.chat.completions.create(messages=messages, **greedy).choices[0].message.content == expected
+        for prompt in PROMPTS:
+            expected = single.completions.create(prompt=prompt, **greedy).choices[0].text
+            stream = client.completions.create(prompt=prompt, stream=True, **greedy)
+            assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    with pytest.raises(openai.BadRequestError, match="temperature"):  # the replica's own validation answers
+        client.chat.completions.create(messages=CHATS[0], model=DEFAULT_MODEL_NAME, temperature=-1)
+    metrics = totals(base)
+    assert metrics["replicas"] == 2
+    assert metrics["hf_paged:request_success_total"] == 2 * len(CHATS) + len(PROMPTS)
+    assert metrics["hf_paged:router_requests_total"] >= 2 * len(CHATS) + len(PROMPTS)
+
+
+def stream_and_record(client: openai.OpenAI, prompt: str, record: dict, started: threading.Event) -> None:
+    """Stream one completion into ``record``: the replica that serves it, its text, the error that ended it."""
+    record.update(replica=None, text="", finish=None, error=None)
+    try:
+        raw = client.completions.with_raw_response.create(
+            model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=128, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        record["replica"] = raw.headers["x-hf-paged-replica"]
+        for chunk in raw.parse():
+            started.set()
+            record["text"] += chunk.choices[0].text
+            record["finish"] = chunk.choices[0].finish_reason or record["finish"]
+    except openai.APIError as err:
+        record["error"] = str(err)
+
+
+def replica_ids(base: str) -> set[str]:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return {s.labels["replica"] for f in text_string_to_metric_families(text) for s in f.samples
+            if s.labels.get("replica", "all") != "all"}
+
+
+def test_a_killed_replica_fails_its_requests_only_and_is_replaced(base, client):
+    prompts = [f"Story number {i}: a long tale about a {animal}" for i, animal in
+               enumerate(["cat", "dog", "fox", "owl", "bee", "elk", "yak", "ant"])]
+    records = [{} for _ in prompts]
+    started = threading.Event()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream_and_record, client, p, r, started) for p, r in zip(prompts, records)]
+        assert started.wait(timeout=120)
+        victim = next(r["replica"] for r in records if r["text"])  # 128 tokens take seconds: it is mid-stream
+        # Serve names a replica's actor SERVE_REPLICA::<app>#<deployment>#<replica id>; this is a hard kill.
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#Engine#{victim}", namespace="serve"), no_restart=True)
+        for future in futures:
+            future.result(timeout=120)  # nothing hangs
+    survived = [r for r in records if r["replica"] not in (victim, None)]
+    failed = [r for r in records if r["replica"] in (victim, None)]  # None: the replica died before it answered
+    print(f"\nkilled replica {victim}: {len(failed)} requests failed, {len(survived)} completed on the other")
+    assert survived and failed
+    assert all(r["error"] is None and r["finish"] == "length" for r in survived), survived
+    assert all(r["error"] is not None and "failed" in r["error"] for r in failed), failed
+    deadline = time.monotonic() + 180
+    while (ids := replica_ids(base)) and (len(ids) != 2 or victim in ids):  # Serve starts a replacement
+        assert time.monotonic() < deadline, f"the killed replica was not replaced: {ids}"
+        time.sleep(1)
+    answer = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=prompts[0], max_tokens=4, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+
+
+def shared_prefix_hit_rate(base: str, client: openai.OpenAI, team: str, groups: int = 20, rounds: int = 3):
+    """Send ``rounds`` rounds of one chat per group at once, each group with its own long system prompt; the
+    replicas' prefix cache hit rate (in tokens) and the app's router's predicted one (in blocks) meanwhile."""
+    before = totals(base)
+
+    def ask(group: int, turn: int) -> None:
+        system = f"You are {team} assistant number {group}, who helps group {group} only. {FILLER}"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"Question {turn}: hi?"}]
+        client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=messages, max_tokens=1, temperature=0)
+
+    with ThreadPoolExecutor(groups) as pool:
+        for turn in range(rounds):
+            list(pool.map(ask, range(groups), [turn] * groups))
+    after = totals(base)
+
+    def rate(hits: str, queries: str) -> float:
+        asked = after[queries] - before[queries]
+        return (after[hits] - before[hits]) / asked if asked else 0.0
+
+    return (rate("hf_paged:prefix_cache_hits_total", "hf_paged:prefix_cache_queries_total"),
+            rate("hf_paged:router_matched_blocks_total", "hf_paged:router_prompt_blocks_total"))
+
+
+def test_prefix_affinity_routing_beats_random_routing_on_shared_prefixes(base, client, smollm2_path):
+    affinity, predicted = shared_prefix_hit_rate(base, client, "red")
+    engine = serve.get_deployment_handle("Engine", app_name=APP_NAME)
+    serve.run(ingress(engine, config(smollm2_path, prefix_affinity=False)), name="random", route_prefix="/random")
+    try:
+        random_client = openai.OpenAI(base_url=f"{base}/random/v1", api_key="none", max_retries=0, timeout=120)
+        random_routing, _ = shared_prefix_hit_rate(base, random_client, "blue")
+    finally:
+        serve.delete("random")
+    print(f"\nprefix cache hit rate over 20 groups x 3 rounds: affinity routing {affinity:.1%} (router predicted "
+          f"{predicted:.1%}), random routing {random_routing:.1%}")
+    # Ideal affinity: every request after a group's first hits its system prompt, 2/3 of requests here.
+    assert affinity > 0.5 and abs(affinity - predicted) < 0.1
+    assert affinity > random_routing + 0.08
