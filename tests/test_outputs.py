@@ -103,3 +103,28 @@ def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(
     (pending,) = stream.undelivered.values()
     assert not pending.finished and len(pending.outputs[0].token_ids) < LONG
     assert long_generator.kv.pool.num_used_blocks == 0 and not long_generator.requests
+
+
+def test_the_write_timeout_counts_from_when_outputs_wait_not_from_the_last_read():
+    """A call whose first outputs come after a long queue is not "stalled": its handler never had anything to read."""
+    from hf_paged.generation.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from hf_paged.server.engine import RequestStream
+
+    aborted = []
+
+    class Engine:
+        def abort(self, ids):
+            aborted.extend(ids)
+
+    def output(request_id):
+        return RequestOutput(request_id, None, [], [CompletionOutput(0, "x", [1])], False, RequestMetrics(0.0))
+
+    async def late_first_outputs():
+        stream = RequestStream(Engine(), ["a", "b"], write_timeout=0.2)
+        await asyncio.sleep(0.3)  # a long queue: nothing to read yet
+        stream.put(output("a"))
+        stream.put(output("b"))  # same step, before the handler ran
+        return stream
+
+    stream = asyncio.run(late_first_outputs())
+    assert stream.error is None and not aborted and set(stream.undelivered) == {"a", "b"}

@@ -225,3 +225,23 @@ def test_metrics_report_acceptance(smollm2, grounded_prompts):
     assert f"hf_paged:spec_decode_num_accepted_tokens_total {float(stats.spec_decode_num_accepted_tokens)}" in text
     assert f"hf_paged:spec_decode_acceptance_rate {stats.spec_decode_acceptance_rate}" in text
     assert stats.spec_decode_num_drafts > 0
+
+
+def test_n_samples_of_a_prompt_whose_last_chunk_is_one_token_start_without_guesses(smollm2):
+    """A prompt takes no guesses: with n > 1 its samples fork after the step, and each must start from the prompt."""
+    from tiny_models import tiny_model
+
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+
+    _, tokenizer = smollm2
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # the budget of 10 leaves its last token for a step of its own
+    outputs = []
+    for speculative_config in (None, {"method": "ngram", "num_speculative_tokens": 4}):
+        model, _ = tiny_model("llama")
+        gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, max_num_batched_tokens=10,
+                                       prepack_weights=False, speculative_config=speculative_config)
+        (out,) = gen.run([prompt], SamplingParams(temperature=0, max_tokens=6, n=2, ignore_eos=True),
+                         use_tqdm=False)
+        outputs.append([o.token_ids for o in out.outputs])
+        assert gen.kv.pool.num_used_blocks == 0
+    assert outputs[0] == outputs[1]

@@ -76,7 +76,9 @@ class Speculator:
         """How many guesses ``seq`` may take now: none while it is prefilling, asks for logprobs, penalties or a
         grammar (which change with every token), must not stop yet (min_tokens), or has too little room left."""
         params = seq.request.params
-        if (seq.num_tokens - seq.num_computed_tokens != 1 or params.logprobs is not None or seq.matcher is not None
+        # A prompt (no output yet) takes none: with n > 1 it forks after this step, and its samples must start even.
+        if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0 or params.logprobs is not None
+                or seq.matcher is not None
                 or params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
                 or seq.num_output_tokens < params.min_tokens):
             return 0

@@ -114,20 +114,15 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_batch_matcher = None  # an xgrammar.BatchGrammarMatcher (it owns a thread pool), made once
-
-
 def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int) -> torch.Tensor:
     """A ``[num_rows, ceil(vocab_size / 32)]`` int32 bitmask whose ``rows`` allow what ``matchers`` allow next.
 
-    Rows not in ``rows`` are left all-allowed; the matchers are filled in parallel on xgrammar's threads.
+    Rows not in ``rows`` are left all-allowed. Each matcher fills its own row: xgrammar's batch filler owns a thread
+    pool, and one shared by the engine threads of several generators in a process aborted the process.
     """
-    global _batch_matcher
-    xgrammar = _xgrammar()
-    if _batch_matcher is None:
-        _batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
-    bitmask = xgrammar.allocate_token_bitmask(num_rows, matchers[0].vocab_size)
-    _batch_matcher.batch_fill_next_token_bitmask([m._matcher for m in matchers], bitmask, rows)
+    bitmask = _xgrammar().allocate_token_bitmask(num_rows, matchers[0].vocab_size)
+    for matcher, row in zip(matchers, rows):
+        matcher._matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
 
 

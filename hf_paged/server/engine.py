@@ -46,11 +46,14 @@ class RequestStream:
         self.ready = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         self.write_timeout = write_timeout
-        self.last_read = self.loop.time()
+        self.last_read = self.waiting_since = self.loop.time()
 
     def put(self, item: RequestOutput | EngineError) -> None:
         """Take an output (or the engine's failure) from the engine thread; runs on the stream's loop."""
-        stalled = self.write_timeout is not None and self.loop.time() - self.last_read > self.write_timeout
+        if not self.undelivered:
+            self.waiting_since = self.loop.time()  # outputs wait for the handler from now
+        waited = self.loop.time() - max(self.last_read, self.waiting_since)
+        stalled = self.write_timeout is not None and waited > self.write_timeout
         if self.undelivered and stalled and self.error is None:
             self.engine.abort(list(self.pending_ids))
             self.error = EngineError(f"the client read nothing for {self.write_timeout:g} s: its requests were "
