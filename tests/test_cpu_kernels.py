@@ -5,13 +5,13 @@ import torch
 
 import hf_paged.kernels as kernels
 from hf_paged.cache.metadata import PagedMetadata
-from hf_paged.kernels import cpu_ops, torch_ops
+from hf_paged.kernels import cpu_ops, native, torch_ops
 from kernel_cases import make_case, naive_attention, slot_index
 
 # Without a C++ compiler hf_paged runs the torch path (tested in test_torch_kernels.py) and there is no kernel to test.
 # With one, as in CI and the README set-up, a kernel that fails to build fails test_kernel_builds instead of skipping.
 pytestmark = pytest.mark.skipif(
-    cpu_ops.compiler() is None, reason="no C++ compiler ($CXX, g++ or c++): hf_paged uses the torch path instead"
+    native.compiler() is None, reason="no C++ compiler ($CXX, g++ or c++): hf_paged uses the torch path instead"
 )
 
 def test_kernel_builds():
@@ -228,7 +228,7 @@ def test_dispatcher_stores_and_attends_alike_on_every_path(monkeypatch):
 
 def test_bf16_dot_products_are_built_where_the_cpu_has_them():
     assert cpu_ops.available()
-    has = "avx512_bf16" in cpu_ops._cpu_id().split()
+    has = "avx512_bf16" in native._cpu_id().split()
     assert [bool(cpu_ops._library.hf_paged_has_bf16_dot(d)) for d in (32, 64, 80, 96, 128, 160, 256)] == [
         False, has, False, has, has, False, has]
 

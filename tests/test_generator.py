@@ -7,6 +7,7 @@ from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.cache import KVCacheSpec
 from hf_paged.generation.model_runner import ModelRunner
 from hf_paged.generation.sequence import SequenceStatus
+from hf_paged.kernels import native
 from hf_paged.kernels.cpu_linear import PrepackedLinear, available, unpack_linear_layers
 
 MAX_TOKENS = [8, 24, 16, 32, 12, 20, 28, 10, 18, 26, 14, 30, 9, 22, 17, 25]
@@ -59,15 +60,18 @@ def run_greedy(gen, prompt_ids):
         dict(num_blocks=24, block_size=8),
         dict(max_num_batched_tokens=16),
         dict(prepack_weights=False),
+        dict(enforce_eager=True),
     ],
-    ids=["default", "no-prefix-caching", "preemption", "chunked-prefill", "plain-linear"],
+    ids=["default", "no-prefix-caching", "preemption", "chunked-prefill", "plain-linear", "transformers-forward"],
 )
 def test_batch_is_token_identical_to_generate_alone(smollm2, prompt_ids, reference, options):
+    """Steps of up to 8 tokens run the native decoder (unless enforce_eager), longer ones the Transformers forward."""
     if options.get("prepack_weights") is False:
         unpack_linear_layers(smollm2[0])
     gen = make_generator(smollm2, **options)
     packed = isinstance(gen.model.model.layers[0].mlp.down_proj, PrepackedLinear)
     assert packed == (options.get("prepack_weights", True) and available(torch.float32))
+    assert (gen.runner.native is None) == (options.get("enforce_eager", False) or native.compiler() is None)
     assert run_greedy(gen, prompt_ids) == reference
     stats = gen.stats()
     if "num_blocks" in options:

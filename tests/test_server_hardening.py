@@ -386,45 +386,45 @@ def test_steps_that_keep_failing_are_unrecoverable(smollm2_path):
 # ------------------------------------------------------------------------------------------ 9: native kernel
 @pytest.fixture
 def kernel_cache(tmp_path, monkeypatch):
-    from hf_paged.kernels import cpu_ops
+    from hf_paged.kernels import native
 
-    if cpu_ops.compiler() is None:
+    if native.compiler() is None:
         pytest.skip("no C++ compiler on this machine: the native kernel is never built, so never loaded")
     monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path / "cache"))
-    return cpu_ops
+    return native
 
 
 def test_the_kernel_cache_is_private_and_checked(kernel_cache, tmp_path):
     """A library that someone else could have put there is never loaded (a file stands in for a built one)."""
-    cpu_ops = kernel_cache
-    library = cpu_ops.library_path(cpu_ops.compiler())
+    native = kernel_cache
+    library = native.library_path(native.compiler())
     directory = tmp_path / "cache" / "kernels"
     assert library.parent == directory and stat.S_IMODE(directory.stat().st_mode) == 0o700
     library.write_bytes(b"not a library")
     library.chmod(0o666)  # anyone may now replace the code the server runs
     with pytest.raises(RuntimeError, match="writable by nobody else"):
-        cpu_ops._build()
+        native.build()
     library.chmod(0o700)
     directory.chmod(0o777)
     with pytest.raises(RuntimeError, match="writable by nobody else"):
-        cpu_ops._build()
+        native.build()
     directory.chmod(0o700)
     with pytest.raises(OSError):  # checked, then loaded: the stand-in is not a shared object
-        cpu_ops._build()
+        native.build()
     if os.getuid() == 0:  # only root can hand a file to another user
         os.chown(library, 65534, 65534)
         with pytest.raises(RuntimeError, match="belong to this user"):
-            cpu_ops._build()
+            native.build()
 
 
 def test_the_kernel_cache_root_must_be_absolute(kernel_cache, monkeypatch, tmp_path):
-    cpu_ops = kernel_cache
+    native = kernel_cache
     monkeypatch.setenv("HF_PAGED_CACHE", "relative/cache")
     with pytest.raises(RuntimeError, match="must be an absolute path"):
-        cpu_ops.kernel_dir()
+        native.kernel_dir()
     monkeypatch.setenv("HF_PAGED_CACHE", "")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert cpu_ops.kernel_dir() == tmp_path / ".cache" / "hf_paged" / "kernels"
+    assert native.kernel_dir() == tmp_path / ".cache" / "hf_paged" / "kernels"
 
 
 def test_loading_the_kernel_leaves_subnormal_floats_alone():
@@ -432,12 +432,12 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     import subprocess
     import sys
 
-    from hf_paged.kernels import cpu_ops
+    from hf_paged.kernels import native
 
-    if not cpu_ops.available():
+    if native.library() is None:
         pytest.skip("no native kernel on this machine (no C++ compiler), so nothing that could flush subnormals")
     check = "import ctypes, sys; ctypes.CDLL(sys.argv[1]); assert 2.2250738585072014e-308 / 3 > 0, 'flushed to 0'"
-    library = cpu_ops.library_path(cpu_ops.compiler())
+    library = native.library_path(native.compiler())
     result = subprocess.run([sys.executable, "-c", check, str(library)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
 

@@ -87,7 +87,7 @@ def parse_speculative_config(text: str) -> SpeculativeConfig:
 
 
 def _option(help_text: str, default=None, flag: str | None = None, type_=None):
-    """A field with its command-line form: ``flag`` (default ``--field-name``; a boolean's flag turns it off)."""
+    """A field with its command-line form: ``flag`` (default ``--field-name``; a boolean's flag flips its default)."""
     return field(default=default, metadata={"help": help_text, "flag": flag, "type": type_})
 
 
@@ -113,6 +113,9 @@ class EngineConfig:
     prepack_weights: bool = _option(
         "on CPU, run linear layers through plain torch instead of oneDNN with weights packed once (packing is "
         "faster and costs the linear weights' memory once more)", True, flag="--no-prepack-weights")
+    enforce_eager: bool = _option(
+        "run every step through the model's own Transformers forward: no native CPU decoder for short steps of "
+        "Llama, Mistral and Qwen2/3 models", False)
     speculative_config: SpeculativeConfig | None = _option(
         "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4} (prompt lookup; "
@@ -149,11 +152,13 @@ class EngineConfig:
     # --------------------------------------------------------------------------------------------- command line
     @classmethod
     def add_cli_arguments(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-        """One command-line option per field (``--max-num-seqs``; booleans get a ``--no-...`` flag)."""
+        """One command-line option per field (``--max-num-seqs``; a boolean's flag flips its default, e.g.
+        ``--no-prefix-caching``, ``--enforce-eager``)."""
         for f in dataclasses.fields(cls):
             flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
-            if f.type == "bool":
-                parser.add_argument(flag, dest=f.name, action="store_false", help=f.metadata["help"])
+            if f.type == "bool":  # the flag flips the default
+                action = "store_false" if f.default else "store_true"
+                parser.add_argument(flag, dest=f.name, action=action, help=f.metadata["help"])
             else:
                 kind = f.metadata["type"] or (str if f.name == "kv_cache_dtype" else int)
                 parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])

@@ -17,6 +17,7 @@ from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
 from ..distributed import DistributedError, Lockstep, is_tensor_parallel, prepack_sharded_linear_layers
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
+from ..native_decoder import NativeDecoder
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one_params_per_prompt
@@ -69,7 +70,6 @@ class ContinuousBatchGenerator:
                                      eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(config, self.kv, Detokenizer(tokenizer), self.max_model_len)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv)
         spec = config.speculative_config
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.requests: dict[str, Request] = {}
@@ -85,6 +85,8 @@ class ContinuousBatchGenerator:
             packed = prepack_linear_layers(model)
             if self.lockstep is not None:
                 prepack_sharded_linear_layers(model)
+        native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv, native)
         try:
             self._check_model_runs()
         except Exception:

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
 from ..cache import KVCacheManager, PagedKVStorage, PagedMetadata
+from ..native_decoder import NativeDecoder
 from .scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """One step's tokens, flat: ``input_ids`` and ``position_ids`` ``[1, T]``, the attention metadata, and the token
+    rows whose logits are sampled (``sample_rows``, int64, on the model's device)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    metadata: PagedMetadata
+    sample_rows: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
 
 
 class ModelRunner:
@@ -15,18 +32,21 @@ class ModelRunner:
 
     The step's block tables and slots reach the attention layers as the forward argument ``paged_metadata``
     (Transformers hands its keyword arguments on to the attention function). Only the last token of sequences that
-    finish their pending tokens this step produces logits.
+    finish their pending tokens this step produces logits. Steps of at most ``native.max_tokens`` tokens go through
+    the `NativeDecoder` instead, when the model has one.
     """
 
-    def __init__(self, model: torch.nn.Module, kv: PagedKVStorage, kv_manager: KVCacheManager):
+    def __init__(self, model: torch.nn.Module, kv: PagedKVStorage, kv_manager: KVCacheManager,
+                 native: NativeDecoder | None = None):
         self.model = model
         self.kv = kv
         self.kv_manager = kv_manager
+        self.native = native
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
-        """Model inputs for the step ``out``, and the token rows whose logits are sampled."""
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Model inputs for the step ``out``."""
         # Copy first: the scheduler has already pointed the tables at the new blocks, and a step that fails later
         # must still leave them filled.
         self.kv.copy_blocks(out.block_copies)
@@ -46,24 +66,34 @@ class ModelRunner:
             tables.append(self.kv_manager.block_table(seq.seq_id))
             if end >= seq.num_tokens:  # its last token's logits, and each guess's
                 sample_rows += range(len(input_ids) - 1 - len(guesses), len(input_ids))
-        metadata = PagedMetadata.build(self.kv, tables, seq_lens, out.num_tokens, slots)
-        inputs = dict(
+        return StepInputs(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
-            # Nothing is padding. Without any mask (and no cache) Transformers would read the restarting positions as
-            # packed sequences and ask for a mask pattern the kernels already apply through the block tables.
-            attention_mask=torch.ones(1, len(input_ids), dtype=torch.bool, device=self.device),
-            use_cache=False,
-            paged_metadata=metadata,
+            metadata=PagedMetadata.build(self.kv, tables, seq_lens, out.num_tokens, slots),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
         )
-        if self._keeps_logits:
-            inputs["logits_to_keep"] = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return inputs, sample_rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns ``logits [sampled rows, vocab]`` in step order: one row per sampled sequence, and
         one more per speculative guess it verifies."""
-        inputs, rows = self.prepare(out)
+        step = self.prepare(out)
+        if self.native is not None and step.num_tokens <= self.native.max_tokens:
+            return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows)
+        return self.forward(step)
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The step through the model's own (Transformers) forward."""
+        inputs = dict(
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            # Nothing is padding. Without any mask (and no cache) Transformers would read the restarting positions as
+            # packed sequences and ask for a mask pattern the kernels already apply through the block tables.
+            attention_mask=torch.ones(1, step.num_tokens, dtype=torch.bool, device=self.device),
+            use_cache=False,
+            paged_metadata=step.metadata,
+        )
+        if self._keeps_logits:
+            inputs["logits_to_keep"] = step.sample_rows
         logits = self.model(**inputs).logits[0]
-        return logits if self._keeps_logits else logits[rows]
+        return logits if self._keeps_logits else logits[step.sample_rows]

@@ -1,51 +1,34 @@
-"""Native CPU paged attention: ``cpu_attention.cpp``, compiled once with the system C++ compiler, loaded with ctypes.
+"""Native CPU paged attention: ``cpu_attention.cpp`` in the native library (`native`), called through ctypes.
 
 It reads each sequence's keys and values in place through its block table, so a decode step touches every cached
 token once instead of copying the blocks into a contiguous batch first (as the torch path does). It serves decode
 rows and prefill chunks up to `max_query_len`, and stores the step's new keys and values in the same call; longer
-chunks are faster through torch's SDPA. The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels``
-(default ``~/.cache/hf_paged/kernels``), keyed by the source, the compiler and the CPU, and shares torch's OpenMP
-runtime. Without a compiler `available()` is False and the dispatcher keeps the torch path. The directory is
-created private (0700), and a library or directory that another user could have written is never loaded.
+chunks are faster through torch's SDPA. Without a compiler `available()` is False and the dispatcher keeps the torch
+path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+from . import native
+
 MAX_NATIVE_QUERY_LEN = 128  # longer prefill chunks go to torch's SDPA, whose matrix multiplies win there
 # bf16 with the kernel's AVX512-BF16 score path: as fast as SDPA or faster on chunks up to this long (512 rows: 3.4
 # against 4.9 ms over 512 keys, even over 1024; SDPA wins from about 4 keys per row).
 MAX_NATIVE_QUERY_LEN_BF16_DOT = 512
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
-# Linked without -ffast-math: linking with it adds GCC's crtfastmath.o, whose constructor turns on flush-to-zero for
-# the whole process when the library loads (every subnormal float anywhere then reads as 0).
-_LINK_FLAGS = ["-shared", "-fopenmp"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # What the kernel's index checks (check_indices in cpu_attention.cpp) found, by status.
-_INDEX_ERRORS = {
+INDEX_ERRORS = {
     3: "query_start_loc does not cover the query rows",
     4: "query_start_loc must not decrease",
     5: "a sequence is longer than its block table holds",
     6: "a block table lists a block outside 0..{last_block}",
     7: "slot_mapping names a slot outside the cache",
 }
-_lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_failed = False
 
 
 class _Problem(ctypes.Structure):
@@ -68,72 +51,7 @@ class _Problem(ctypes.Structure):
     ]
 
 
-def _cpu_id() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
-def compiler() -> str | None:
-    """The C++ compiler the kernel is built with: ``$CXX``, else ``g++`` or ``c++`` on the PATH."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-def kernel_dir() -> Path:
-    """``$HF_PAGED_CACHE/kernels`` (an empty variable means the default ``~/.cache/hf_paged``), created private.
-
-    The server loads and runs the library found there, so a relative root (which would depend on the directory the
-    server was started in) is refused, and so is a directory that another user could write to.
-    """
-    root = os.environ.get("HF_PAGED_CACHE") or str(Path.home() / ".cache" / "hf_paged")
-    if not os.path.isabs(root):
-        raise RuntimeError(f"HF_PAGED_CACHE must be an absolute path, got {root!r}: the native kernel would be loaded "
-                           "from a directory relative to wherever the server starts")
-    directory = Path(root) / "kernels"
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_private(directory)
-    return directory
-
-
-def check_private(path: Path) -> None:
-    """Refuse ``path`` unless it is owned by this user and not writable by its group or by others."""
-    info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeError(f"refusing to load code from {path}: it must belong to this user (uid {os.getuid()}) and "
-                           f"be writable by nobody else (it belongs to uid {info.st_uid}, mode "
-                           f"{stat.filemode(info.st_mode)})")
-
-
-def _compile(compiler_path: str, target: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built, objects = Path(tmp) / target.name, Path(tmp) / "kernel.o"
-        compile_ = [*_FLAGS, "-c", str(_SOURCE), "-o", str(objects)]
-        for command in (compile_, [*_LINK_FLAGS, str(objects), "-o", str(built)]):
-            result = subprocess.run([compiler_path, *command], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler_path} failed:\n{result.stderr[-2000:]}")
-        built.chmod(0o700)
-        os.replace(built, target)
-
-
-def library_path(compiler_path: str) -> Path:
-    """Where the library built by this compiler from this source for this CPU lives."""
-    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [_SOURCE.read_text(), *_FLAGS, *_LINK_FLAGS, version, platform.machine(), _cpu_id()]
-    key = hashlib.sha256("\0".join(parts).encode())
-    return kernel_dir() / f"cpu_attention-{key.hexdigest()[:16]}.so"
-
-
-def _build() -> ctypes.CDLL:
-    compiler_path = compiler()
-    if compiler_path is None:
-        raise RuntimeError("no C++ compiler found (set CXX)")
-    target = library_path(compiler_path)
-    if not target.exists():
-        _compile(compiler_path, target)
-    check_private(target)
-    library = ctypes.CDLL(str(target))
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.hf_paged_attention.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
     library.hf_paged_has_bf16_dot.argtypes = [ctypes.c_int]
     if library.hf_paged_problem_size() != ctypes.sizeof(_Problem):
@@ -142,16 +60,10 @@ def _build() -> ctypes.CDLL:
 
 
 def available() -> bool:
-    """Whether the native kernel is built and loaded (builds it on first call)."""
-    global _library, _failed
-    if _library is None and not _failed:
-        with _lock:
-            if _library is None and not _failed:
-                try:
-                    _library = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                    _failed = True
-                    warnings.warn(f"hf_paged: native CPU attention kernel unavailable, using the torch path ({error})")
+    """Whether the native kernel is built and loaded (builds the native library on first call)."""
+    global _library
+    if _library is None and native.library() is not None:
+        _library = _bind(native.library())
     return _library is not None
 
 
@@ -234,8 +146,8 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         problem.k_stride_token, problem.k_stride_head = key.stride(0), key.stride(1)
         problem.v_stride_token, problem.v_stride_head = value.stride(0), value.stride(1)
     status = _library.hf_paged_attention(ctypes.byref(problem), _DTYPES[query.dtype])
-    if status in _INDEX_ERRORS:
-        raise ValueError("paged attention: " + _INDEX_ERRORS[status].format(last_block=k_cache.shape[0] - 1))
+    if status in INDEX_ERRORS:
+        raise ValueError("paged attention: " + INDEX_ERRORS[status].format(last_block=k_cache.shape[0] - 1))
     if status != 0:
         raise RuntimeError(f"native paged attention failed with status {status}")
     return out

@@ -1,0 +1,474 @@
+// Matrix-vector products for a few rows, and a whole decode forward of a Llama-family model on CPUs, in one call.
+// Built and loaded with cpu_attention.cpp (native.py); bound by cpu_decoder.py.
+//
+// At one to eight rows a linear layer only streams its weight from memory, so the product is a set of dot products
+// over the weight's own [out, in] rows: each weight row is read once for all the input rows, and the output rows are
+// split between the threads in contiguous runs. A row's result never depends on how many rows are computed with it
+// or on which thread computes it (same summation tree), so outputs do not depend on the batch.
+//
+// The decoder runs what Transformers' Llama, Mistral and Qwen2/3 layers compute, rounding where they round (every
+// elementwise step of a bf16 model is rounded to bf16, as torch does), and stores and attends through
+// hf_paged_attention. This file is built without -ffast-math and without FMA contraction, so that elementwise steps
+// round like torch's; the dot products use explicit FMAs.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <omp.h>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+using namespace hf_paged;
+
+constexpr int kMaxRows = 8;  // rows of one call (tokens of a step)
+
+inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
+#if defined(__AVX512F__)
+    return (vec16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    __m256 x[2], y[2], z[2];
+    std::memcpy(x, &a, sizeof x);
+    std::memcpy(y, &b, sizeof y);
+    std::memcpy(z, &c, sizeof z);
+    z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
+    z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+    std::memcpy(&c, z, sizeof c);
+    return c;
+#else
+    return a * b + c;
+#endif
+}
+
+// Weight rows read together, by input rows and dtype (measured on a 2-core AVX-512 machine, SmolLM2's layers).
+template <typename T>
+constexpr int rows_at_once(int M) { return M <= 4 ? 8 : (sizeof(T) == 2 ? 4 : 2); }
+
+// From two input rows on, the products take long enough per weight line that the hardware prefetcher falls behind:
+// the next R weight rows are asked for while these are multiplied (1.2x at 4 rows, 1.5x at 8).
+template <int M, int R, typename T>
+__attribute__((always_inline)) inline void prefetch_next(const T* w, int64_t K, int64_t k) {
+    if constexpr (M >= 2) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) __builtin_prefetch(w + (R + r) * K + k, 0, 3);
+    }
+}
+
+// out[r] = the lane sum of acc[r] for R = 1, 2, 4 or 8 accumulators, always by sum4's tree (missing ones are zeros).
+template <int R>
+__attribute__((always_inline)) inline void reduce(const vec16 (&acc)[R], float* out) {
+    if constexpr (R >= 4) {
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r += 4) sum4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3], out + r);
+    } else {
+        const vec16 zero = {};
+        float sums[4];
+        sum4(acc[0], R > 1 ? acc[R - 1] : zero, zero, zero, sums);
+        out[0] = sums[0];
+        if constexpr (R > 1) out[1] = sums[1];
+    }
+}
+
+// out[m * R + r] = x[m] . w[r] for M input rows (stride xs) and R weight rows (stride K), in fp32.
+template <int M, int R>
+__attribute__((always_inline)) inline void dot(const float* x, int64_t xs, const float* w, int64_t K, float* out) {
+    vec16 acc[M][R];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[m][r] = vec16{};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        vec16 wv[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k);
+        prefetch_next<M, R>(w, K, k);
+        vec16 xv[M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) xv[m] = load16(x + m * xs + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int m = 0; m < M; ++m) acc[m][r] = fma16(xv[m], wv[r], acc[m][r]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) reduce<R>(acc[m], out + m * R);
+    for (; k < K; ++k)
+        for (int m = 0; m < M; ++m)
+            for (int r = 0; r < R; ++r) out[m * R + r] += x[m * xs + k] * w[r * K + k];
+}
+
+#if defined(__AVX512BF16__)
+// bf16: pairs of products summed straight from the bf16 rows (vdpbf16ps; the products are exact in fp32).
+template <int M, int R>
+__attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, float* out) {
+    __m512 acc[M][R];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+        prefetch_next<M, R>(w, K, k);
+        __m512bh xv[M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv[r]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+        vec16 lanes[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) lanes[r] = (vec16)acc[m][r];
+        reduce<R>(lanes, out + m * R);
+    }
+    for (; k < K; ++k)
+        for (int m = 0; m < M; ++m)
+            for (int r = 0; r < R; ++r) out[m * R + r] += to_float(x[m * xs + k]) * to_float(w[r * K + k]);
+}
+#else
+template <int M, int R>
+__attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, float* out) {
+    vec16 acc[M][R];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[m][r] = vec16{};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        vec16 wv[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k);
+        prefetch_next<M, R>(w, K, k);
+        vec16 xv[M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) xv[m] = load16(x + m * xs + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int m = 0; m < M; ++m) acc[m][r] = fma16(xv[m], wv[r], acc[m][r]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) reduce<R>(acc[m], out + m * R);
+    for (; k < K; ++k)
+        for (int m = 0; m < M; ++m)
+            for (int r = 0; r < R; ++r) out[m * R + r] += to_float(x[m * xs + k]) * to_float(w[r * K + k]);
+}
+#endif
+
+// f(m, n, x[m] . w[n]) for the output rows [n0, n1) of w ([N, K] row-major) and M input rows.
+template <int M, typename T, typename F>
+inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
+    constexpr int R = rows_at_once<T>(M);
+    float out[M * R];
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) {
+        dot<M, R>(x, xs, w + n * K, K, out);
+        for (int m = 0; m < M; ++m)
+            for (int r = 0; r < R; ++r) f(m, n + r, out[m * R + r]);
+    }
+    for (; n < n1; ++n) {
+        dot<M, 1>(x, xs, w + n * K, K, out);
+        for (int m = 0; m < M; ++m) f(m, n, out[m]);
+    }
+}
+
+// The same for any M in 1..kMaxRows.
+template <typename T, typename F>
+inline void products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
+    switch (M) {
+        case 1: product_rows<1>(x, xs, w, K, n0, n1, f); break;
+        case 2: product_rows<2>(x, xs, w, K, n0, n1, f); break;
+        case 3: product_rows<3>(x, xs, w, K, n0, n1, f); break;
+        case 4: product_rows<4>(x, xs, w, K, n0, n1, f); break;
+        case 5: product_rows<5>(x, xs, w, K, n0, n1, f); break;
+        case 6: product_rows<6>(x, xs, w, K, n0, n1, f); break;
+        case 7: product_rows<7>(x, xs, w, K, n0, n1, f); break;
+        default: product_rows<8>(x, xs, w, K, n0, n1, f); break;
+    }
+}
+
+// This thread's share of N output rows: contiguous, in multiples of 8 rows.
+inline void share(int64_t N, int64_t& n0, int64_t& n1) {
+    const int64_t blocks = (N + 7) / 8, t = omp_get_thread_num(), threads = omp_get_num_threads();
+    n0 = std::min(N, blocks * t / threads * 8);
+    n1 = std::min(N, blocks * (t + 1) / threads * 8);
+}
+
+inline float bias_at(const float* b, int64_t n) { return b ? b[n] : 0.0f; }
+inline float bias_at(const uint16_t* b, int64_t n) { return b ? to_float(b[n]) : 0.0f; }
+
+// What storing a float into T keeps of it (identity for fp32, bf16 rounding for bf16).
+template <typename T>
+inline float rounded(float x) {
+    T t;
+    store(&t, x);
+    return to_float(t);
+}
+
+// Transformers' RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, rounded to T, times the weight (then rounded).
+template <typename T>
+void rms_norm(const T* x, const T* weight, int n, float eps, T* out) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        const float v = to_float(x[i]);
+        sum += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+    for (int i = 0; i < n; ++i) store(out + i, to_float(weight[i]) * rounded<T>(to_float(x[i]) * inv));
+}
+
+// Rotary embedding of one head in place, as Transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin.
+template <typename T>
+void rotate(T* x, const T* cos, const T* sin, int D) {
+    const int h = D / 2;
+    float rotated[512];
+    for (int i = 0; i < D; ++i) {
+        const float other = i < h ? -to_float(x[i + h]) : to_float(x[i - h]);
+        rotated[i] = rounded<T>(rounded<T>(to_float(x[i]) * to_float(cos[i])) + rounded<T>(other * to_float(sin[i])));
+    }
+    for (int i = 0; i < D; ++i) store(x + i, rotated[i]);
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+struct DecoderLayer {
+    const void *input_norm, *post_norm, *q_norm, *k_norm;  // q_norm / k_norm: per-head norms (Qwen3) or null
+    const void *q, *k, *v, *o, *gate, *up, *down;  // weights [out, in]
+    const void *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias;  // or null
+    void *k_cache, *v_cache;
+    float scale;  // softmax scale
+    int32_t sliding_window;  // <= 0: none
+};
+
+struct DecoderModel {
+    const DecoderLayer* layers;
+    const void *final_norm, *lm_head, *lm_head_bias;
+    int64_t c_stride_block, c_stride_row, c_stride_head;  // the layers' caches, as in Problem
+    int32_t num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size;
+    int32_t block_size, num_blocks;
+    float eps;  // every norm's
+    int32_t dtype;  // 0: fp32, 1: bf16
+};
+
+struct DecoderStep {
+    void* hidden;  // [T, hidden]: the tokens' embeddings in, the last layer's output out
+    const void *cos, *sin;  // [T, head_dim]
+    const int32_t* query_start_loc;  // as in Problem
+    const int32_t* block_tables;
+    int64_t bt_stride;
+    const int32_t* seq_lens;
+    const int64_t* slot_mapping;
+    const int64_t* sample_rows;  // [num_samples]: the token rows whose logits are wanted
+    void* logits;  // [num_samples, vocab]
+    int32_t num_tokens, num_seqs, bt_width, num_samples, num_threads;
+};
+
+namespace {
+
+template <typename T>
+struct Forward {
+    const DecoderModel& m;
+    const DecoderStep& s;
+    const int L, H, I, D, Hq, Hkv, width;  // tokens, sizes; width: one token's row of q, k and v
+    std::vector<T> xn, qkv, attn, act;
+
+    Forward(const DecoderModel& model, const DecoderStep& step)
+        : m(model), s(step), L(step.num_tokens), H(model.hidden_size), I(model.intermediate_size),
+          D(model.head_dim), Hq(model.num_heads), Hkv(model.num_kv_heads), width((Hq + 2 * Hkv) * D),
+          xn(static_cast<size_t>(L) * H), qkv(static_cast<size_t>(L) * width), attn(static_cast<size_t>(L) * Hq * D),
+          act(static_cast<size_t>(L) * I) {}
+
+    T* hidden() const { return static_cast<T*>(s.hidden); }
+
+    void norm_rows(const void* weight) {
+#pragma omp for
+        for (int t = 0; t < L; ++t) rms_norm(hidden() + t * H, static_cast<const T*>(weight), H, m.eps, xn.data() + t * H);
+    }
+
+    // q, k and v of every token into qkv, one product over their rows together; then per-head norms and rotary.
+    void project_qkv(const DecoderLayer& layer) {
+        norm_rows(layer.input_norm);
+        const int64_t nq = Hq * D, nk = Hkv * D;
+        int64_t n0, n1;
+        share(nq + 2 * nk, n0, n1);
+        const void* weights[3] = {layer.q, layer.k, layer.v};
+        const void* biases[3] = {layer.q_bias, layer.k_bias, layer.v_bias};
+        const int64_t starts[4] = {0, nq, nq + nk, nq + 2 * nk};
+        for (int j = 0; j < 3; ++j) {
+            const int64_t a = std::max(n0, starts[j]), b = std::min(n1, starts[j + 1]);
+            if (a >= b) continue;
+            const T* bias = static_cast<const T*>(biases[j]);
+            T* out = qkv.data() + starts[j];
+            products(L, xn.data(), H, static_cast<const T*>(weights[j]), H, a - starts[j], b - starts[j],
+                     [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); });
+        }
+#pragma omp barrier
+#pragma omp for
+        for (int i = 0; i < L * (Hq + Hkv); ++i) {
+            const int t = i / (Hq + Hkv), head = i % (Hq + Hkv);
+            T* x = qkv.data() + t * width + head * D;
+            const void* norm = head < Hq ? layer.q_norm : layer.k_norm;
+            if (norm) rms_norm(x, static_cast<const T*>(norm), D, m.eps, x);
+            rotate(x, static_cast<const T*>(s.cos) + t * D, static_cast<const T*>(s.sin) + t * D, D);
+        }
+    }
+
+    int attend(const DecoderLayer& layer) {
+        Problem p{};
+        p.query = qkv.data();
+        p.q_stride_token = width;
+        p.q_stride_head = D;
+        p.query_start_loc = s.query_start_loc;
+        p.k_cache = layer.k_cache;
+        p.v_cache = layer.v_cache;
+        p.c_stride_block = m.c_stride_block;
+        p.c_stride_row = m.c_stride_row;
+        p.c_stride_head = m.c_stride_head;
+        p.block_tables = s.block_tables;
+        p.bt_stride = s.bt_stride;
+        p.seq_lens = s.seq_lens;
+        p.out = attn.data();
+        p.num_seqs = s.num_seqs;
+        p.num_heads = Hq;
+        p.num_kv_heads = Hkv;
+        p.head_dim = D;
+        p.block_size = m.block_size;
+        p.num_tokens = L;
+        p.num_blocks = m.num_blocks;
+        p.bt_width = s.bt_width;
+        p.scale = layer.scale;
+        p.sliding_window = layer.sliding_window;
+        p.num_threads = s.num_threads;
+        p.key = qkv.data() + Hq * D;
+        p.value = qkv.data() + (Hq + Hkv) * D;
+        p.k_stride_token = p.v_stride_token = width;
+        p.k_stride_head = p.v_stride_head = D;
+        p.slot_mapping = s.slot_mapping;
+        return hf_paged_attention(&p, m.dtype);
+    }
+
+    // hidden[t, n] += (x[t] . w[n] + bias[n]), rounded as residual + module output.
+    void add_product(const void* w, const void* b, const T* x, int64_t K, int64_t N) {
+        int64_t n0, n1;
+        share(N, n0, n1);
+        const T* bias = static_cast<const T*>(b);
+        T* h = hidden();
+        products(L, x, K, static_cast<const T*>(w), K, n0, n1, [&](int t, int64_t n, float v) {
+            store(h + t * N + n, to_float(h[t * N + n]) + rounded<T>(v + bias_at(bias, n)));
+        });
+    }
+
+    // After attention: the output projection into the residual stream, then the MLP.
+    void finish_layer(const DecoderLayer& layer) {
+        add_product(layer.o, layer.o_bias, attn.data(), Hq * D, H);
+#pragma omp barrier
+        norm_rows(layer.post_norm);
+        int64_t n0, n1;
+        share(I, n0, n1);
+        const T* gate_bias = static_cast<const T*>(layer.gate_bias);
+        const T* up_bias = static_cast<const T*>(layer.up_bias);
+        T* a = act.data();
+        products(L, xn.data(), H, static_cast<const T*>(layer.gate), H, n0, n1, [&](int t, int64_t n, float v) {
+            store(a + t * I + n, silu(rounded<T>(v + bias_at(gate_bias, n))));
+        });
+        products(L, xn.data(), H, static_cast<const T*>(layer.up), H, n0, n1, [&](int t, int64_t n, float v) {
+            store(a + t * I + n, to_float(a[t * I + n]) * rounded<T>(v + bias_at(up_bias, n)));
+        });
+#pragma omp barrier
+        add_product(layer.down, layer.down_bias, act.data(), I, H);
+    }
+
+    void logits() {
+        const int S = s.num_samples;
+#pragma omp for
+        for (int i = 0; i < S; ++i)
+            rms_norm(hidden() + s.sample_rows[i] * H, static_cast<const T*>(m.final_norm), H, m.eps, xn.data() + i * H);
+        int64_t n0, n1;
+        share(m.vocab_size, n0, n1);
+        const T* bias = static_cast<const T*>(m.lm_head_bias);
+        T* out = static_cast<T*>(s.logits);
+        const int64_t V = m.vocab_size;
+        products(S, xn.data(), H, static_cast<const T*>(m.lm_head), H, n0, n1,
+                 [&](int i, int64_t n, float v) { store(out + i * V + n, v + bias_at(bias, n)); });
+    }
+
+    int run() {
+        const int threads = s.num_threads;
+        for (int l = 0; l < m.num_layers; ++l) {
+            const DecoderLayer& layer = m.layers[l];
+#pragma omp parallel num_threads(threads)
+            {
+                if (l > 0) {
+                    finish_layer(m.layers[l - 1]);
+#pragma omp barrier
+                }
+                project_qkv(layer);
+            }
+            if (const int status = attend(layer)) return status;
+        }
+#pragma omp parallel num_threads(threads)
+        {
+            finish_layer(m.layers[m.num_layers - 1]);
+#pragma omp barrier
+            logits();
+        }
+        return 0;
+    }
+};
+
+template <typename T>
+void linear(const T* x, int64_t xs, int M, int64_t K, const T* w, const T* bias, T* y, int64_t ys, int64_t N,
+            int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t n0, n1;
+        share(N, n0, n1);
+        products(M, x, xs, w, K, n0, n1, [&](int m, int64_t n, float v) { store(y + m * ys + n, v + bias_at(bias, n)); });
+    }
+}
+
+}  // namespace
+
+// y[m, n] = x[m] . w[n] + bias[n] for M <= 8 rows (bias may be null); dtype 0: fp32, 1: bf16. 0 on success.
+extern "C" int hf_paged_linear(const void* x, int64_t x_stride, int32_t M, int64_t K, const void* w, const void* bias,
+                               void* y, int64_t y_stride, int64_t N, int32_t dtype, int32_t num_threads) {
+    if (M < 1 || M > kMaxRows) return 1;
+    if (dtype == 0)
+        linear(static_cast<const float*>(x), x_stride, M, K, static_cast<const float*>(w),
+               static_cast<const float*>(bias), static_cast<float*>(y), y_stride, N, num_threads);
+    else if (dtype == 1)
+        linear(static_cast<const uint16_t*>(x), x_stride, M, K, static_cast<const uint16_t*>(w),
+               static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), y_stride, N, num_threads);
+    else
+        return 2;
+    return 0;
+}
+
+// The decoder stack and the logits of the sampled rows for one step of <= 8 tokens. 0 on success, else the attention
+// kernel's status (cpu_ops.py names them) or 1 (bad sizes) / 2 (bad dtype).
+extern "C" int hf_paged_decoder_forward(const DecoderModel* m, const DecoderStep* s) {
+    if (s->num_tokens < 1 || s->num_tokens > kMaxRows || s->num_samples > s->num_tokens || m->head_dim > 512 ||
+        m->num_layers < 1)
+        return 1;
+    if (m->dtype == 0) return Forward<float>(*m, *s).run();
+    if (m->dtype == 1) return Forward<uint16_t>(*m, *s).run();
+    return 2;
+}
+
+extern "C" int hf_paged_decoder_struct_sizes(int which) {
+    return which == 0 ? sizeof(DecoderLayer) : which == 1 ? sizeof(DecoderModel) : sizeof(DecoderStep);
+}
+
+extern "C" int hf_paged_max_rows() { return kMaxRows; }

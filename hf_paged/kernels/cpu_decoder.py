@@ -1,0 +1,146 @@
+"""Bindings of ``cpu_decoder.cpp`` (in the native library): linear layers at one to eight rows, and the decode forward
+of a Llama-family model in one call (`DecoderWeights` + `decoder_forward`)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_ops, native
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_ROWS = 8  # rows of one call (hf_paged_max_rows)
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in (
+        "input_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o", "gate", "up", "down",
+        "q_bias", "k_bias", "v_bias", "o_bias", "gate_bias", "up_bias", "down_bias", "k_cache", "v_cache",
+    )] + [("scale", _f32), ("sliding_window", _i32)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("layers", _p), ("final_norm", _p), ("lm_head", _p), ("lm_head_bias", _p),
+        ("c_stride_block", _i64), ("c_stride_row", _i64), ("c_stride_head", _i64),
+        ("num_layers", _i32), ("hidden_size", _i32), ("intermediate_size", _i32), ("num_heads", _i32),
+        ("num_kv_heads", _i32), ("head_dim", _i32), ("vocab_size", _i32), ("block_size", _i32), ("num_blocks", _i32),
+        ("eps", _f32), ("dtype", _i32),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _p), ("cos", _p), ("sin", _p), ("query_start_loc", _p), ("block_tables", _p), ("bt_stride", _i64),
+        ("seq_lens", _p), ("slot_mapping", _p), ("sample_rows", _p), ("logits", _p),
+        ("num_tokens", _i32), ("num_seqs", _i32), ("bt_width", _i32), ("num_samples", _i32), ("num_threads", _i32),
+    ]
+
+
+_library: ctypes.CDLL | None = None
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    library.hf_paged_linear.argtypes = [_p, _i64, _i32, _i64, _p, _p, _p, _i64, _i64, _i32, _i32]
+    library.hf_paged_decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+    sizes = [library.hf_paged_decoder_struct_sizes(i) for i in range(3)]
+    if sizes != [ctypes.sizeof(s) for s in (_Layer, _Model, _Step)] or library.hf_paged_max_rows() != MAX_ROWS:
+        raise RuntimeError("cpu_decoder.cpp and cpu_decoder.py disagree on the structures' layout")
+    return library
+
+
+def available() -> bool:
+    """Whether the native library is built and loaded (builds it on first call)."""
+    global _library
+    if _library is None and native.library() is not None:
+        _library = _bind(native.library())
+    return _library is not None
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def linear_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` takes these: CPU fp32/bf16 of one dtype, contiguous weight and bias, contiguous rows of x,
+    one to `MAX_ROWS` rows."""
+    return (
+        x.dtype == weight.dtype in _DTYPES
+        and x.is_cpu
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+        and x.shape[-1] == weight.shape[1] > 0
+        and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
+        and x.stride(-1) == 1
+        and available()
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a few rows, each weight row read once for all of them; the caller checks
+    `linear_fits`. Each row's result is the same whatever other rows come with it."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    status = _library.hf_paged_linear(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], weight.data_ptr(),
+                                      _ptr(bias), out.data_ptr(), out.stride(0), weight.shape[0], _DTYPES[x.dtype],
+                                      torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"native linear failed with status {status}")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass
+class DecoderWeights:
+    """A model's tensors as the native decoder reads them (kept alive here), and its sizes; built by
+    `hf_paged.native_decoder`. Per layer: norms, projections and biases (None where absent), softmax scale, sliding
+    window (0: none), and the layer's ``[num_blocks, block_size, kv_heads, head_dim]`` cache views."""
+
+    layers: list[dict]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    lm_head_bias: torch.Tensor | None
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+    def struct(self) -> tuple[_Model, ctypes.Array]:
+        first = self.layers[0]
+        k_cache = first["k_cache"]
+        layers = (_Layer * len(self.layers))()
+        for entry, layer in zip(layers, self.layers):
+            for name, _ in _Layer._fields_[:-2]:
+                setattr(entry, name, _ptr(layer.get(name)))
+            entry.scale, entry.sliding_window = layer["scale"], layer["sliding_window"] or 0
+        gate = first["gate"]
+        model = _Model(
+            ctypes.addressof(layers), self.final_norm.data_ptr(), self.lm_head.data_ptr(), _ptr(self.lm_head_bias),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            len(self.layers), gate.shape[1], gate.shape[0], self.num_heads, self.num_kv_heads, self.head_dim,
+            self.lm_head.shape[0], k_cache.shape[1], k_cache.shape[0], self.eps, _DTYPES[gate.dtype],
+        )
+        return model, layers
+
+
+def decoder_forward(model: _Model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata,
+                    sample_rows: torch.Tensor) -> torch.Tensor:
+    """Run every layer on ``hidden`` ``[T, hidden_size]`` (the tokens' embeddings, overwritten) with the rotary
+    ``cos``/``sin`` ``[T, head_dim]`` and the step's `PagedMetadata`, storing the new keys and values in the cache;
+    returns the logits ``[len(sample_rows), vocab]`` of the rows ``sample_rows`` (int64)."""
+    logits = torch.empty(sample_rows.shape[0], model.vocab_size, dtype=hidden.dtype)
+    tables = metadata.block_tables
+    step = _Step(
+        hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), metadata.query_start_loc.data_ptr(), tables.data_ptr(),
+        tables.stride(0), metadata.seq_lens.data_ptr(), metadata.slot_mapping.data_ptr(), sample_rows.data_ptr(),
+        logits.data_ptr(), hidden.shape[0], metadata.seq_lens.shape[0], tables.shape[1], sample_rows.shape[0],
+        torch.get_num_threads(),
+    )
+    status = _library.hf_paged_decoder_forward(ctypes.byref(model), ctypes.byref(step))
+    if status in cpu_ops.INDEX_ERRORS:
+        raise ValueError("native decoder: " + cpu_ops.INDEX_ERRORS[status].format(last_block=model.num_blocks - 1))
+    if status != 0:
+        raise RuntimeError(f"native decoder failed with status {status}")
+    return logits

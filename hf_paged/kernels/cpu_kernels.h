@@ -1,0 +1,107 @@
+// Shared by the native CPU kernels (cpu_attention.cpp, cpu_decoder.cpp): bf16 conversions, 16-float vectors, and
+// the attention problem that cpu_decoder.cpp hands to the attention kernel.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace hf_paged {
+
+// Internal linkage: each source compiles these with its own flags (cpu_attention.cpp with -ffast-math).
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {  // round to nearest even
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) {
+        *dst = 0x7fc0;
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+// The inner loops on vectors of 16 floats (GCC vector extensions: AVX-512, AVX2 or SSE, whatever -march gives).
+typedef float vec16 __attribute__((vector_size(64)));
+typedef uint16_t half16 __attribute__((vector_size(32)));
+typedef uint32_t word16 __attribute__((vector_size(64)));
+
+inline vec16 load16(const float* p) {
+    vec16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline vec16 load16(const uint16_t* p) {  // bfloat16 -> float: the bits shifted into the high half
+    half16 h;
+    std::memcpy(&h, p, sizeof h);
+    const word16 w = __builtin_convertvector(h, word16) << 16;
+    vec16 v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+}
+inline float sum16(vec16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; ++i) s += v[i];
+    return s;
+}
+
+// The sums of four vectors: out[i] = sum of the lanes of v_i. Two shuffle-and-add levels put four partial sums of
+// each vector side by side, two more finish them: cheaper than four separate horizontal sums.
+inline void sum4(vec16 a, vec16 b, vec16 c, vec16 d, float* out) {
+    const vec16 ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vec16 cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vec16 x = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const vec16 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const vec16 z = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = z[0];
+    out[1] = z[4];
+    out[2] = z[8];
+    out[3] = z[12];
+}
+
+}  // namespace
+
+struct Problem {
+    const void* query;  // [T, Hq, D], head_dim contiguous; sequence s owns rows [query_start_loc[s], [s + 1])
+    int64_t q_stride_token, q_stride_head;
+    const int32_t* query_start_loc;  // [S + 1]
+    void* k_cache;  // [N, bs, Hkv, D] seen through strides, head_dim contiguous
+    void* v_cache;
+    int64_t c_stride_block, c_stride_row, c_stride_head;
+    const int32_t* block_tables;  // [S, width]
+    int64_t bt_stride;
+    const int32_t* seq_lens;  // [S]
+    void* out;  // [T, Hq, D] contiguous
+    int32_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    int32_t num_tokens, num_blocks, bt_width;  // query rows, cache blocks, block-table columns
+    float scale;
+    int32_t sliding_window;  // <= 0: none
+    float softcap;  // <= 0: none
+    int32_t num_threads;
+    // This step's new keys and values [T, Hkv, D] (head_dim contiguous), stored into their flat slots
+    // (block * block_size + row; -1: not stored) before any query reads the cache. key == nullptr: nothing to store.
+    const void* key;
+    const void* value;
+    int64_t k_stride_token, k_stride_head, v_stride_token, v_stride_head;
+    const int64_t* slot_mapping;  // [T]
+};
+
+}  // namespace hf_paged
+
+// Stores the step's new keys and values (when given), then attends every query row; 0 on success (see cpu_ops.py).
+extern "C" int hf_paged_attention(const hf_paged::Problem* p, int dtype);

@@ -1,0 +1,130 @@
+"""The native CPU library: ``cpu_attention.cpp`` and ``cpu_decoder.cpp``, compiled once with the system C++ compiler
+into one shared library and loaded with ctypes (bound by `cpu_ops` and `cpu_decoder`).
+
+The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels`` (default ``~/.cache/hf_paged/kernels``),
+keyed by the sources, the flags, the compiler and the CPU, and shares torch's OpenMP runtime. Without a compiler
+`library()` is None and the callers keep their torch paths. The directory is created private (0700), and a library or
+directory that another user could have written is never loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+_HERE = Path(__file__).parent
+_HEADERS = (_HERE / "cpu_kernels.h",)
+_COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17"]
+# Each source with its own flags: attention with -ffast-math; the decoder without it and without FMA contraction, so
+# that its elementwise steps round as torch's do.
+SOURCES = {
+    _HERE / "cpu_attention.cpp": [*_COMMON, "-ffast-math"],
+    _HERE / "cpu_decoder.cpp": [*_COMMON, "-ffp-contract=off"],
+}
+# Linked without -ffast-math: linking with it adds GCC's crtfastmath.o, whose constructor turns on flush-to-zero for
+# the whole process when the library loads (every subnormal float anywhere then reads as 0).
+LINK_FLAGS = ["-shared", "-fopenmp"]
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failed = False
+
+
+def _cpu_id() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def compiler() -> str | None:
+    """The C++ compiler the library is built with: ``$CXX``, else ``g++`` or ``c++`` on the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def kernel_dir() -> Path:
+    """``$HF_PAGED_CACHE/kernels`` (an empty variable means the default ``~/.cache/hf_paged``), created private.
+
+    The server loads and runs the library found there, so a relative root (which would depend on the directory the
+    server was started in) is refused, and so is a directory that another user could write to.
+    """
+    root = os.environ.get("HF_PAGED_CACHE") or str(Path.home() / ".cache" / "hf_paged")
+    if not os.path.isabs(root):
+        raise RuntimeError(f"HF_PAGED_CACHE must be an absolute path, got {root!r}: the native kernel would be loaded "
+                           "from a directory relative to wherever the server starts")
+    directory = Path(root) / "kernels"
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(directory)
+    return directory
+
+
+def check_private(path: Path) -> None:
+    """Refuse ``path`` unless it is owned by this user and not writable by its group or by others."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"refusing to load code from {path}: it must belong to this user (uid {os.getuid()}) and "
+                           f"be writable by nobody else (it belongs to uid {info.st_uid}, mode "
+                           f"{stat.filemode(info.st_mode)})")
+
+
+def _compile(compiler_path: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        objects = []
+        for source, flags in SOURCES.items():
+            obj = Path(tmp) / (source.stem + ".o")
+            result = subprocess.run([compiler_path, *flags, "-c", str(source), "-o", str(obj)], capture_output=True,
+                                    text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler_path} failed on {source.name}:\n{result.stderr[-2000:]}")
+            objects.append(str(obj))
+        result = subprocess.run([compiler_path, *LINK_FLAGS, *objects, "-o", str(built)], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler_path} failed to link:\n{result.stderr[-2000:]}")
+        built.chmod(0o700)
+        os.replace(built, target)
+
+
+def library_path(compiler_path: str) -> Path:
+    """Where the library built by this compiler from these sources for this CPU lives."""
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, check=True).stdout
+    parts = [path.read_text() for path in (*SOURCES, *_HEADERS)]
+    parts += [" ".join(flags) for flags in SOURCES.values()]
+    parts += [*LINK_FLAGS, version, platform.machine(), _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode())
+    return kernel_dir() / f"hf_paged_cpu-{key.hexdigest()[:16]}.so"
+
+
+def build() -> ctypes.CDLL:
+    """Compile the library if this CPU and compiler have no copy yet, check its place, and load it."""
+    compiler_path = compiler()
+    if compiler_path is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    target = library_path(compiler_path)
+    if not target.exists():
+        _compile(compiler_path, target)
+    check_private(target)
+    return ctypes.CDLL(str(target))
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, built on first call; None (after one warning) where it cannot be built or loaded."""
+    global _library, _failed
+    if _library is None and not _failed:
+        with _lock:
+            if _library is None and not _failed:
+                try:
+                    _library = build()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                    _failed = True
+                    warnings.warn(f"hf_paged: native CPU kernels unavailable, using the torch paths ({error})")
+    return _library

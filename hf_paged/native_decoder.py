@@ -1,0 +1,155 @@
+"""`NativeDecoder`: the decode steps of Llama-family models on CPU in one native call (``kernels/cpu_decoder.cpp``).
+
+At one to eight tokens a step reads every weight once for very little arithmetic, and the Transformers forward spends
+as long again in Python and small tensor ops between its linear layers. For the decoder layers it recognises exactly
+(Llama, Mistral, Qwen2 and Qwen3 in Transformers, as loaded: plain linear layers, RMSNorm, SiLU MLP, rotary
+embeddings), the native decoder runs the whole layer stack over the model's own weight tensors, stores and attends
+through the same paged kernel, and returns the sampled rows' logits. The embedding and the rotary tables still come
+from the model's own modules, so every rope variant Transformers implements is honoured. Each elementwise step rounds
+where Transformers rounds; only summation orders differ, as they do between any two matrix-multiply kernels.
+
+Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
+C++ compiler) is not recognised and runs through the Transformers forward, as do longer steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .cache import PagedKVStorage, PagedMetadata
+from .kernels import cpu_decoder, cpu_ops
+from .kernels.cpu_linear import PrepackedLinear
+
+logger = logging.getLogger(__name__)
+
+# The decoder layers whose forward is Llama's (pre-norm residual attention and SiLU MLP), with their RMSNorm and MLP.
+_FAMILIES = {
+    "llama": ("LlamaDecoderLayer", "LlamaRMSNorm", "LlamaMLP"),
+    "mistral": ("MistralDecoderLayer", "MistralRMSNorm", "MistralMLP"),
+    "qwen2": ("Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2MLP"),
+    "qwen3": ("Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3MLP"),  # also per-head q/k norms
+}
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_QK_NORMS = {"q_norm", "k_norm"}
+
+
+def _classes(family: str) -> tuple[type, type, type] | None:
+    import importlib
+
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        return None
+    return tuple(getattr(module, name, None) for name in _FAMILIES[family])
+
+
+class Unsupported(Exception):
+    """Why a model's decode steps run through the Transformers forward."""
+
+
+def _linear(module: nn.Module, dtype: torch.dtype, where: str) -> nn.Module:
+    if type(module) not in (nn.Linear, PrepackedLinear) or type(module.weight.data) is not torch.Tensor:
+        raise Unsupported(f"{where} is a {type(module).__name__}, not a plain linear layer")
+    for tensor in (module.weight, module.bias):
+        if tensor is not None and (tensor.dtype != dtype or not tensor.is_contiguous() or not tensor.is_cpu):
+            raise Unsupported(f"{where} is not a contiguous CPU {dtype} layer")
+    return module
+
+
+class NativeDecoder:
+    """A recognised model's weights, bound to the engine's KV storage; `forward` runs one step of at most
+    `max_tokens` tokens. Built by `NativeDecoder.for_model`, which returns None for anything it does not recognise."""
+
+    max_tokens = cpu_decoder.MAX_ROWS
+
+    def __init__(self, model: nn.Module, kv: PagedKVStorage, weights: cpu_decoder.DecoderWeights):
+        self.kv = kv
+        self.weights = weights
+        self.embed = model.get_input_embeddings()
+        self.rotary = model.base_model.rotary_emb
+        self._struct, self._layers = weights.struct()
+
+    # -------------------------------------------------------------------------------------------- recognition
+    @classmethod
+    def for_model(cls, model: nn.Module, kv: PagedKVStorage) -> "NativeDecoder | None":
+        try:
+            return cls(model, kv, cls._weights(model, kv))
+        except Unsupported as reason:
+            logger.info("hf_paged: decode steps run through the Transformers forward: %s", reason)
+            return None
+
+    @classmethod
+    def _weights(cls, model: nn.Module, kv: PagedKVStorage) -> cpu_decoder.DecoderWeights:
+        config = model.config.get_text_config(decoder=True)
+        family = getattr(config, "model_type", None)
+        if family not in _FAMILIES:
+            raise Unsupported(f"no native decoder for model type {family!r}")
+        classes = _classes(family)
+        base = model.base_model
+        if classes is None or None in classes or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+            raise Unsupported(f"this Transformers version's {family} modules are not the ones the native decoder knows")
+        dtype = model.dtype
+        if model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            raise Unsupported("the native decoder runs fp32 and bf16 models on CPU")
+        if getattr(model, "_tp_size", None) not in (None, 1):
+            raise Unsupported("the model is split over tensor-parallel ranks")
+        if not kv.key_cache or kv.dtype != dtype:
+            raise Unsupported("the KV cache's dtype is not the model's")
+        if not (cpu_decoder.available() and cpu_ops.available()):
+            raise Unsupported("the native CPU library is not available")
+        if type(base.norm) is not classes[1] or len(base.layers) != len(kv.key_cache):
+            raise Unsupported("the model's final norm or layer count is not Llama's")
+        lm_head = _linear(model.get_output_embeddings(), dtype, "the output projection")
+        layers = [cls._layer(layer, i, classes, dtype, config, kv) for i, layer in enumerate(base.layers)]
+        eps = {base.norm.variance_epsilon, *(e for layer in layers for e in layer.pop("eps"))}
+        if len(eps) != 1:
+            raise Unsupported("the model's norms use different epsilons")
+        first = base.layers[0].self_attn
+        return cpu_decoder.DecoderWeights(
+            layers=layers, final_norm=base.norm.weight, lm_head=lm_head.weight, lm_head_bias=lm_head.bias,
+            num_heads=config.num_attention_heads, num_kv_heads=kv.spec.num_kv_heads, head_dim=first.head_dim,
+            eps=eps.pop(),
+        )
+
+    @staticmethod
+    def _layer(layer: nn.Module, index: int, classes: tuple, dtype: torch.dtype, config, kv: PagedKVStorage) -> dict:
+        layer_class, norm_class, mlp_class = classes
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if type(layer) is not layer_class or {n for n, _ in layer.named_children()} != _LAYER_CHILDREN:
+            raise Unsupported(f"layer {index} is not an unmodified {layer_class.__name__}")
+        children = {n for n, _ in attn.named_children()}
+        if children - _QK_NORMS != _ATTENTION_CHILDREN or type(mlp) is not mlp_class:
+            raise Unsupported(f"layer {index}'s attention or MLP is not the one the native decoder knows")
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(attn, n) for n in sorted(children & _QK_NORMS)]
+        silu = type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
+        if any(type(norm) is not norm_class for norm in norms) or not silu:
+            raise Unsupported(f"layer {index}'s norms or activation are not RMSNorm and SiLU")
+        entry = {"eps": [norm.variance_epsilon for norm in norms], "input_norm": layer.input_layernorm.weight,
+                 "post_norm": layer.post_attention_layernorm.weight}
+        if children & _QK_NORMS:
+            entry.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight)
+        for name, module in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                             ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+            linear = _linear(module, dtype, f"layer {index}'s {name} projection")
+            entry[name], entry[f"{name}_bias"] = linear.weight, linear.bias
+        k_cache = kv.key_cache[index]
+        if attn.head_dim != k_cache.shape[3] or attn.k_proj.weight.shape[0] != k_cache.shape[1] * attn.head_dim:
+            raise Unsupported(f"layer {index}'s key heads do not match the KV cache")
+        entry.update(k_cache=k_cache.transpose(1, 2), v_cache=kv.value_cache[index].transpose(1, 2),
+                     scale=attn.scaling, sliding_window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None)))
+        return entry
+
+    # ---------------------------------------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: PagedMetadata,
+                sample_rows: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(sample_rows), vocab]`` of the tokens ``input_ids`` ``[1, T]`` at ``position_ids``, whose keys
+        and values are stored in the slots ``metadata`` names (as the Transformers forward would store them)."""
+        hidden = self.embed(input_ids)[0].contiguous()
+        cos, sin = self.rotary(hidden, position_ids)
+        return cpu_decoder.decoder_forward(self._struct, hidden, cos[0].contiguous(), sin[0].contiguous(), metadata,
+                                           sample_rows)

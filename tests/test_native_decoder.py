@@ -1,0 +1,145 @@
+"""The native CPU decoder (``hf_paged/native_decoder.py``, ``kernels/cpu_decoder.cpp``) against the Transformers
+forward it stands in for: the same tokens and logprobs, what it recognises, and its matrix-vector kernel."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged.cache import PagedMetadata
+from hf_paged.kernels import cpu_decoder, native
+from hf_paged.native_decoder import NativeDecoder
+from tiny_models import ARCHITECTURES, COMMON, tiny_model
+
+# Without a C++ compiler there is no native decoder and every step runs the Transformers forward (tested elsewhere).
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler: hf_paged has no native kernels")
+
+NATIVE = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    """SmolLM2's tokenizer: the tiny models' 256 ids are its first 256 tokens."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def tiny(arch: str, dtype=torch.float32) -> nn.Module:
+    if arch != "qwen2":
+        return tiny_model(arch)[0].to(dtype)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    # Biases on q, k and v; its second layer slides (window 6), its first does not.
+    config = Qwen2Config(num_attention_heads=6, num_key_value_heads=2, hidden_size=96, intermediate_size=128,
+                         use_sliding_window=True, sliding_window=6, max_window_layers=1, **COMMON)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="paged", dtype=dtype).eval()
+
+
+PROMPTS = [[5, 9, 13, 200, 31, 7, 77, 3, 18, 90, 41, 12], [8, 100, 4], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+
+
+def generate(model, tokenizer, enforce_eager: bool, logprobs: int | None = None, max_tokens: int = 24, **options):
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4, enforce_eager=enforce_eager,
+                                   **options)
+    assert (gen.runner.native is not None) == (not enforce_eager)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    return gen.run(PROMPTS, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("arch", NATIVE)
+def test_native_steps_give_the_transformers_forwards_tokens_and_logprobs(arch, tokenizer):
+    """Three sequences past the sliding windows (Mistral 8, Qwen2 6), with prompts shorter and longer than the
+    native decoder's 8 tokens: every step of at most 8 tokens is native, the others run the Transformers forward."""
+    eager = generate(tiny(arch), tokenizer, enforce_eager=True, logprobs=3)
+    fast = generate(tiny(arch), tokenizer, enforce_eager=False, logprobs=3)
+    for a, b in zip(eager, fast):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a.keys() == step_b.keys()
+            assert torch.allclose(torch.tensor(list(step_a.values())), torch.tensor(list(step_b.values())),
+                                  atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_native_steps_round_like_transformers(arch, tokenizer):
+    """bf16 rounds every elementwise step as Transformers does; only the products' summation order differs, so the
+    logprobs agree to bf16's precision."""
+    eager = generate(tiny(arch, torch.bfloat16), tokenizer, enforce_eager=True, logprobs=1, max_tokens=8)
+    fast = generate(tiny(arch, torch.bfloat16), tokenizer, enforce_eager=False, logprobs=1, max_tokens=8)
+    for a, b in zip(eager, fast):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert first_a.keys() == first_b.keys()  # the first step has no earlier difference to inherit
+        assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 0.05 * len(
+            a.outputs[0].token_ids)
+
+
+def test_a_spec_decode_step_verifies_guesses_natively(tokenizer):
+    """Prompt lookup on a repetitive prompt: verifying steps (1 + 4 tokens) are native and keep the tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    repeat = [[7, 8, 9, 10, 11, 12] * 3]
+    outs = []
+    for enforce_eager in (True, False):
+        gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=64, block_size=4,
+                                       enforce_eager=enforce_eager, speculative_config=spec)
+        outs.append(gen.run(repeat, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False))
+        assert gen.stats().spec_decode_num_drafts > 0
+    assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(NATIVE)))
+def test_other_architectures_run_the_transformers_forward(arch, tokenizer):
+    model, _ = tiny_model(arch)
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
+    assert gen.runner.native is None
+
+
+class LoraLikeLinear(nn.Linear):
+    """A subclass of nn.Linear with a forward of its own, as adapters and quantized layers have."""
+
+
+def test_a_modified_layer_or_a_cache_in_another_dtype_is_not_recognised(tokenizer):
+    model = tiny("llama")
+    old = model.model.layers[1].self_attn.q_proj
+    model.model.layers[1].self_attn.q_proj = LoraLikeLinear(old.in_features, old.out_features, bias=False)
+    assert ContinuousBatchGenerator(model, tokenizer, num_blocks=64).runner.native is None
+    gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=64, kv_cache_dtype="bfloat16")
+    assert gen.runner.native is None
+
+
+def test_a_bad_block_table_is_refused_not_read(tokenizer):
+    gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=8, block_size=4)
+    decoder: NativeDecoder = gen.runner.native
+    metadata = PagedMetadata.build(gen.kv_cache, [[99]], [1], [1], [0])
+    with pytest.raises(ValueError, match="block table lists a block outside 0..7"):
+        decoder.forward(torch.tensor([[5]]), torch.tensor([[0]]), metadata, torch.tensor([0]))
+
+
+# ------------------------------------------------------------------------------------ matrix-vector products
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, n, bias", [(64, 48, False), (37, 13, True), (576, 200, True), (96, 1, False)])
+def test_linear_matches_f_linear_and_each_row_is_independent_of_the_others(dtype, k, n, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(k, n, bias=bias).to(dtype)
+    x = torch.randn(cpu_decoder.MAX_ROWS, k, dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        assert cpu_decoder.linear_fits(x, layer.weight, layer.bias)
+        full = cpu_decoder.linear(x, layer.weight, layer.bias)
+        expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+        assert torch.allclose(full.double(), expected, rtol=tolerance, atol=tolerance)
+        for rows in range(1, cpu_decoder.MAX_ROWS + 1):
+            assert torch.equal(cpu_decoder.linear(x[:rows], layer.weight, layer.bias), full[:rows])
+        assert torch.equal(cpu_decoder.linear(x[3:4].view(1, 1, k), layer.weight, layer.bias)[0, 0], full[3])
+
+
+def test_linear_takes_only_what_it_can_read():
+    weight = torch.randn(8, 16)
+    assert not cpu_decoder.linear_fits(torch.randn(9, 16), weight, None)  # more rows than the kernel's
+    assert not cpu_decoder.linear_fits(torch.randn(2, 16, dtype=torch.float64), weight.double(), None)
+    assert not cpu_decoder.linear_fits(torch.randn(2, 16), weight.t().contiguous().t(), None)
+    assert not cpu_decoder.linear_fits(torch.randn(2, 32)[:, ::2], weight, None)
+    assert not cpu_decoder.linear_fits(torch.randn(2, 16), weight, torch.randn(8, dtype=torch.float64))
