@@ -23,22 +23,34 @@ def load_model(
     ``tensor_parallel_size > 1`` shards the model across that many ranks (this process is one of them, started by
     torchrun or `hf_paged.launch`; see :mod:`hf_paged.distributed`), ``device`` then being each rank's own.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = resolve_model(name_or_path)
+    if tensor_parallel_size > 1:
+        if quantized_load_kwargs(path, device, quant_backend):
+            raise ValueError("tensor parallelism is not supported for quantized (GPTQ/AWQ) checkpoints")
+        return _load_tensor_parallel(path, _dtype(dtype), tensor_parallel_size)
+    return load_causal_lm(path, dtype, device, quant_backend), AutoTokenizer.from_pretrained(path)
+
+
+def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
+                   device: str = "cpu", quant_backend: str | None = None):
+    """The model alone, as `load_model` loads it on one process (a draft model needs no tokenizer of its own)."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(name_or_path)
+    kwargs = quantized_load_kwargs(path, device, quant_backend)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=_dtype(dtype),
+                                                 device_map=device, **kwargs)
+    return model.eval()
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        dtype = DTYPES[dtype]
-    kwargs = quantized_load_kwargs(path, device, quant_backend)
-    if tensor_parallel_size > 1:
-        if kwargs:
-            raise ValueError("tensor parallelism is not supported for quantized (GPTQ/AWQ) checkpoints")
-        return _load_tensor_parallel(path, dtype, tensor_parallel_size)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=dtype, device_map=device,
-                                                 **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model.eval(), tokenizer
+        return DTYPES[dtype]
+    return dtype
 
 
 def _load_tensor_parallel(path, dtype, tensor_parallel_size: int):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -26,12 +27,16 @@ def parse_memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` fields for prompt lookup. Invalid values raise ``ValueError`` naming the field.
+    """vLLM's ``speculative_config`` fields. Invalid values raise ``ValueError`` naming the field.
+
+    ``method``: ``"ngram"`` (prompt lookup: ``prompt_lookup_min`` / ``prompt_lookup_max``) or ``"draft_model"``
+    (``model``: a smaller model with the same tokenizer, a local directory or, from Python, a loaded model; given
+    alone it implies this method, as in vLLM). ``num_speculative_tokens``: guesses per step.
 
     ``disable_by_batch_size``: no sequence speculates while more than this many run. Verifying ``k`` guesses costs a
     forward over ``k + 1`` tokens per sequence; at one sequence that is nearly free (the weights are read once
@@ -44,6 +49,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: object = None
     disable_by_batch_size: int = 4
 
     def __post_init__(self) -> None:
@@ -57,6 +63,14 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config.model is required by the draft_model method: a local model "
+                             "directory with the same tokenizer as the target")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is for the draft_model method; ngram takes none")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike, torch.nn.Module)):
+            raise ValueError(f"speculative_config.model must be a model directory or a loaded model, got "
+                             f"{type(self.model).__name__}")
 
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":
@@ -74,8 +88,9 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}; it takes "
                              f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        if value.get("model") is not None and "method" not in value:
+            value = {**value, "method": "draft_model"}
         return cls(**value)
-
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig:
@@ -118,8 +133,9 @@ class EngineConfig:
         "Llama, Mistral and Qwen2/3 models", False)
     speculative_config: SpeculativeConfig | None = _option(
         "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4} (prompt lookup; "
-        "greedy outputs stay token-identical; default: off)", type_=parse_speculative_config)
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4} (prompt lookup), or "
+        "{\"model\": \"/path/to/draft\", \"num_speculative_tokens\": 4} (a draft model with the same tokenizer); "
+        "greedy outputs stay token-identical (default: off)", type_=parse_speculative_config)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory"):

@@ -20,6 +20,7 @@ from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
 from .config import EngineConfig
 from .detokenizer import Detokenizer
+from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput
@@ -70,8 +71,6 @@ class ContinuousBatchGenerator:
                                      eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(config, self.kv, Detokenizer(tokenizer), self.max_model_len)
-        spec = config.speculative_config
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
@@ -88,6 +87,7 @@ class ContinuousBatchGenerator:
         native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv_cache)
         self.runner = ModelRunner(model, self.kv_cache, self.kv, native)
         try:
+            self.speculator = self._speculator(config)
             self._check_model_runs()
         except Exception:
             if packed:
@@ -106,6 +106,17 @@ class ContinuousBatchGenerator:
                                  spec=KVCacheSpec.from_model(model))
         storage.allocate(dtype, model.device)
         return storage
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        draft = None
+        if spec.method == "draft_model":
+            if self.lockstep is not None:
+                raise ValueError("speculative_config.method 'draft_model' is not supported on a tensor-parallel engine")
+            draft = DraftModel(spec.model, self.model, self.kv_cache, self.kv, config)
+        return Speculator(spec, self.max_model_len, draft)
 
     def _check_model_runs(self) -> None:
         """One tiny real step, so a model the paged backend cannot drive is refused here, not mid-serving."""
@@ -184,6 +195,8 @@ class ContinuousBatchGenerator:
             for seq in out.seqs:
                 seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             try:  # nothing about a sequence changes until `update`; a step that raises is undone
+                if self.speculator is not None:
+                    self.speculator.write_drafts(out)
                 sampled = self._sample(out, self.runner.execute(out))
                 if sampled is not None and self.lockstep is not None:
                     self.lockstep.check_tokens(sampled.token_ids)

@@ -12,6 +12,9 @@ from ..native_decoder import NativeDecoder
 from .scheduler import SchedulerOutput
 
 
+Span = tuple[int, int, list[int]]  # a sequence's tokens in a step: (seq_id, position of the first, token ids)
+
+
 @dataclass
 class StepInputs:
     """One step's tokens, flat: ``input_ids`` and ``position_ids`` ``[1, T]``, the attention metadata, and the token
@@ -50,34 +53,50 @@ class ModelRunner:
         # Copy first: the scheduler has already pointed the tables at the new blocks, and a step that fails later
         # must still leave them filled.
         self.kv.copy_blocks(out.block_copies)
+        spans: list[Span] = []
+        sample_rows: list[int] = []
+        num_tokens = 0
+        for seq, n in zip(out.seqs, out.num_tokens):
+            start = seq.num_computed_tokens
+            guesses = out.spec_token_ids.get(seq.seq_id, [])  # speculative guesses, computed after its last token
+            spans.append((seq.seq_id, start, seq.token_ids[start : start + n] + guesses))
+            num_tokens += n
+            if start + n >= seq.num_tokens:  # its last token's logits, and each guess's
+                sample_rows += range(num_tokens - 1 - len(guesses), num_tokens)
+        return self.pack(spans, sample_rows)
+
+    def pack(self, spans: list[Span], sample_rows: list[int]) -> StepInputs:
+        """The flat inputs of ``spans``: ``(seq_id, first position, tokens)`` each, the sequences' blocks already
+        allocated through their last token; ``sample_rows`` index the packed tokens."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
+        query_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        for seq, n in zip(out.seqs, out.num_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            guesses = out.spec_token_ids.get(seq.seq_id, [])  # speculative guesses, computed after its last token
-            input_ids += seq.token_ids[start:end] + guesses
+        for seq_id, start, tokens in spans:
+            end = start + len(tokens)
+            input_ids += tokens
             positions += range(start, end)
-            slots += self.kv_manager.slots(seq.seq_id, start, end)
+            slots += self.kv_manager.slots(seq_id, start, end)
             seq_lens.append(end)
-            tables.append(self.kv_manager.block_table(seq.seq_id))
-            if end >= seq.num_tokens:  # its last token's logits, and each guess's
-                sample_rows += range(len(input_ids) - 1 - len(guesses), len(input_ids))
+            query_lens.append(len(tokens))
+            tables.append(self.kv_manager.block_table(seq_id))
         return StepInputs(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
-            metadata=PagedMetadata.build(self.kv, tables, seq_lens, out.num_tokens, slots),
+            metadata=PagedMetadata.build(self.kv, tables, seq_lens, query_lens, slots),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
         )
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns ``logits [sampled rows, vocab]`` in step order: one row per sampled sequence, and
         one more per speculative guess it verifies."""
-        step = self.prepare(out)
+        return self.run(self.prepare(out))
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """The logits of ``step``'s sample rows: through the native decoder when it takes the step, else `forward`."""
         if self.native is not None and step.num_tokens <= self.native.max_tokens:
             return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows)
         return self.forward(step)

@@ -10,7 +10,9 @@ the model's logits at those ``k + 1`` positions decide how many guesses it keeps
   output has the model's distribution. Draws are counter-based, seeded per request, as in the sampler.
 
 The guesses' KV slots past the kept ones are given back by moving ``num_computed_tokens`` back (no copy; see
-`Scheduler._settle_guesses`). Method ``ngram`` (prompt lookup, `propose_ngram`) is the one implemented.
+`Scheduler._settle_guesses`). Guesses come from prompt lookup (method ``ngram``, `propose_ngram`), made before the
+step is scheduled, or from a draft model (``draft_model``, `DraftModel`), which the scheduler first gives room for and
+which then writes them once the step's blocks are allocated.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .config import SpeculativeConfig
 from .sampler import SamplerOutput, build_sampling_batch, sample, target_probs, uniform_from_counter
 
 if TYPE_CHECKING:
+    from .draft_model import DraftModel
     from .scheduler import SchedulerOutput
     from .sequence import Sequence
 
@@ -63,11 +66,12 @@ def accepted_sampled(drafts: list[int], accept: list[bool], picks: list[int]) ->
 
 
 class Speculator:
-    """Proposes guesses for the running sequences before each step and counts how many the model kept."""
+    """Proposes guesses for the running sequences of each step and counts how many the model kept."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None):
         self.config = config
         self.max_model_len = max_model_len
+        self.draft = draft
         self.num_drafts = 0  # verifications of at least one guess
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -88,12 +92,25 @@ class Speculator:
         return max(0, min(self.config.num_speculative_tokens, room))
 
     def propose(self, running: list[Sequence]) -> None:
-        """Set each running sequence's ``spec_token_ids`` for the next step (none while the batch is large)."""
+        """Before the step is scheduled: set each running sequence's ``spec_token_ids`` (none while the batch is
+        large). A draft model's are placeholders, as many as the sequence may take, that `write_drafts` fills."""
         large = len(running) > self.config.disable_by_batch_size
         c = self.config
         for seq in running:
             k = 0 if large else self.budget(seq)
-            seq.spec_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max) if k else []
+            if not k:
+                seq.spec_token_ids = []
+            elif self.draft is None:
+                seq.spec_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+            else:
+                seq.spec_token_ids = [0] * k
+        if self.draft is not None:
+            self.draft.retain(running)
+
+    def write_drafts(self, out: SchedulerOutput) -> None:
+        """After the step is scheduled, before it is computed: the draft model's guesses (nothing for ngram)."""
+        if self.draft is not None:
+            self.draft.propose(out)
 
     def record(self, drafts: list[int], kept: list[int]) -> None:
         if drafts:

@@ -395,6 +395,7 @@ struct Forward {
 #pragma omp for
         for (int i = 0; i < S; ++i)
             rms_norm(hidden() + s.sample_rows[i] * H, static_cast<const T*>(m.final_norm), H, m.eps, xn.data() + i * H);
+        if (S == 0) return;  // every thread alike, after the barrier
         int64_t n0, n1;
         share(m.vocab_size, n0, n1);
         const T* bias = static_cast<const T*>(m.lm_head_bias);

@@ -1,0 +1,102 @@
+"""`DraftModel`: speculative guesses from a smaller model with the same tokenizer (``speculative_config`` method
+``"draft_model"``), written into a step after the scheduler has allocated its blocks.
+
+The draft keeps KV tensors of its own, addressed by the target's block tables and slots (the same block ids), so it
+needs no allocator: every step it computes the tokens the target computes (in one forward of its own), so its blocks
+hold its keys and values wherever the target's hold the target's, through prefix sharing, copy-on-write, forks and
+preemption. Sequences that speculate then take one more draft forward per further guess, batched. Guesses are the
+draft's greedy choices, so verification (`verify_drafts`) treats them as certain proposals: greedy outputs are the
+target's own and sampled ones keep its distribution. The draft's keys and values only ever help a guess: where they are
+stale (after every guess was kept, the last one's until the next step) fewer guesses are kept, and no output changes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
+from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
+from ..kernels.cpu_linear import prepack_linear_layers
+from ..native_decoder import NativeDecoder
+from .config import EngineConfig
+from .model_runner import ModelRunner, Span
+from .scheduler import SchedulerOutput
+from .sequence import Sequence
+
+
+class DraftModel:
+    """A draft model bound to the target engine's blocks. ``model``: a loaded causal LM on the target's device, or a
+    local model directory (loaded in the target's dtype)."""
+
+    def __init__(self, model: torch.nn.Module | str | os.PathLike, target: torch.nn.Module, target_kv: PagedKVStorage,
+                 kv_manager: KVCacheManager, config: EngineConfig):
+        model = self._load(model, target)
+        vocab, target_vocab = (m.get_output_embeddings().weight.shape[0] for m in (model, target))
+        if vocab > target_vocab:
+            raise ValueError(f"speculative_config.model has {vocab} output tokens, more than the target's "
+                             f"{target_vocab}: a draft model must share the target's tokenizer")
+        if model.device != target.device:
+            raise ValueError(f"speculative_config.model is on {model.device}, the target on {target.device}")
+        self.model = model
+        self.kv = PagedKVStorage(model.config, num_blocks=target_kv.num_blocks, block_size=target_kv.block_size,
+                                 dtype=config.kv_dtype(model.dtype), device=model.device,
+                                 spec=KVCacheSpec.from_model(model))
+        self.kv.allocate(self.kv.dtype, model.device)
+        if config.prepack_weights and model.device.type == "cpu":
+            prepack_linear_layers(model)
+        native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv)
+        self.runner = ModelRunner(model, self.kv, kv_manager, native)
+        self.computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft keys and values are written
+
+    @staticmethod
+    def _load(model, target: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, (str, os.PathLike)):
+            from ..loading import load_causal_lm
+
+            model = load_causal_lm(model, dtype=target.dtype, device=target.device.type)
+        if not getattr(model, "_supports_attention_backend", False):
+            raise ValueError(f"speculative_config.model: {type(model).__name__} cannot run with the paged backend")
+        if not uses_paged_attention(model):
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        return model.eval()
+
+    def retain(self, running: list[Sequence]) -> None:
+        """Forget the sequences that no longer run."""
+        if len(self.computed) > 2 * len(running) + 64:
+            live = {seq.seq_id for seq in running}
+            self.computed = {seq_id: n for seq_id, n in self.computed.items() if seq_id in live}
+
+    def propose(self, out: SchedulerOutput) -> None:
+        """Compute the step's tokens in the draft too, then write the guesses of its speculating sequences
+        (``out.spec_token_ids``, as many as the scheduler gave room for) before the target computes the step."""
+        self.kv.copy_blocks(out.block_copies)  # the draft's blocks follow the target's copy-on-write
+        spans: list[Span] = []
+        rows, speculating, end = [], [], 0
+        for seq, n in zip(out.seqs, out.num_tokens):
+            start = seq.num_computed_tokens
+            # An unseen sequence starts where the target does: blocks it shares were computed by the draft as well.
+            first = min(self.computed.get(seq.seq_id, start), start)
+            last = min(start + n, seq.num_tokens)  # its known tokens; the guesses follow
+            spans.append((seq.seq_id, first, seq.token_ids[first:last]))
+            self.computed[seq.seq_id] = last
+            end += last - first
+            if seq.seq_id in out.spec_token_ids:
+                rows.append(end - 1)
+                speculating.append(seq)
+        logits = self.runner.run(self.runner.pack(spans, rows))
+        guesses = [[token] for token in logits.argmax(dim=-1).tolist()]
+        wanted = [len(out.spec_token_ids[seq.seq_id]) for seq in speculating]
+        for j in range(1, max(wanted, default=0)):  # guess j + 1 from guess j, at the position after the last token + j
+            active = [i for i, k in enumerate(wanted) if k > j]
+            spans = [(speculating[i].seq_id, speculating[i].num_tokens - 1 + j, guesses[i][-1:]) for i in active]
+            for i, token in zip(active, self._greedy(spans)):
+                guesses[i].append(token)
+        for seq, tokens in zip(speculating, guesses):
+            out.spec_token_ids[seq.seq_id] = seq.spec_token_ids = tokens
+            self.computed[seq.seq_id] = seq.num_tokens - 1 + len(tokens)  # through the last token and guesses[:-1]
+
+    def _greedy(self, spans: list[Span]) -> list[int]:
+        """The draft's most likely next token after each one-token span."""
+        return self.runner.run(self.runner.pack(spans, list(range(len(spans))))).argmax(dim=-1).tolist()

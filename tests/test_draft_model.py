@@ -1,0 +1,111 @@
+"""Speculative decoding with a draft model (``speculative_config={"model": ...}``): the target's greedy tokens whatever
+the draft guesses, the draft's own KV following the target's blocks (prefix sharing, preemption, forks), and loading
+a draft from a directory or the command line. Tiny random Llamas with SmolLM2's tokenizer keep it fast."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged.generation import EngineConfig
+from hf_paged.generation.config import SpeculativeConfig
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42], [5, 6, 7, 8, 9, 10, 11, 12, 99, 98, 97, 96, 95]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def llama(tokenizer, seed: int, layers: int = 2, vocab: int | None = None):
+    config = LlamaConfig(vocab_size=vocab or len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
+                         max_position_embeddings=1024, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="paged", dtype=torch.float32).eval()
+
+
+def run(target, tokenizer, draft=None, params=None, prompts=PROMPTS, **options):
+    spec = None if draft is None else {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=options.pop("num_blocks", 128), block_size=4,
+                                   speculative_config=spec, **options)
+    params = params or SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = gen.run(prompts, params, use_tqdm=False)
+    assert gen.kv.pool.num_used_blocks == 0 and all(count == 0 for count in gen.kv.pool.ref_counts)
+    return [[o.token_ids for o in out.outputs] for out in outputs], gen
+
+
+def test_greedy_tokens_are_the_targets_whatever_the_draft(tokenizer):
+    target = llama(tokenizer, seed=0)
+    plain, _ = run(target, tokenizer)
+    other, gen = run(target, tokenizer, draft=llama(tokenizer, seed=1, layers=1))
+    assert other == plain
+    stats = gen.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_drafts
+    assert gen.speculator.draft.runner.native is not None  # the draft's own steps run natively too
+
+
+def test_a_draft_that_is_the_target_has_every_guess_kept(tokenizer):
+    """The same weights compute the same next token from the draft's KV as the target from its own, so every guess
+    is kept and each verifying step gains five tokens (fewer only at the end of an output)."""
+    target = llama(tokenizer, seed=0)
+    plain, _ = run(target, tokenizer)
+    same, gen = run(target, tokenizer, draft=target)
+    stats = gen.stats()
+    assert same == plain
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_mean_accepted_length > 4
+
+
+def test_the_draft_follows_preemption_and_shared_prefixes(tokenizer):
+    """8 blocks of 4 tokens for three sequences of up to 53: the newest is preempted and recomputed, and the two
+    prompts that share their first 8 tokens share blocks (the draft's keys and values live in the same blocks)."""
+    target = llama(tokenizer, seed=0)
+    plain, _ = run(target, tokenizer, num_blocks=16)
+    fast, gen = run(target, tokenizer, draft=target, num_blocks=16)
+    assert fast == plain
+    stats = gen.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
+def test_sampled_outputs_with_a_draft_are_seeded_and_forks_catch_up(tokenizer):
+    target, draft = llama(tokenizer, seed=0), llama(tokenizer, seed=0)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=3, n=2, ignore_eos=True)
+    first, gen = run(target, tokenizer, draft=draft, params=params)
+    again, _ = run(target, tokenizer, draft=draft, params=params)
+    assert first == again and all(len(tokens) == 30 for out in first for tokens in out)
+    assert gen.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_a_draft_loads_from_a_directory_given_on_the_command_line(tokenizer, tmp_path):
+    llama(tokenizer, seed=0).save_pretrained(tmp_path / "draft")
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps({"model": str(tmp_path / "draft")})])
+    config = EngineConfig.from_cli_args(args)
+    assert config.speculative_config == SpeculativeConfig(method="draft_model", model=str(tmp_path / "draft"))
+    target = llama(tokenizer, seed=0)
+    gen = ContinuousBatchGenerator(target, tokenizer, config, num_blocks=64)
+    (out,) = gen.run([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == run(target, tokenizer, prompts=[PROMPTS[0]],
+                                           params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0][0][0]
+    assert gen.stats().spec_decode_num_accepted_tokens == gen.stats().spec_decode_num_draft_tokens > 0
+
+
+def test_draft_model_settings_are_checked(tokenizer):
+    for bad, field in [({"method": "draft_model"}, "speculative_config.model is required"),
+                       ({"method": "ngram", "model": "/x"}, "speculative_config.model is for the draft_model"),
+                       ({"model": 3}, "speculative_config.model must be")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(speculative_config=bad)
+    target = llama(tokenizer, seed=0)
+    with pytest.raises(ValueError, match="more than the target's"):
+        ContinuousBatchGenerator(target, tokenizer, num_blocks=64,
+                                 speculative_config={"model": llama(tokenizer, seed=1, vocab=len(tokenizer) + 8)})
