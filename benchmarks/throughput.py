@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -130,6 +131,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="windows: each prompt a window of a paragraph, to be continued; grounded: chat requests to correct "
              "a window of a paragraph or to add type hints to a window of code, whose answers copy much of the "
              "prompt (--min/--max-prompt size the window)")
+    add("--mix", default=None, type=parse_mix,
+        help="draw the requests from several groups, 'N:PMIN-PMAX:OMIN-OMAX,...' (N requests with prompts and outputs "
+             "in those token ranges), shuffled together; e.g. '12:16-64:16-64,4:64-256:128-256' for short chats "
+             "and a few long answers, whose tail runs at a small batch. Replaces --num-requests and the length flags")
+    add("--enforce-eager", action="store_true",
+        help="ours: every step through the model's Transformers forward (no native CPU decoder)")
     add("--speculative-config", default=None,
         help="ours: speculative decoding, as JSON (see `hf-paged serve --help`), e.g. '{\"method\": \"ngram\"}'")
     add("--static-batch-size", type=int, default=32, help="batch size of the static `generate` engine")
@@ -181,7 +188,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.kv_cache_memory = parse_memory(str(args.kv_cache_memory))
     if not (1 <= args.min_prompt <= args.max_prompt and 1 <= args.min_output <= args.max_output):
         parser.error("need 1 <= --min-prompt <= --max-prompt and 1 <= --min-output <= --max-output")
+    if args.mix:
+        args.num_requests = sum(group[0] for group in args.mix)
+        args.max_prompt = max(group[2] for group in args.mix)
     return args
+
+
+def parse_mix(text: str) -> list[tuple[int, int, int, int, int]]:
+    """``--mix``: ``(count, min prompt, max prompt, min output, max output)`` per group."""
+    groups = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+):(\d+)-(\d+):(\d+)-(\d+)\s*", part)
+        if not match:
+            raise argparse.ArgumentTypeError(f"{part!r} is not N:PMIN-PMAX:OMIN-OMAX")
+        n, p0, p1, o0, o1 = map(int, match.groups())
+        if not (n >= 1 and 1 <= p0 <= p1 and 1 <= o0 <= o1):
+            raise argparse.ArgumentTypeError(f"{part!r}: need N >= 1, 1 <= PMIN <= PMAX and 1 <= OMIN <= OMAX")
+        groups.append((n, p0, p1, o0, o1))
+    return groups
 
 
 # ------------------------------------------------------------------------------------------------------ workload
@@ -194,8 +218,11 @@ def make_workload(args, tokenizer) -> dict:
     grounded``: a chat request about a window of the paragraph or of the code)."""
     rng = random.Random(args.seed)
     n = args.num_requests
-    prompt_lens = [rng.randint(args.min_prompt, args.max_prompt) for _ in range(n)]
-    output_lens = [rng.randint(args.min_output, args.max_output) for _ in range(n)]
+    groups = args.mix or [(n, args.min_prompt, args.max_prompt, args.min_output, args.max_output)]
+    lens = [(rng.randint(p0, p1), rng.randint(o0, o1)) for count, p0, p1, o0, o1 in groups for _ in range(count)]
+    if args.mix:
+        rng.shuffle(lens)
+    prompt_lens, output_lens = [p for p, _ in lens], [o for _, o in lens]
     if args.workload == "grounded":
         return dict(prompts=grounded_prompts(tokenizer, rng, prompt_lens, args.shared_prefix), output_lens=output_lens)
     text = tokenizer(PARAGRAPH, add_special_tokens=False).input_ids
@@ -430,10 +457,11 @@ def make_generator(args, model, tokenizer):
 
     sized = dict(kv_cache_memory=args.kv_cache_memory) if args.kv_cache_memory else dict(
         num_blocks=args.kv_tokens // args.block_size)
+    eager = dict(enforce_eager=True) if args.enforce_eager else {}
     config = EngineConfig(block_size=args.block_size, **sized, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batch_tokens, prepack_weights=not args.no_prepack_weights,
                           kv_cache_dtype=args.kv_cache_dtype,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config, **eager)
     return ContinuousBatchGenerator(model, tokenizer, config)
 
 
@@ -587,6 +615,8 @@ def worker_argv(args) -> list[str]:
         argv += ["--smoke"]
     if args.speculative_config:
         argv += ["--speculative-config", args.speculative_config]
+    if args.enforce_eager:
+        argv += ["--enforce-eager"]
     return argv
 
 

@@ -157,3 +157,50 @@ def test_kernels_smoke_is_correct(tmp_path):
     checked = [row for row in report["rows"] if row.get("rel_err") is not None]
     assert {row["kind"] for row in checked} == {"decode", "prefill"}
     assert all(row["triton_ms"] > 0 and row["sdpa_ms"] > 0 for row in report["rows"])
+
+
+def test_mix_draws_each_group_in_its_own_ranges():
+    throughput = load_benchmark("throughput")
+    args = throughput.parse_args(["--mix", "3:8-16:4-8,2:100-120:50-60", "--seed", "5"])
+    assert args.num_requests == 5 and args.max_prompt == 120
+    workload = throughput.make_workload(args, _Tokenizer())
+    pairs = sorted(zip(map(len, workload["prompts"]), workload["output_lens"]))
+    assert all(8 <= p <= 16 and 4 <= o <= 8 for p, o in pairs[:3])
+    assert all(100 <= p <= 120 and 50 <= o <= 60 for p, o in pairs[3:])
+    for bad in ("3:8-16", "0:8-16:4-8", "2:16-8:4-8"):
+        with pytest.raises(SystemExit):
+            throughput.parse_args(["--mix", bad])
+
+
+class _Tokenizer:
+    """Token ids for the benchmark's paragraph: one per character."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoding", (), {"input_ids": [ord(c) for c in text]})
+
+
+def test_decode_reads_llama_batched_bench_tables():
+    decode = load_benchmark("decode")
+    table = """|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |    128 |    1 |    256 |    0.125 |  1025.95 |    1.648 |    77.69 |    1.772 |   144.44 |
+|   128 |    128 |    4 |   1024 |    0.433 |  1182.15 |    2.479 |   206.53 |    2.912 |   351.63 |"""
+    assert decode.decode_speeds(table) == {1: 77.69, 4: 206.53}
+
+
+@pytest.mark.slow
+def test_decode_puts_every_variant_side_by_side(smollm2_path, tmp_path):
+    """A tiny model, one round: ours, ours with --enforce-eager, this checkout again as the baseline, and generate."""
+    from live_server import tiny_model
+
+    model, tokenizer = tiny_model(smollm2_path)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "decode.json"
+    proc = run_script("decode.py", "--model", str(tmp_path / "tiny"), "--batch-sizes", "2", "--dtypes", "float32",
+                      "--rounds", "1", "--prompt", "8", "--output", "6", "--threads", "1",
+                      "--baseline", str(BENCHMARKS.parent), "--json", str(out), timeout=300)
+    cells = json.loads(out.read_text())["results"]["float32"]["2"]
+    assert set(cells) == {"ours", "eager", "baseline", "generate"}  # llama.cpp needs --llama-bench and --gguf
+    assert all(len(speeds) == 1 and speeds[0] > 0 for speeds in cells.values())
+    assert "ours/baseline" in proc.stdout and "ours/generate" in proc.stdout

@@ -45,7 +45,10 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 
 // Weight rows read together, by input rows and dtype (measured on a 2-core AVX-512 machine, SmolLM2's layers).
 template <typename T>
-constexpr int rows_at_once(int M) { return M <= 4 ? 8 : (sizeof(T) == 2 ? 4 : 2); }
+constexpr int rows_at_once(int M) {
+    if constexpr (sizeof(T) == 2) return M == 1 ? 4 : (M <= 4 ? 8 : 4);
+    return M <= 4 ? 8 : 2;
+}
 
 // From two input rows on, the products take long enough per weight line that the hardware prefetcher falls behind:
 // the next R weight rows are asked for while these are multiplied (1.2x at 4 rows, 1.5x at 8).
