@@ -47,7 +47,14 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 template <typename T>
 constexpr int rows_at_once(int M) {
     if constexpr (sizeof(T) == 2) return M == 1 ? 4 : (M <= 4 ? 8 : 4);
-    return M <= 4 ? 8 : 2;
+    return M <= 2 ? 8 : (M <= 4 ? 4 : 2);
+}
+
+// Keeps a loaded vector in its register. From three input rows on, GCC otherwise folds the weight loads into the
+// FMAs, loading each weight vector once per input row, and spills: 2x slower products (fp32, 4 and 8 rows).
+template <int M>
+__attribute__((always_inline)) inline void pin(vec16& v) {
+    if constexpr (M >= 3) asm("" : "+v"(v));
 }
 
 // From two input rows on, the products take long enough per weight line that the hardware prefetcher falls behind:
@@ -87,11 +94,11 @@ __attribute__((always_inline)) inline void dot(const float* x, int64_t xs, const
     for (; k + 16 <= K; k += 16) {
         vec16 wv[R];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k);
+        for (int r = 0; r < R; ++r) pin<M>(wv[r] = load16(w + r * K + k));
         prefetch_next<M, R>(w, K, k);
         vec16 xv[M];
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) xv[m] = load16(x + m * xs + k);
+        for (int m = 0; m < M; ++m) pin<M>(xv[m] = load16(x + m * xs + k));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
