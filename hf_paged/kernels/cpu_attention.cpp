@@ -292,10 +292,9 @@ std::vector<Task> plan_tasks(const Problem& p) {
     return tasks;
 }
 
+// The whole call, run by every thread of an enclosing parallel region (its work-sharing loops are orphaned).
 template <typename T>
-void run(const Problem& p) {
-    const std::vector<Task> tasks = plan_tasks(p);
-#pragma omp parallel num_threads(p.num_threads)
+void run_in_team(const Problem& p, const std::vector<Task>& tasks) {
     {
         if (p.key) {
             const size_t row_bytes = static_cast<size_t>(p.head_dim) * sizeof(T);
@@ -337,6 +336,13 @@ void run(const Problem& p) {
     }
 }
 
+template <typename T>
+void run(const Problem& p) {
+    const std::vector<Task> tasks = plan_tasks(p);
+#pragma omp parallel num_threads(p.num_threads)
+    run_in_team<T>(p, tasks);
+}
+
 // The index arrays, checked before any memory is read through them (cpu_ops.py names each status).
 int check_indices(const Problem& p) {
     const int32_t* qsl = p.query_start_loc;
@@ -358,8 +364,7 @@ int check_indices(const Problem& p) {
 }  // namespace
 
 extern "C" int hf_paged_attention(const Problem* p, int dtype) {
-    if (p->head_dim <= 0 || p->num_kv_heads <= 0 || p->num_heads % p->num_kv_heads) return 1;
-    if (const int status = check_indices(*p)) return status;
+    if (const int status = hf_paged::check_attention(*p)) return status;
     if (dtype == 0)
         run<float>(*p);
     else if (dtype == 1)
@@ -367,6 +372,20 @@ extern "C" int hf_paged_attention(const Problem* p, int dtype) {
     else
         return 2;
     return 0;
+}
+
+int hf_paged::attention_in_team(const Problem& p, int dtype) {
+    const std::vector<Task> tasks = plan_tasks(p);  // each thread its own copy, all alike
+    if (dtype == 0)
+        run_in_team<float>(p, tasks);
+    else
+        run_in_team<uint16_t>(p, tasks);
+    return 0;
+}
+
+int hf_paged::check_attention(const Problem& p) {
+    if (p.head_dim <= 0 || p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads) return 1;
+    return check_indices(p);
 }
 
 extern "C" int hf_paged_problem_size() { return static_cast<int>(sizeof(Problem)); }

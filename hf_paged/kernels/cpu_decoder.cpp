@@ -335,7 +335,7 @@ struct Forward {
         }
     }
 
-    int attend(const DecoderLayer& layer) {
+    Problem problem(const DecoderLayer& layer) {
         Problem p{};
         p.query = qkv.data();
         p.q_stride_token = width;
@@ -366,7 +366,7 @@ struct Forward {
         p.k_stride_token = p.v_stride_token = width;
         p.k_stride_head = p.v_stride_head = D;
         p.slot_mapping = s.slot_mapping;
-        return hf_paged_attention(&p, m.dtype);
+        return p;
     }
 
     // hidden[t, n] += (x[t] . w[n] + bias[n]), rounded as residual + module output.
@@ -415,22 +415,19 @@ struct Forward {
                  [&](int i, int64_t n, float v) { store(out + i * V + n, v + bias_at(bias, n)); });
     }
 
+    // One parallel region for the whole step; every layer's attention reads the same indices, checked once.
     int run() {
-        const int threads = s.num_threads;
-        for (int l = 0; l < m.num_layers; ++l) {
-            const DecoderLayer& layer = m.layers[l];
-#pragma omp parallel num_threads(threads)
-            {
+        if (const int status = check_attention(problem(m.layers[0]))) return status;
+#pragma omp parallel num_threads(s.num_threads)
+        {
+            for (int l = 0; l < m.num_layers; ++l) {
                 if (l > 0) {
                     finish_layer(m.layers[l - 1]);
 #pragma omp barrier
                 }
-                project_qkv(layer);
+                project_qkv(m.layers[l]);
+                attention_in_team(problem(m.layers[l]), m.dtype);
             }
-            if (const int status = attend(layer)) return status;
-        }
-#pragma omp parallel num_threads(threads)
-        {
             finish_layer(m.layers[m.num_layers - 1]);
 #pragma omp barrier
             logits();

@@ -101,6 +101,13 @@ struct Problem {
     const int64_t* slot_mapping;  // [T]
 };
 
+// The checks of hf_paged_attention alone: 0, or the status it would return (cpu_ops.py names them).
+int check_attention(const Problem& p);
+
+// hf_paged_attention without its checks, called by every thread of an enclosing OpenMP parallel region with the same
+// problem (dtype 0: fp32, 1: bf16); all threads leave together.
+int attention_in_team(const Problem& p, int dtype);
+
 }  // namespace hf_paged
 
 // Stores the step's new keys and values (when given), then attends every query row; 0 on success (see cpu_ops.py).
