@@ -51,6 +51,12 @@ class Unsupported(Exception):
     """Why a model's decode steps run through the Transformers forward."""
 
 
+def _held(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor's current storage, kept alive for the native decoder's pointers even if the parameter is later given
+    other data (as ``model.to()`` does)."""
+    return None if tensor is None else tensor.detach()
+
+
 def _linear(module: nn.Module, dtype: torch.dtype, where: str) -> nn.Module:
     if type(module) not in (nn.Linear, PrepackedLinear) or type(module.weight.data) is not torch.Tensor:
         raise Unsupported(f"{where} is a {type(module).__name__}, not a plain linear layer")
@@ -67,11 +73,33 @@ class NativeDecoder:
     max_tokens = cpu_decoder.MAX_ROWS
 
     def __init__(self, model: nn.Module, kv: PagedKVStorage, weights: cpu_decoder.DecoderWeights):
+        self.model = model
         self.kv = kv
-        self.weights = weights
         self.embed = model.get_input_embeddings()
         self.rotary = model.base_model.rotary_emb
+        self._bind(weights)
+
+    def _bind(self, weights: cpu_decoder.DecoderWeights) -> None:
+        self.weights = weights  # keeps the tensors the native structures point into alive
         self._struct, self._layers = weights.struct()
+        self._at = self._addresses()
+
+    def _addresses(self) -> tuple[int, ...]:
+        # Converting a model (``.to()``, ``.half()``) moves every parameter; these three show it.
+        base = self.model.base_model
+        return (self.model.get_output_embeddings().weight.data_ptr(),
+                base.layers[0].self_attn.q_proj.weight.data_ptr(), base.layers[-1].mlp.down_proj.weight.data_ptr())
+
+    def ready(self) -> bool:
+        """Whether the decoder can run the model as it is now: its weights are re-read if they moved, and False (for
+        good) once the model no longer fits (converted to another dtype or device, say)."""
+        if self._addresses() != self._at:
+            try:
+                self._bind(self._weights(self.model, self.kv))
+            except Unsupported as reason:
+                logger.info("hf_paged: the model changed, decode steps now run the Transformers forward: %s", reason)
+                return False
+        return True
 
     # -------------------------------------------------------------------------------------------- recognition
     @classmethod
@@ -110,7 +138,8 @@ class NativeDecoder:
             raise Unsupported("the model's norms use different epsilons")
         first = base.layers[0].self_attn
         return cpu_decoder.DecoderWeights(
-            layers=layers, final_norm=base.norm.weight, lm_head=lm_head.weight, lm_head_bias=lm_head.bias,
+            layers=layers, final_norm=_held(base.norm.weight), lm_head=_held(lm_head.weight),
+            lm_head_bias=_held(lm_head.bias),
             num_heads=config.num_attention_heads, num_kv_heads=kv.spec.num_kv_heads, head_dim=first.head_dim,
             eps=eps.pop(),
         )
@@ -128,14 +157,14 @@ class NativeDecoder:
         silu = type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
         if any(type(norm) is not norm_class for norm in norms) or not silu:
             raise Unsupported(f"layer {index}'s norms or activation are not RMSNorm and SiLU")
-        entry = {"eps": [norm.variance_epsilon for norm in norms], "input_norm": layer.input_layernorm.weight,
-                 "post_norm": layer.post_attention_layernorm.weight}
+        entry = {"eps": [norm.variance_epsilon for norm in norms], "input_norm": _held(layer.input_layernorm.weight),
+                 "post_norm": _held(layer.post_attention_layernorm.weight)}
         if children & _QK_NORMS:
-            entry.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight)
+            entry.update(q_norm=_held(attn.q_norm.weight), k_norm=_held(attn.k_norm.weight))
         for name, module in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
                              ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
             linear = _linear(module, dtype, f"layer {index}'s {name} projection")
-            entry[name], entry[f"{name}_bias"] = linear.weight, linear.bias
+            entry[name], entry[f"{name}_bias"] = _held(linear.weight), _held(linear.bias)
         k_cache = kv.key_cache[index]
         if attn.head_dim != k_cache.shape[3] or attn.k_proj.weight.shape[0] != k_cache.shape[1] * attn.head_dim:
             raise Unsupported(f"layer {index}'s key heads do not match the KV cache")

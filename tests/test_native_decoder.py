@@ -110,6 +110,21 @@ def test_a_modified_layer_or_a_cache_in_another_dtype_is_not_recognised(tokenize
     assert gen.runner.native is None
 
 
+def test_a_model_converted_after_the_engine_was_built_is_read_again_or_left_to_transformers(tokenizer):
+    """``model.to()`` gives every parameter new storage: the decoder re-reads the weights, or, when they no longer fit
+    (bf16 weights over the fp32 cache), steps run the Transformers forward instead of reading freed memory."""
+    model = tiny("llama")
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = gen.run(PROMPTS, params, use_tqdm=False)
+    model.to(torch.float64).to(torch.float32)  # same values, new storage
+    assert [o.outputs for o in gen.run(PROMPTS, params, use_tqdm=False)] == [o.outputs for o in before]
+    assert gen.runner.native is not None
+    model.to(torch.bfloat16)
+    assert all(o.error is None for o in gen.run(PROMPTS, params, use_tqdm=False))
+    assert gen.runner.native is None
+
+
 def test_a_bad_block_table_is_refused_not_read(tokenizer):
     gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=8, block_size=4)
     decoder: NativeDecoder = gen.runner.native

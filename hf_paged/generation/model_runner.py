@@ -98,7 +98,9 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """The logits of ``step``'s sample rows: through the native decoder when it takes the step, else `forward`."""
         if self.native is not None and step.num_tokens <= self.native.max_tokens:
-            return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows)
+            if self.native.ready():
+                return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows)
+            self.native = None
         return self.forward(step)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
