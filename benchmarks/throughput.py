@@ -219,10 +219,14 @@ def make_workload(args, tokenizer) -> dict:
     rng = random.Random(args.seed)
     n = args.num_requests
     groups = args.mix or [(n, args.min_prompt, args.max_prompt, args.min_output, args.max_output)]
-    lens = [(rng.randint(p0, p1), rng.randint(o0, o1)) for count, p0, p1, o0, o1 in groups for _ in range(count)]
+    prompt_lens, output_lens = [], []
+    for count, p0, p1, o0, o1 in groups:  # prompts first, then outputs: the same draws as before --mix existed
+        prompt_lens += [rng.randint(p0, p1) for _ in range(count)]
+        output_lens += [rng.randint(o0, o1) for _ in range(count)]
     if args.mix:
-        rng.shuffle(lens)
-    prompt_lens, output_lens = [p for p, _ in lens], [o for _, o in lens]
+        order = list(range(n))
+        rng.shuffle(order)
+        prompt_lens, output_lens = [prompt_lens[i] for i in order], [output_lens[i] for i in order]
     if args.workload == "grounded":
         return dict(prompts=grounded_prompts(tokenizer, rng, prompt_lens, args.shared_prefix), output_lens=output_lens)
     text = tokenizer(PARAGRAPH, add_special_tokens=False).input_ids
