@@ -46,14 +46,15 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 // Weight rows read together, by input rows and dtype (measured on a 2-core AVX-512 machine, SmolLM2's layers).
 template <typename T>
 constexpr int rows_at_once(int M) {
-    if constexpr (sizeof(T) == 2) return M == 1 ? 4 : (M <= 4 ? 8 : 4);
+    if constexpr (sizeof(T) == 2) return M == 1 ? 1 : (M <= 2 ? 8 : (M <= 4 ? 4 : 2));
     return M <= 2 ? 8 : (M <= 4 ? 4 : 2);
 }
 
 // Keeps a loaded vector in its register. From three input rows on, GCC otherwise folds the weight loads into the
-// FMAs, loading each weight vector once per input row, and spills: 2x slower products (fp32, 4 and 8 rows).
-template <int M>
-__attribute__((always_inline)) inline void pin(vec16& v) {
+// FMAs (or dot products), loading each weight vector once per input row, and spills: 2x slower products at 4 and 8
+// rows (fp32 and bf16).
+template <int M, typename V>
+__attribute__((always_inline)) inline void pin(V& v) {
     if constexpr (M >= 3) asm("" : "+v"(v));
 }
 
@@ -124,11 +125,11 @@ __attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, co
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[R];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
+        for (int r = 0; r < R; ++r) pin<M>(wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k));
         prefetch_next<M, R>(w, K, k);
         __m512bh xv[M];
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + k);
+        for (int m = 0; m < M; ++m) pin<M>(xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + k));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
