@@ -55,7 +55,9 @@ constexpr int rows_at_once(int M) {
 // rows (fp32 and bf16).
 template <int M, typename V>
 __attribute__((always_inline)) inline void pin(V& v) {
+#if defined(__AVX512F__)  // a register holds the whole vector only here
     if constexpr (M >= 3) asm("" : "+v"(v));
+#endif
 }
 
 // From two input rows on, the products take long enough per weight line that the hardware prefetcher falls behind:
@@ -83,9 +85,10 @@ __attribute__((always_inline)) inline void reduce(const vec16 (&acc)[R], float* 
     }
 }
 
-// out[m * R + r] = x[m] . w[r] for M input rows (stride xs) and R weight rows (stride K), in fp32.
-template <int M, int R>
-__attribute__((always_inline)) inline void dot(const float* x, int64_t xs, const float* w, int64_t K, float* out) {
+// out[m * R + r] = x[m] . w[r] for M input rows (stride xs) and R weight rows (stride K), each element widened to fp32
+// (fp32 rows, and bf16 rows on CPUs without AVX512-BF16).
+template <int M, int R, typename T>
+__attribute__((always_inline)) inline void dot_widened(const T* x, int64_t xs, const T* w, int64_t K, float* out) {
     vec16 acc[M][R];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
@@ -109,13 +112,18 @@ __attribute__((always_inline)) inline void dot(const float* x, int64_t xs, const
     for (int m = 0; m < M; ++m) reduce<R>(acc[m], out + m * R);
     for (; k < K; ++k)
         for (int m = 0; m < M; ++m)
-            for (int r = 0; r < R; ++r) out[m * R + r] += x[m * xs + k] * w[r * K + k];
+            for (int r = 0; r < R; ++r) out[m * R + r] += to_float(x[m * xs + k]) * to_float(w[r * K + k]);
 }
 
-#if defined(__AVX512BF16__)
+template <int M, int R>
+__attribute__((always_inline)) inline void dot(const float* x, int64_t xs, const float* w, int64_t K, float* out) {
+    dot_widened<M, R>(x, xs, w, K, out);
+}
+
 // bf16: pairs of products summed straight from the bf16 rows (vdpbf16ps; the products are exact in fp32).
 template <int M, int R>
 __attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, float* out) {
+#if defined(__AVX512BF16__)
     __m512 acc[M][R];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
@@ -145,36 +153,10 @@ __attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, co
     for (; k < K; ++k)
         for (int m = 0; m < M; ++m)
             for (int r = 0; r < R; ++r) out[m * R + r] += to_float(x[m * xs + k]) * to_float(w[r * K + k]);
-}
 #else
-template <int M, int R>
-__attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, float* out) {
-    vec16 acc[M][R];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[m][r] = vec16{};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        vec16 wv[R];
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k);
-        prefetch_next<M, R>(w, K, k);
-        vec16 xv[M];
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) xv[m] = load16(x + m * xs + k);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-            for (int m = 0; m < M; ++m) acc[m][r] = fma16(xv[m], wv[r], acc[m][r]);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) reduce<R>(acc[m], out + m * R);
-    for (; k < K; ++k)
-        for (int m = 0; m < M; ++m)
-            for (int r = 0; r < R; ++r) out[m * R + r] += to_float(x[m * xs + k]) * to_float(w[r * K + k]);
-}
+    dot_widened<M, R>(x, xs, w, K, out);
 #endif
+}
 
 // f(m, n, x[m] . w[n]) for the output rows [n0, n1) of w ([N, K] row-major) and M input rows.
 template <int M, typename T, typename F>

@@ -43,20 +43,18 @@ class _Step(ctypes.Structure):
 _library: ctypes.CDLL | None = None
 
 
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+def _bind(library: ctypes.CDLL) -> None:
     library.hf_paged_linear.argtypes = [_p, _i64, _i32, _i64, _p, _p, _p, _i64, _i64, _i32, _i32]
     library.hf_paged_decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     sizes = [library.hf_paged_decoder_struct_sizes(i) for i in range(3)]
     if sizes != [ctypes.sizeof(s) for s in (_Layer, _Model, _Step)] or library.hf_paged_max_rows() != MAX_ROWS:
         raise RuntimeError("cpu_decoder.cpp and cpu_decoder.py disagree on the structures' layout")
-    return library
 
 
 def available() -> bool:
     """Whether the native library is built and loaded (builds it on first call)."""
     global _library
-    if _library is None and native.library() is not None:
-        _library = _bind(native.library())
+    _library = _library or native.bound(_bind)
     return _library is not None
 
 

@@ -51,19 +51,17 @@ class _Problem(ctypes.Structure):
     ]
 
 
-def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+def _bind(library: ctypes.CDLL) -> None:
     library.hf_paged_attention.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
     library.hf_paged_has_bf16_dot.argtypes = [ctypes.c_int]
     if library.hf_paged_problem_size() != ctypes.sizeof(_Problem):
         raise RuntimeError("cpu_attention.cpp and cpu_ops.py disagree on the problem layout")
-    return library
 
 
 def available() -> bool:
-    """Whether the native kernel is built and loaded (builds the native library on first call)."""
+    """Whether the native library is built and loaded (builds it on first call)."""
     global _library
-    if _library is None and native.library() is not None:
-        _library = _bind(native.library())
+    _library = _library or native.bound(_bind)
     return _library is not None
 
 

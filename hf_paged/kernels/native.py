@@ -36,6 +36,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failed = False
+_bound: set = set()  # the bind functions already applied
 
 
 def _cpu_id() -> str:
@@ -114,6 +115,18 @@ def build() -> ctypes.CDLL:
         _compile(compiler_path, target)
     check_private(target)
     return ctypes.CDLL(str(target))
+
+
+def bound(bind) -> ctypes.CDLL | None:
+    """The library with ``bind(library)`` (a module's function signatures and layout checks) applied, once; None where
+    there is no library."""
+    loaded = library()
+    if loaded is not None and bind not in _bound:
+        with _lock:
+            if bind not in _bound:
+                bind(loaded)
+                _bound.add(bind)
+    return loaded
 
 
 def library() -> ctypes.CDLL | None:
