@@ -55,7 +55,7 @@ class DraftModel:
         if isinstance(model, (str, os.PathLike)):
             from ..loading import load_causal_lm
 
-            model = load_causal_lm(model, dtype=target.dtype, device=target.device.type)
+            model = load_causal_lm(model, dtype=target.dtype, device=str(target.device))
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"speculative_config.model: {type(model).__name__} cannot run with the paged backend")
         if not uses_paged_attention(model):
