@@ -154,6 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--round-weights", choices=("bfloat16", "float16"), default=None,
         help="round every weight to this dtype and back before the run, then compute in --dtype as usual: with "
              "--compare-with an unrounded run, the token agreement that the rounded weights alone allow")
+    add("--no-prefix-caching", action="store_true", help="ours: no prefix caching (every prompt prefilled in full)")
     add("--no-prepack-weights", action="store_true",
         help="ours and ceiling: plain torch linear layers instead of oneDNN with packed weights (CPU)")
     add("--hf-cb-config", default=None, help="JSON dict overriding the Transformers ContinuousBatchingConfig fields")
@@ -464,7 +465,7 @@ def make_generator(args, model, tokenizer):
     eager = dict(enforce_eager=True) if args.enforce_eager else {}
     config = EngineConfig(block_size=args.block_size, **sized, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batch_tokens, prepack_weights=not args.no_prepack_weights,
-                          kv_cache_dtype=args.kv_cache_dtype,
+                          kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=not args.no_prefix_caching,
                           speculative_config=args.speculative_config, **eager)
     return ContinuousBatchGenerator(model, tokenizer, config)
 
@@ -605,6 +606,8 @@ def worker_argv(args) -> list[str]:
         argv += ["--hf-cb-config", args.hf_cb_config]
     if args.no_prepack_weights:
         argv += ["--no-prepack-weights"]
+    if args.no_prefix_caching:
+        argv += ["--no-prefix-caching"]
     if args.kv_cache_dtype:
         argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.round_weights:

@@ -204,3 +204,20 @@ def test_decode_puts_every_variant_side_by_side(smollm2_path, tmp_path):
     assert set(cells) == {"ours", "eager", "baseline", "generate"}  # llama.cpp needs --llama-bench and --gguf
     assert all(len(speeds) == 1 and speeds[0] > 0 for speeds in cells.values())
     assert "ours/baseline" in proc.stdout and "ours/generate" in proc.stdout
+
+
+@pytest.mark.slow
+def test_speculation_compares_both_variants_in_one_process(smollm2_path, tmp_path):
+    """Two grounded requests one at a time, with and without prompt lookup: the same greedy tokens, guesses kept."""
+    out = tmp_path / "speculation.json"
+    proc = run_script("speculation.py", "--model", smollm2_path, "--workload", "grounded", "--num-requests", "2",
+                      "--min-prompt", "48", "--max-prompt", "48", "--min-output", "24", "--max-output", "24",
+                      "--rounds", "2", "--threads", "1", "--speculative-config", '{"method": "ngram"}',
+                      "--json", str(out), timeout=300)
+    report = json.loads(out.read_text())
+    assert report["identical"] == 2
+    assert len(report["ratios"]) == 2 and all(r > 0 for r in report["ratios"])
+    assert all(len(speeds) == 2 and min(speeds) > 0 for speeds in report["output_tok_s"].values())
+    assert 0 < report["acceptance_rate"] <= 1 and report["tokens_per_verification"] > 1
+    assert report["settings"]["no_prefix_caching"] is True
+    assert "ratio on/off" in proc.stdout and "identical: 2 of 2" in proc.stdout

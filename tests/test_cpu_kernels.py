@@ -53,7 +53,8 @@ def test_decode_matches_naive(case_args, window, softcap, paged_layout, dtype):
 def test_task_plans_match_naive(num_decodes, chunks, dtype):
     """Decodes get one task per sequence and kv head while they are few (one decode is always fewer than twice the
     threads), one per sequence with all its heads once there are at least twice as many as threads; multi-query
-    chunks always get one task per head."""
+    chunks get tasks per head, each head's queries dealt out over several while there are fewer heads than twice the
+    threads (3 heads here: 2 tasks per head at 2 threads)."""
     if num_decodes == "many":
         num_decodes = 2 * torch.get_num_threads() + 1
     seq_lens = [5 + 13 * i % 70 for i in range(num_decodes)] + [20, 33][: len(chunks)]

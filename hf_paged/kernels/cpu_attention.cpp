@@ -270,25 +270,30 @@ void attend(const Problem& p, int s, int h0, int nh, int row, int len, std::vect
 
 // One unit of work: the queries of sequence `s` against kv heads [h0, h0 + nh).
 struct Task {
-    int s, h0, nh;
+    int s, h0, nh, j0, dj;  // sequence, kv heads [h0, h0 + nh), its queries j0, j0 + dj, ...
 };
 
-// Multi-query sequences (prefill chunks) first and split by head, as they cost the most; then the decodes, each with
-// all its heads at once (their blocks are read as one run), or split by head while there are too few to share
-// between the threads.
+// Multi-query sequences (prefill chunks, verified guesses) first and split by head, as they cost the most, and each
+// head's queries dealt out in turn while there are fewer heads than twice the threads (one sequence of 8 queries
+// over 3 kv heads left a thread idle for a third of the time); then the decodes, each with all its heads at once
+// (their blocks are read as one run), or split by head while there are too few to share between the threads.
 std::vector<Task> plan_tasks(const Problem& p) {
     std::vector<Task> tasks;
     std::vector<int> decodes;
+    const int parts = std::max(1, (2 * p.num_threads + p.num_kv_heads - 1) / p.num_kv_heads);
     for (int s = 0; s < p.num_seqs; ++s) {
         const int queries = p.query_start_loc[s + 1] - p.query_start_loc[s];
-        if (queries > 1)
-            for (int h = 0; h < p.num_kv_heads; ++h) tasks.push_back({s, h, 1});
-        else if (queries == 1)
+        if (queries > 1) {
+            const int dj = std::min(queries, parts);
+            for (int h = 0; h < p.num_kv_heads; ++h)
+                for (int j0 = 0; j0 < dj; ++j0) tasks.push_back({s, h, 1, j0, dj});
+        } else if (queries == 1) {
             decodes.push_back(s);
+        }
     }
     const int nh = static_cast<int>(decodes.size()) >= 2 * p.num_threads ? p.num_kv_heads : 1;
     for (const int s : decodes)
-        for (int h = 0; h < p.num_kv_heads; h += nh) tasks.push_back({s, h, nh});
+        for (int h = 0; h < p.num_kv_heads; h += nh) tasks.push_back({s, h, nh, 0, 1});
     return tasks;
 }
 
@@ -316,12 +321,12 @@ void run_in_team(const Problem& p, const std::vector<Task>& tasks) {
         std::vector<uint16_t> half(sizeof(T) == 2 ? R * p.head_dim : 0);
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < tasks.size(); ++i) {
-            const auto [s, h0, nh] = tasks[i];
+            const auto [s, h0, nh, j0, dj] = tasks[i];
             const int seq_len = p.seq_lens[s], first = p.query_start_loc[s];
             const int num_queries = p.query_start_loc[s + 1] - first;
             const size_t need = static_cast<size_t>(R) * std::max(seq_len, 1);
             if (scores.size() < need) scores.resize(need);
-            for (int j = 0; j < num_queries; ++j) {
+            for (int j = j0; j < num_queries; j += dj) {
                 const int row = first + j, len = seq_len - num_queries + j + 1;  // causal: keys [.., len)
                 switch (p.head_dim) {  // kUnrolledHeadDims get unrolled vector loops
                     case 64: attend<T, 64>(p, s, h0, nh, row, len, qf, scores, acc, sums, half); break;
