@@ -6,10 +6,10 @@ By default the requests run one at a time (one user: each request's output token
 Prefix caching is off, so that every round prefills its prompts in full, as the first one does. Every other flag is
 `throughput.py`'s and picks the workload, model, dtype and engine sizes, e.g. ``--workload grounded``.
 
-The report gives each variant's output tokens/s in every round (output tokens over the round's wall time, prompts
-included), the ratio of the two in every round (the machine's speed drifts, the rounds' order alternates), whether
-the greedy tokens were identical, and the guesses kept. The variants take turns at every request (or, with
-``--at-once``, at every round), so that both see the machine alike.
+The variants take turns at every request (with ``--at-once``, at every round), in alternating order, so that both see
+the machine's drifting speed alike. The report gives each variant's output tokens/s in every round (output tokens over
+its wall time, prompts included), the ratio of the two in every round, whether the greedy tokens of the first round
+were identical, and the guesses kept.
 
 Usage:
     python benchmarks/speculation.py --workload grounded --num-requests 6 --min-prompt 192 --max-prompt 192 \\

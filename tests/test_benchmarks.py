@@ -221,3 +221,25 @@ def test_speculation_compares_both_variants_in_one_process(smollm2_path, tmp_pat
     assert 0 < report["acceptance_rate"] <= 1 and report["tokens_per_verification"] > 1
     assert report["settings"]["no_prefix_caching"] is True
     assert "ratio on/off" in proc.stdout and "identical: 2 of 2" in proc.stdout
+
+
+@pytest.mark.slow
+def test_native_ab_times_each_build_of_the_decoder(smollm2_path, tmp_path):
+    """Two builds of the decoder (the package's source, once with an extra flag) taking turns on a tiny model."""
+    from live_server import tiny_model
+
+    from hf_paged.kernels import native
+
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler: there is no native decoder to build")
+    model, tokenizer = tiny_model(smollm2_path)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    source = str(BENCHMARKS.parent / "hf_paged" / "kernels" / "cpu_decoder.cpp")
+    out = tmp_path / "ab.json"
+    proc = run_script("native_ab.py", source, f"{source}@-DNDEBUG", "--model", str(tmp_path / "tiny"),
+                      "--dtypes", "float32", "--batch-sizes", "1,3", "--prompt", "8", "--output", "6", "--threads", "1",
+                      "--json", str(out), timeout=300)
+    steps = json.loads(out.read_text())["median_step_s"]["float32"]
+    assert set(steps) == {"1", "3"} and all(len(medians) == 2 and min(medians) > 0 for medians in steps.values())
+    assert "float32 B=3:" in proc.stdout

@@ -43,10 +43,10 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 #endif
 }
 
-// Weight rows read together, by input rows and dtype (measured on a 2-core AVX-512 machine in SmolLM2's decode steps,
-// the variants taking turns step by step in one process). bf16 reads one row at a time except at 4 and 7-8 rows: its
-// weight stream then runs strictly in order, and its steps at 2, 3, 5 and 6 rows were 1.07-1.25x faster than with the
-// 2-8 rows that fp32 still reads together (in fp32, one row at a time was 1.0-1.25x slower).
+// Weight rows read together, by input rows and dtype (SmolLM2's decode steps on a 2-core AVX-512 machine, the variants
+// taking turns step by step: benchmarks/native_ab.py). bf16 reads one row at a time except at 4 and 7-8 rows: its
+// weight stream then runs strictly in order, and its steps at 2, 3 and 5 rows were 1.13-1.26x faster than with the
+// 2-8 rows that fp32 still reads together (6 rows: 0.98-1.09x; in fp32, one row at a time was 1.0-1.25x slower).
 template <typename T>
 constexpr int rows_at_once(int M) {
     if constexpr (sizeof(T) == 2) {
