@@ -49,9 +49,7 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 // 2-8 rows that fp32 still reads together (6 rows: 0.98-1.09x; in fp32, one row at a time was 1.0-1.25x slower).
 template <typename T>
 constexpr int rows_at_once(int M) {
-    if constexpr (sizeof(T) == 2) {
-        if (M != 4) return M <= 6 ? 1 : 2;
-    }
+    if constexpr (sizeof(T) == 2) return M == 4 ? 4 : (M <= 6 ? 1 : 2);
     return M <= 2 ? 8 : (M <= 4 ? 4 : 2);
 }
 
