@@ -64,12 +64,18 @@ __attribute__((always_inline)) inline void pin(V& v) {
 }
 
 // From two input rows on, the products take long enough per weight line that the hardware prefetcher falls behind:
-// the next R weight rows are asked for while these are multiplied (1.2x at 4 rows, 1.5x at 8).
+// while R weight rows are multiplied, the R rows of the first block that starts at least kPrefetchBytes ahead are
+// asked for (1.2x at 4 rows, 1.5x at 8, against none). Nearer than that was slower: bf16 steps at 7 and 8 rows, whose
+// blocks of 2 rows span 2.3 KiB, ran 1.09-1.18x faster three blocks ahead than one; fp32 blocks already span 4.6 KiB
+// or more, and going further ahead there was 0.93-0.99x (benchmarks/native_ab.py).
+constexpr int64_t kPrefetchBytes = 8192;
+
 template <int M, int R, typename T>
 __attribute__((always_inline)) inline void prefetch_next(const T* w, int64_t K, int64_t k) {
     if constexpr (M >= 2) {
+        const int64_t ahead = R * std::max<int64_t>(1, kPrefetchBytes / (R * K * static_cast<int64_t>(sizeof(T))));
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) __builtin_prefetch(w + (R + r) * K + k, 0, 3);
+        for (int r = 0; r < R; ++r) __builtin_prefetch(w + (ahead + r) * K + k, 0, 3);
     }
 }
 
