@@ -8,8 +8,9 @@ Prefix caching is off, so that every round prefills its prompts in full, as the 
 
 The variants take turns at every request (with ``--at-once``, at every round), in alternating order, so that both see
 the machine's drifting speed alike. The report gives each variant's output tokens/s in every round (output tokens over
-its wall time, prompts included), the ratio of the two in every round, whether the greedy tokens of the first round
-were identical, and the guesses kept.
+its wall time, prompts included) and decode tokens/s (the tokens after each request's first over the time after its
+first: what speculation can speed up, as `decode.py` measures), the ratios of the two variants in every round, whether
+the greedy tokens of the first round were identical, and the guesses kept.
 
 Usage:
     python benchmarks/speculation.py --workload grounded --num-requests 6 --min-prompt 192 --max-prompt 192 \\
@@ -53,15 +54,17 @@ def greedy(lengths: list[int]):
     return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
 
 
-def timed(generator, prompts: list, lengths: list[int]) -> tuple[float, list[list[int]]]:
-    """Seconds to serve the prompts together and each request's tokens."""
+def timed(generator, prompts: list, lengths: list[int]) -> tuple[float, float, list[list[int]]]:
+    """Seconds to serve the prompts together, the seconds of the requests after their first tokens (summed), and
+    each request's tokens."""
     start = time.perf_counter()
     outputs = generator.run(prompts, greedy(lengths), use_tqdm=False)
     wall = time.perf_counter() - start
     errors = [o.error for o in outputs if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests refused, e.g. {errors[0]}")
-    return wall, [list(o.outputs[0].token_ids) for o in outputs]
+    decode = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outputs)
+    return wall, decode, [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def spec_counts(generator) -> tuple[int, int, int]:
@@ -90,22 +93,27 @@ def run(own, args) -> dict:
     # The variants take turns at every unit (all requests, or each request), in alternating order.
     units = [(prompts, lengths)] if own.at_once else [([p], [n]) for p, n in zip(prompts, lengths)]
     walls, tokens = {name: [0.0] * own.rounds for name in VARIANTS}, {name: [] for name in VARIANTS}
+    decodes = {name: [0.0] * own.rounds for name in VARIANTS}
     for r in range(own.rounds):
         for i, (unit_prompts, unit_lengths) in enumerate(units):
             for name in VARIANTS if (r + i) % 2 == 0 else VARIANTS[::-1]:
-                wall, unit_tokens = timed(generators[name], unit_prompts, unit_lengths)
+                wall, decode, unit_tokens = timed(generators[name], unit_prompts, unit_lengths)
                 walls[name][r] += wall
+                decodes[name][r] += decode
                 if r == 0:
                     tokens[name] += unit_tokens
     drafts, guessed, kept = (b - a for a, b in zip(before, spec_counts(generators["on"])))
     output_tokens = sum(lengths)
     ratios = [off / on for off, on in zip(walls["off"], walls["on"])]
+    decode_ratios = [off / on for off, on in zip(decodes["off"], decodes["on"])]
     settings = {k: v for k, v in vars(args).items() if not k.startswith("worker")}
     settings.update(speculative_config=own.speculative_config, rounds=own.rounds, at_once=own.at_once)
     return dict(settings=settings,
-                workload=throughput.workload_summary(workload), seconds=walls,
+                workload=throughput.workload_summary(workload), seconds=walls, decode_seconds=decodes,
                 output_tok_s={name: [output_tokens / w for w in ws] for name, ws in walls.items()},
                 ratios=ratios, ratio_median=statistics.median(ratios),
+                decode_tok_s={name: [(output_tokens - len(lengths)) / d for d in ds] for name, ds in decodes.items()},
+                decode_ratios=decode_ratios, decode_ratio_median=statistics.median(decode_ratios),
                 identical=sum(a == b for a, b in zip(tokens["off"], tokens["on"])),
                 acceptance_rate=kept / guessed if guessed else None,
                 tokens_per_verification=1 + kept / drafts if drafts else None)
@@ -116,11 +124,12 @@ def print_report(report: dict) -> None:
     how = "all at once" if s["at_once"] else "one at a time"
     print(f"\n{w['num_requests']} requests {how}, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
           f"{s['dtype']}; speculative_config {s['speculative_config']}")
-    print(f"{'output tok/s':<16}" + "".join(f"{f'round {i + 1}':>10}" for i in range(s["rounds"])))
-    for name, label in (("off", "no speculation"), ("on", "speculation")):
-        print(f"{label:<16}" + "".join(f"{x:10.1f}" for x in report["output_tok_s"][name]))
-    print(f"{'ratio on/off':<16}" + "".join(f"{x:9.2f}x" for x in report["ratios"])
-          + f"   median {report['ratio_median']:.2f}x")
+    for measure, key in (("output tok/s", ""), ("decode tok/s", "decode_")):
+        print(f"{measure:<16}" + "".join(f"{f'round {i + 1}':>10}" for i in range(s["rounds"])))
+        for name, label in (("off", "no speculation"), ("on", "speculation")):
+            print(f"{label:<16}" + "".join(f"{x:10.1f}" for x in report[f"{key or 'output_'}tok_s"][name]))
+        print(f"{'ratio on/off':<16}" + "".join(f"{x:9.2f}x" for x in report[f"{key}ratios"])
+              + f"   median {report[f'{key}ratio_median']:.2f}x")
     kept = report["acceptance_rate"]
     guesses = (f"{kept:.0%} of guesses kept, {report['tokens_per_verification']:.2f} tokens per verifying step"
                if kept is not None else "no guesses made")

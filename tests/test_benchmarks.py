@@ -218,9 +218,14 @@ def test_speculation_compares_both_variants_in_one_process(smollm2_path, tmp_pat
     assert report["identical"] == 2
     assert len(report["ratios"]) == 2 and all(r > 0 for r in report["ratios"])
     assert all(len(speeds) == 2 and min(speeds) > 0 for speeds in report["output_tok_s"].values())
+    # Decode time leaves each request's prompt and first token out of its wall time.
+    for name, seconds in report["decode_seconds"].items():
+        assert all(0 < d < w for d, w in zip(seconds, report["seconds"][name]))
+        assert all(s > 0 for s in report["decode_tok_s"][name])
+    assert len(report["decode_ratios"]) == 2 and report["decode_ratio_median"] > 0
     assert 0 < report["acceptance_rate"] <= 1 and report["tokens_per_verification"] > 1
     assert report["settings"]["no_prefix_caching"] is True
-    assert "ratio on/off" in proc.stdout and "identical: 2 of 2" in proc.stdout
+    assert "ratio on/off" in proc.stdout and "decode tok/s" in proc.stdout and "identical: 2 of 2" in proc.stdout
 
 
 @pytest.mark.slow

@@ -44,12 +44,13 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 }
 
 // Weight rows read together, by input rows and dtype (SmolLM2's decode steps on a 2-core AVX-512 machine, the variants
-// taking turns step by step: benchmarks/native_ab.py). bf16 reads one row at a time except at 4 and 7-8 rows: its
-// weight stream then runs strictly in order, and its steps at 2, 3 and 5 rows were 1.13-1.26x faster than with the
-// 2-8 rows that fp32 still reads together (6 rows: 0.98-1.09x; in fp32, one row at a time was 1.0-1.25x slower).
+// taking turns step by step: benchmarks/native_ab.py). bf16 reads one row at a time up to 6 rows: its weight stream
+// then runs strictly in order, and its steps at 2, 3 and 5 rows were 1.13-1.26x faster than with the 2-8 rows that
+// fp32 still reads together, at 4 rows 1.07-1.21x faster than 4 rows at once (6 rows: 0.98-1.09x; 8 rows: 0.86x; in
+// fp32, one row at a time was 0.66-1.1x).
 template <typename T>
 constexpr int rows_at_once(int M) {
-    if constexpr (sizeof(T) == 2) return M == 4 ? 4 : (M <= 6 ? 1 : 2);
+    if constexpr (sizeof(T) == 2) return M <= 6 ? 1 : 2;
     return M <= 2 ? 8 : (M <= 4 ? 4 : 2);
 }
 
