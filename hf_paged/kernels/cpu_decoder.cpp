@@ -71,10 +71,15 @@ __attribute__((always_inline)) inline void pin(V& v) {
 // or more, and going further ahead there was 0.93-0.99x (benchmarks/native_ab.py).
 constexpr int64_t kPrefetchBytes = 8192;
 
+// How many weight rows ahead of a block of R rows of K elements the prefetches go (once per product, not per block).
+template <typename T>
+inline int64_t rows_ahead(int R, int64_t K) {
+    return R * std::max<int64_t>(1, kPrefetchBytes / (R * K * static_cast<int64_t>(sizeof(T))));
+}
+
 template <int M, int R, typename T>
-__attribute__((always_inline)) inline void prefetch_next(const T* w, int64_t K, int64_t k) {
+__attribute__((always_inline)) inline void prefetch_next(const T* w, int64_t K, int64_t k, int64_t ahead) {
     if constexpr (M >= 2) {
-        const int64_t ahead = R * std::max<int64_t>(1, kPrefetchBytes / (R * K * static_cast<int64_t>(sizeof(T))));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) __builtin_prefetch(w + (ahead + r) * K + k, 0, 3);
     }
@@ -98,7 +103,8 @@ __attribute__((always_inline)) inline void reduce(const vec16 (&acc)[R], float* 
 // out[m * R + r] = x[m] . w[r] for M input rows (stride xs) and R weight rows (stride K), each element widened to fp32
 // (fp32 rows, and bf16 rows on CPUs without AVX512-BF16).
 template <int M, int R, typename T>
-__attribute__((always_inline)) inline void dot_widened(const T* x, int64_t xs, const T* w, int64_t K, float* out) {
+__attribute__((always_inline)) inline void dot_widened(const T* x, int64_t xs, const T* w, int64_t K, int64_t ahead,
+                                                       float* out) {
     vec16 acc[M][R];
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m)
@@ -109,7 +115,7 @@ __attribute__((always_inline)) inline void dot_widened(const T* x, int64_t xs, c
         vec16 wv[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) pin<M>(wv[r] = load16(w + r * K + k));
-        prefetch_next<M, R>(w, K, k);
+        prefetch_next<M, R>(w, K, k, ahead);
         vec16 xv[M];
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) pin<M>(xv[m] = load16(x + m * xs + k));
@@ -126,13 +132,15 @@ __attribute__((always_inline)) inline void dot_widened(const T* x, int64_t xs, c
 }
 
 template <int M, int R>
-__attribute__((always_inline)) inline void dot(const float* x, int64_t xs, const float* w, int64_t K, float* out) {
-    dot_widened<M, R>(x, xs, w, K, out);
+__attribute__((always_inline)) inline void dot(const float* x, int64_t xs, const float* w, int64_t K, int64_t ahead,
+                                               float* out) {
+    dot_widened<M, R>(x, xs, w, K, ahead, out);
 }
 
 // bf16: pairs of products summed straight from the bf16 rows (vdpbf16ps; the products are exact in fp32).
 template <int M, int R>
-__attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, float* out) {
+__attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K,
+                                               int64_t ahead, float* out) {
 #if defined(__AVX512BF16__)
     __m512 acc[M][R];
 #pragma GCC unroll 8
@@ -144,7 +152,7 @@ __attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, co
         __m512bh wv[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) pin<M>(wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k));
-        prefetch_next<M, R>(w, K, k);
+        prefetch_next<M, R>(w, K, k, ahead);
         __m512bh xv[M];
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) pin<M>(xv[m] = (__m512bh)_mm512_loadu_si512(x + m * xs + k));
@@ -164,7 +172,7 @@ __attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, co
         for (int m = 0; m < M; ++m)
             for (int r = 0; r < R; ++r) out[m * R + r] += to_float(x[m * xs + k]) * to_float(w[r * K + k]);
 #else
-    dot_widened<M, R>(x, xs, w, K, out);
+    dot_widened<M, R>(x, xs, w, K, ahead, out);
 #endif
 }
 
@@ -174,13 +182,14 @@ inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t 
     constexpr int R = rows_at_once<T>(M);
     float out[M * R];
     int64_t n = n0;
+    const int64_t ahead = rows_ahead<T>(R, K);
     for (; n + R <= n1; n += R) {
-        dot<M, R>(x, xs, w + n * K, K, out);
+        dot<M, R>(x, xs, w + n * K, K, ahead, out);
         for (int m = 0; m < M; ++m)
             for (int r = 0; r < R; ++r) f(m, n + r, out[m * R + r]);
     }
     for (; n < n1; ++n) {
-        dot<M, 1>(x, xs, w + n * K, K, out);
+        dot<M, 1>(x, xs, w + n * K, K, rows_ahead<T>(1, K), out);
         for (int m = 0; m < M; ++m) f(m, n, out[m]);
     }
 }
