@@ -124,12 +124,13 @@ def print_report(report: dict) -> None:
     how = "all at once" if s["at_once"] else "one at a time"
     print(f"\n{w['num_requests']} requests {how}, {w['prompt_tokens']} prompt + {w['output_tokens']} output tokens, "
           f"{s['dtype']}; speculative_config {s['speculative_config']}")
-    for measure, key in (("output tok/s", ""), ("decode tok/s", "decode_")):
+    for measure, speeds, ratios, median in (("output tok/s", "output_tok_s", "ratios", "ratio_median"),
+                                            ("decode tok/s", "decode_tok_s", "decode_ratios", "decode_ratio_median")):
         print(f"{measure:<16}" + "".join(f"{f'round {i + 1}':>10}" for i in range(s["rounds"])))
         for name, label in (("off", "no speculation"), ("on", "speculation")):
-            print(f"{label:<16}" + "".join(f"{x:10.1f}" for x in report[f"{key or 'output_'}tok_s"][name]))
-        print(f"{'ratio on/off':<16}" + "".join(f"{x:9.2f}x" for x in report[f"{key}ratios"])
-              + f"   median {report[f'{key}ratio_median']:.2f}x")
+            print(f"{label:<16}" + "".join(f"{x:10.1f}" for x in report[speeds][name]))
+        print(f"{'ratio on/off':<16}" + "".join(f"{x:9.2f}x" for x in report[ratios])
+              + f"   median {report[median]:.2f}x")
     kept = report["acceptance_rate"]
     guesses = (f"{kept:.0%} of guesses kept, {report['tokens_per_verification']:.2f} tokens per verifying step"
                if kept is not None else "no guesses made")
