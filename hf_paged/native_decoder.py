@@ -3,10 +3,12 @@
 At one to eight tokens a step reads every weight once for very little arithmetic, and the Transformers forward spends
 as long again in Python and small tensor ops between its linear layers. For the decoder layers it recognises exactly
 (Llama, Mistral, Qwen2 and Qwen3 in Transformers, as loaded: plain linear layers, RMSNorm, SiLU MLP, rotary
-embeddings), the native decoder runs the whole layer stack over the model's own weight tensors, stores and attends
-through the same paged kernel, and returns the sampled rows' logits. The embedding and the rotary tables still come
-from the model's own modules, so every rope variant Transformers implements is honoured. Each elementwise step rounds
-where Transformers rounds; only summation orders differ, as they do between any two matrix-multiply kernels.
+embeddings), the native decoder runs the whole layer stack, stores and attends through the same paged kernel, and
+returns the sampled rows' logits. It multiplies by its own copy of the linear weights, packed in panels for its products
+(`cpu_decoder.pack`: the memory of those weights once more) and packed again whenever a weight moves or changes; norms
+and biases are read where they are. The embedding and the rotary tables still come from the model's own modules, so
+every rope variant Transformers implements is honoured. Each elementwise step rounds where Transformers rounds; only
+summation orders differ, as they do between any two matrix-multiply kernels.
 
 Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
 C++ compiler) is not recognised and runs through the Transformers forward, as do longer steps.
@@ -57,6 +59,22 @@ def _held(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach()
 
 
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+        raise Unsupported(f"a bf16 linear layer has an odd number of inputs ({weight.shape[1]})")
+    return cpu_decoder.pack(weight.detach())
+
+
+def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights the decoder packs whose in-place changes show in their version (not inference tensors)."""
+    base = model.base_model
+    modules = [model.get_output_embeddings()] + [
+        m for layer in base.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                                             layer.mlp.down_proj)]
+    return [m.weight for m in modules if not m.weight.is_inference()]
+
+
 def _linear(module: nn.Module, dtype: torch.dtype, where: str) -> nn.Module:
     if type(module) not in (nn.Linear, PrepackedLinear) or type(module.weight.data) is not torch.Tensor:
         raise Unsupported(f"{where} is a {type(module).__name__}, not a plain linear layer")
@@ -82,17 +100,20 @@ class NativeDecoder:
     def _bind(self, weights: cpu_decoder.DecoderWeights) -> None:
         self.weights = weights  # keeps the tensors the native structures point into alive
         self._struct, self._layers = weights.struct()
+        self._sources = _linear_weights(self.model)
         self._at = self._addresses()
 
     def _addresses(self) -> tuple[int, ...]:
-        # Converting a model (``.to()``, ``.half()``) moves every parameter; these three show it.
+        # Converting a model (``.to()``, ``.half()``) moves every parameter; these three show it. An in-place change
+        # (``load_state_dict``, say) moves a weight's version on.
         base = self.model.base_model
         return (self.model.get_output_embeddings().weight.data_ptr(),
-                base.layers[0].self_attn.q_proj.weight.data_ptr(), base.layers[-1].mlp.down_proj.weight.data_ptr())
+                base.layers[0].self_attn.q_proj.weight.data_ptr(), base.layers[-1].mlp.down_proj.weight.data_ptr(),
+                *(w._version for w in self._sources))
 
     def ready(self) -> bool:
-        """Whether the decoder can run the model as it is now: its weights are re-read if they moved, and False (for
-        good) once the model no longer fits (converted to another dtype or device, say)."""
+        """Whether the decoder can run the model as it is now: its weights are packed again if they moved or changed,
+        and False (for good) once the model no longer fits (converted to another dtype or device, say)."""
         if self._addresses() != self._at:
             try:
                 self._bind(self._weights(self.model, self.kv))
@@ -137,9 +158,11 @@ class NativeDecoder:
         if len(eps) != 1:
             raise Unsupported("the model's norms use different epsilons")
         first = base.layers[0].self_attn
+        mlp = base.layers[0].mlp
         return cpu_decoder.DecoderWeights(
-            layers=layers, final_norm=_held(base.norm.weight), lm_head=_held(lm_head.weight),
-            lm_head_bias=_held(lm_head.bias),
+            layers=layers, final_norm=_held(base.norm.weight), lm_head=_packed(lm_head.weight),
+            lm_head_bias=_held(lm_head.bias), hidden_size=mlp.gate_proj.in_features,
+            intermediate_size=mlp.gate_proj.out_features, vocab_size=lm_head.out_features,
             num_heads=config.num_attention_heads, num_kv_heads=kv.spec.num_kv_heads, head_dim=first.head_dim,
             eps=eps.pop(),
         )
@@ -164,7 +187,7 @@ class NativeDecoder:
         for name, module in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
                              ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
             linear = _linear(module, dtype, f"layer {index}'s {name} projection")
-            entry[name], entry[f"{name}_bias"] = _held(linear.weight), _held(linear.bias)
+            entry[name], entry[f"{name}_bias"] = _packed(linear.weight), _held(linear.bias)
         k_cache = kv.key_cache[index]
         if attn.head_dim != k_cache.shape[3] or attn.k_proj.weight.shape[0] != k_cache.shape[1] * attn.head_dim:
             raise Unsupported(f"layer {index}'s key heads do not match the KV cache")

@@ -125,6 +125,43 @@ def test_a_model_converted_after_the_engine_was_built_is_read_again_or_left_to_t
     assert gen.runner.native is None
 
 
+def test_weights_changed_in_place_are_packed_again(tokenizer):
+    """The decoder multiplies by its own packed copy of the weights: loading other weights in place (same storage)
+    must reach it, as it reaches the Transformers forward. (Prefix caching off: the cached prompts' keys and values
+    were computed with the old weights.)"""
+    model, other = tiny("llama"), tiny("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn_like(p) * p.std() + p.mean() if p.ndim > 1 else p)
+    options = dict(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    gen = ContinuousBatchGenerator(model, tokenizer, **options)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = gen.run(PROMPTS, params, use_tqdm=False)
+    model.load_state_dict(other.state_dict())
+    after = gen.run(PROMPTS, params, use_tqdm=False)
+    eager = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, **options)
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in
+                                                       eager.run(PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
+    assert gen.runner.native is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_lays_weights_out_in_zero_padded_panels(dtype):
+    n, k, panel = 100, 6, cpu_decoder.PANEL
+    weight = torch.arange(n * k, dtype=torch.float32).view(n, k).to(dtype)
+    packed = cpu_decoder.pack(weight)
+    rows = torch.cat([weight, weight.new_zeros(3 * panel - n, k)])
+    for r, c in [(0, 0), (1, 5), (47, 2), (48, 3), (99, 5), (143, 1)]:
+        p, i = divmod(r, panel)
+        at = packed[p, c, i] if dtype == torch.float32 else packed[p, c // 2, i, c % 2]
+        assert at == rows[r, c]
+    assert packed.numel() == rows.numel() and packed.is_contiguous()
+    if dtype == torch.bfloat16:
+        with pytest.raises(ValueError, match="even number of columns"):
+            cpu_decoder.pack(weight[:, :5].contiguous())
+
+
 def test_a_bad_block_table_is_refused_not_read(tokenizer):
     gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=8, block_size=4)
     decoder: NativeDecoder = gen.runner.native

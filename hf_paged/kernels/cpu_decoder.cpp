@@ -1,10 +1,11 @@
 // Matrix-vector products for a few rows, and a whole decode forward of a Llama-family model on CPUs, in one call.
 // Built and loaded with cpu_attention.cpp (native.py); bound by cpu_decoder.py.
 //
-// At one to eight rows a linear layer only streams its weight from memory, so the product is a set of dot products
-// over the weight's own [out, in] rows: each weight row is read once for all the input rows, and the output rows are
-// split between the threads in contiguous runs. A row's result never depends on how many rows are computed with it
-// or on which thread computes it (same summation tree), so outputs do not depend on the batch.
+// At one to eight rows a linear layer only streams its weight from memory. Two layouts are read, each once for all
+// the input rows, the output rows split between the threads in contiguous runs: the decoder's own copies of its
+// weights, packed in panels (kPanel), and, for hf_paged_linear, a weight's plain [out, in] rows (dot products). Either
+// way a row's result never depends on how many rows are computed with it or on which thread computes it (same
+// summation order), so outputs do not depend on the batch.
 //
 // The decoder runs what Transformers' Llama, Mistral and Qwen2/3 layers compute, rounding where they round (every
 // elementwise step of a bf16 model is rounded to bf16, as torch does), and stores and attends through
@@ -43,8 +44,8 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 #endif
 }
 
-// Weight rows read together, by input rows and dtype (SmolLM2's decode steps on a 2-core AVX-512 machine, the variants
-// taking turns step by step: benchmarks/native_ab.py). bf16 reads one row at a time up to 6 rows: its weight stream
+// Weight rows read together, by input rows and dtype (SmolLM2's decode steps on a 2-core AVX-512 machine, from when the
+// decoder read plain rows, the variants taking turns step by step: benchmarks/native_ab.py). bf16 reads one row at a time up to 6 rows: its weight stream
 // then runs strictly in order, and its steps at 2, 3 and 5 rows were 1.13-1.26x faster than with the 2-8 rows that
 // fp32 still reads together, at 4 rows 1.07-1.21x faster than 4 rows at once (6 rows: 0.98-1.09x; 8 rows: 0.86x; in
 // fp32, one row at a time was 0.66-1.1x).
@@ -209,6 +210,150 @@ inline void products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64
     }
 }
 
+// The decoder's own products read its weights packed in panels of kPanel output rows (`cpu_decoder.pack`): an fp32
+// panel holds element (r, k) at k * kPanel + r, a bf16 panel at (k / 2) * 2 * kPanel + 2 * r + k % 2 (pairs of k, as
+// vdpbf16ps takes them). For each k the panel gives a contiguous line of kPanel weights, multiplied by each input
+// row's x[k] broadcast: no horizontal sums, one sequential weight stream, and the input rows read one scalar at a
+// time, so that up to 8 rows cost about what one does. Each output is one fp32 lane summed over k in order (bf16: by
+// pairs), whatever the number of rows: results do not depend on the batch. Against the dot products over plain rows
+// above, SmolLM2-shaped fp32 products streamed from memory (2 threads) 1.1-1.3x faster at one row and 1.6-2.4x at eight,
+// and whole decode steps at 8 sequences ran about 1.4x faster in both dtypes (benchmarks/decode.py).
+constexpr int kPanel = 48;
+constexpr int kPanelVectors = kPanel / 16;
+constexpr int64_t kPanelAheadBytes = 8192;  // prefetch distance in the weight stream
+
+template <int M, typename V>
+__attribute__((always_inline)) inline void pin_weight(V& v) {
+#if defined(__AVX512F__)
+    if constexpr (M >= 2) asm("" : "+v"(v));  // one load per weight vector, not one per input row
+#endif
+}
+
+// The three lines kPanelAheadBytes past this k's (fp32) or this pair of k's (bf16) 192 bytes.
+__attribute__((always_inline)) inline void prefetch_panel(const void* w) {
+    const char* line = static_cast<const char*>(w) + kPanelAheadBytes;
+#pragma GCC unroll 4
+    for (int j = 0; j < kPanelVectors; ++j) __builtin_prefetch(line + 64 * j, 0, 3);
+}
+
+// out[m * kPanel + r] = x[m] . (row r of the fp32 panel p), for M input rows of K elements (stride xs).
+template <int M>
+__attribute__((always_inline)) inline void panel_rows(const float* x, int64_t xs, const float* p, int64_t K,
+                                                      float* out) {
+    vec16 acc[M][kPanelVectors];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = vec16{};
+    for (int64_t k = 0; k < K; ++k) {
+        const float* w = p + k * kPanel;
+        vec16 wv[kPanelVectors];
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelVectors; ++j) pin_weight<M>(wv[j] = load16(w + 16 * j));
+        prefetch_panel(w);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+            const vec16 xb = vec16{} + x[m * xs + k];
+#pragma GCC unroll 4
+            for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = fma16(xb, wv[j], acc[m][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelVectors; ++j) std::memcpy(out + m * kPanel + 16 * j, &acc[m][j], sizeof(vec16));
+}
+
+// The same for a bf16 panel (K even): vdpbf16ps on pairs of k where the CPU has it, else both products in fp32.
+template <int M>
+__attribute__((always_inline)) inline void panel_rows(const uint16_t* x, int64_t xs, const uint16_t* p, int64_t K,
+                                                      float* out) {
+#if defined(__AVX512BF16__)
+    __m512 acc[M][kPanelVectors];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+        const uint16_t* w = p + k * kPanel;
+        __m512bh wv[kPanelVectors];
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelVectors; ++j) pin_weight<M>(wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j));
+        prefetch_panel(w);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+            int32_t pair;
+            std::memcpy(&pair, x + m * xs + k, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelVectors; ++j) _mm512_storeu_ps(out + m * kPanel + 16 * j, acc[m][j]);
+#else
+    vec16 acc[M][kPanelVectors];
+    for (int m = 0; m < M; ++m)
+        for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = vec16{};
+    for (int64_t k = 0; k < K; k += 2) {
+        const uint16_t* w = p + k * kPanel;
+        for (int j = 0; j < kPanelVectors; ++j) {
+            word16 pairs;
+            std::memcpy(&pairs, w + 32 * j, sizeof pairs);
+            const word16 even_bits = pairs << 16, odd_bits = pairs & 0xffff0000u;
+            vec16 even, odd;
+            std::memcpy(&even, &even_bits, sizeof even);
+            std::memcpy(&odd, &odd_bits, sizeof odd);
+            for (int m = 0; m < M; ++m) {
+                acc[m][j] = fma16(vec16{} + to_float(x[m * xs + k]), even, acc[m][j]);
+                acc[m][j] = fma16(vec16{} + to_float(x[m * xs + k + 1]), odd, acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int j = 0; j < kPanelVectors; ++j) std::memcpy(out + m * kPanel + 16 * j, &acc[m][j], sizeof(vec16));
+#endif
+}
+
+// f(m, n, x[m] . w[n]) for the output rows of panels [p0, p1) of a packed weight of N rows and M input rows.
+template <int M, typename T, typename F>
+inline void panel_products_of(const T* x, int64_t xs, const T* w, int64_t K, int64_t N, int64_t p0, int64_t p1,
+                              F&& f) {
+    float out[M * kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+        panel_rows<M>(x, xs, w + p * kPanel * K, K, out);
+        const int64_t n0 = p * kPanel, rows = std::min<int64_t>(kPanel, N - n0);
+        for (int m = 0; m < M; ++m)
+            for (int64_t r = 0; r < rows; ++r) f(m, n0 + r, out[m * kPanel + r]);
+    }
+}
+
+template <typename T, typename F>
+inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t N, int64_t p0, int64_t p1,
+                           F&& f) {
+    switch (M) {
+        case 1: panel_products_of<1>(x, xs, w, K, N, p0, p1, f); break;
+        case 2: panel_products_of<2>(x, xs, w, K, N, p0, p1, f); break;
+        case 3: panel_products_of<3>(x, xs, w, K, N, p0, p1, f); break;
+        case 4: panel_products_of<4>(x, xs, w, K, N, p0, p1, f); break;
+        case 5: panel_products_of<5>(x, xs, w, K, N, p0, p1, f); break;
+        case 6: panel_products_of<6>(x, xs, w, K, N, p0, p1, f); break;
+        case 7: panel_products_of<7>(x, xs, w, K, N, p0, p1, f); break;
+        default: panel_products_of<8>(x, xs, w, K, N, p0, p1, f); break;
+    }
+}
+
+inline int64_t panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
+
+// This thread's share of P panels: contiguous.
+inline void share_panels(int64_t P, int64_t& p0, int64_t& p1) {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    p0 = P * t / threads;
+    p1 = P * (t + 1) / threads;
+}
+
 // This thread's share of N output rows: contiguous, in multiples of 8 rows.
 inline void share(int64_t N, int64_t& n0, int64_t& n1) {
     const int64_t blocks = (N + 7) / 8, t = omp_get_thread_num(), threads = omp_get_num_threads();
@@ -257,7 +402,7 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 struct DecoderLayer {
     const void *input_norm, *post_norm, *q_norm, *k_norm;  // q_norm / k_norm: per-head norms (Qwen3) or null
-    const void *q, *k, *v, *o, *gate, *up, *down;  // weights [out, in]
+    const void *q, *k, *v, *o, *gate, *up, *down;  // weights in panels (see kPanel)
     const void *q_bias, *k_bias, *v_bias, *o_bias, *gate_bias, *up_bias, *down_bias;  // or null
     void *k_cache, *v_cache;
     float scale;  // softmax scale
@@ -266,7 +411,7 @@ struct DecoderLayer {
 
 struct DecoderModel {
     const DecoderLayer* layers;
-    const void *final_norm, *lm_head, *lm_head_bias;
+    const void *final_norm, *lm_head, *lm_head_bias;  // lm_head in panels
     int64_t c_stride_block, c_stride_row, c_stride_head;  // the layers' caches, as in Problem
     int32_t num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size;
     int32_t block_size, num_blocks;
@@ -313,18 +458,20 @@ struct Forward {
     void project_qkv(const DecoderLayer& layer) {
         norm_rows(layer.input_norm);
         const int64_t nq = Hq * D, nk = Hkv * D;
-        int64_t n0, n1;
-        share(nq + 2 * nk, n0, n1);
+        const int64_t sizes[3] = {nq, nk, nk}, offsets[3] = {0, nq, nq + nk};
+        const int64_t firsts[4] = {0, panels(nq), panels(nq) + panels(nk), panels(nq) + 2 * panels(nk)};
+        int64_t p0, p1;
+        share_panels(firsts[3], p0, p1);
         const void* weights[3] = {layer.q, layer.k, layer.v};
         const void* biases[3] = {layer.q_bias, layer.k_bias, layer.v_bias};
-        const int64_t starts[4] = {0, nq, nq + nk, nq + 2 * nk};
         for (int j = 0; j < 3; ++j) {
-            const int64_t a = std::max(n0, starts[j]), b = std::min(n1, starts[j + 1]);
+            const int64_t a = std::max(p0, firsts[j]), b = std::min(p1, firsts[j + 1]);
             if (a >= b) continue;
             const T* bias = static_cast<const T*>(biases[j]);
-            T* out = qkv.data() + starts[j];
-            products(L, xn.data(), H, static_cast<const T*>(weights[j]), H, a - starts[j], b - starts[j],
-                     [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); });
+            T* out = qkv.data() + offsets[j];
+            panel_products(L, xn.data(), H, static_cast<const T*>(weights[j]), H, sizes[j], a - firsts[j],
+                           b - firsts[j],
+                           [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); });
         }
 #pragma omp barrier
 #pragma omp for
@@ -373,11 +520,11 @@ struct Forward {
 
     // hidden[t, n] += (x[t] . w[n] + bias[n]), rounded as residual + module output.
     void add_product(const void* w, const void* b, const T* x, int64_t K, int64_t N) {
-        int64_t n0, n1;
-        share(N, n0, n1);
+        int64_t p0, p1;
+        share_panels(panels(N), p0, p1);
         const T* bias = static_cast<const T*>(b);
         T* h = hidden();
-        products(L, x, K, static_cast<const T*>(w), K, n0, n1, [&](int t, int64_t n, float v) {
+        panel_products(L, x, K, static_cast<const T*>(w), K, N, p0, p1, [&](int t, int64_t n, float v) {
             store(h + t * N + n, to_float(h[t * N + n]) + rounded<T>(v + bias_at(bias, n)));
         });
     }
@@ -387,15 +534,15 @@ struct Forward {
         add_product(layer.o, layer.o_bias, attn.data(), Hq * D, H);
 #pragma omp barrier
         norm_rows(layer.post_norm);
-        int64_t n0, n1;
-        share(I, n0, n1);
+        int64_t p0, p1;
+        share_panels(panels(I), p0, p1);
         const T* gate_bias = static_cast<const T*>(layer.gate_bias);
         const T* up_bias = static_cast<const T*>(layer.up_bias);
         T* a = act.data();
-        products(L, xn.data(), H, static_cast<const T*>(layer.gate), H, n0, n1, [&](int t, int64_t n, float v) {
+        panel_products(L, xn.data(), H, static_cast<const T*>(layer.gate), H, I, p0, p1, [&](int t, int64_t n, float v) {
             store(a + t * I + n, silu(rounded<T>(v + bias_at(gate_bias, n))));
         });
-        products(L, xn.data(), H, static_cast<const T*>(layer.up), H, n0, n1, [&](int t, int64_t n, float v) {
+        panel_products(L, xn.data(), H, static_cast<const T*>(layer.up), H, I, p0, p1, [&](int t, int64_t n, float v) {
             store(a + t * I + n, to_float(a[t * I + n]) * rounded<T>(v + bias_at(up_bias, n)));
         });
 #pragma omp barrier
@@ -408,12 +555,12 @@ struct Forward {
         for (int i = 0; i < S; ++i)
             rms_norm(hidden() + s.sample_rows[i] * H, static_cast<const T*>(m.final_norm), H, m.eps, xn.data() + i * H);
         if (S == 0) return;  // every thread alike, after the barrier
-        int64_t n0, n1;
-        share(m.vocab_size, n0, n1);
+        const int64_t V = m.vocab_size;
+        int64_t p0, p1;
+        share_panels(panels(V), p0, p1);
         const T* bias = static_cast<const T*>(m.lm_head_bias);
         T* out = static_cast<T*>(s.logits);
-        const int64_t V = m.vocab_size;
-        products(S, xn.data(), H, static_cast<const T*>(m.lm_head), H, n0, n1,
+        panel_products(S, xn.data(), H, static_cast<const T*>(m.lm_head), H, V, p0, p1,
                  [&](int i, int64_t n, float v) { store(out + i * V + n, v + bias_at(bias, n)); });
     }
 

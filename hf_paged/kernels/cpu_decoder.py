@@ -12,6 +12,7 @@ from . import cpu_ops, native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROWS = 8  # rows of one call (hf_paged_max_rows)
+PANEL = 48  # output rows of one panel of a packed weight (kPanel)
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
@@ -90,16 +91,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` in the native decoder's layout: panels of `PANEL` output rows (N padded with zero rows),
+    each ``[K, PANEL]`` in fp32 and ``[K / 2, PANEL, 2]`` in bf16 (pairs of k side by side; K must be even). A copy:
+    the decoder reads it instead of the weight."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"a bf16 weight packs only with an even number of columns, not {k}")
+    padded = weight.new_zeros(-(-n // PANEL) * PANEL, k)
+    padded[:n] = weight
+    rows = padded.view(-1, PANEL, k)
+    if weight.dtype == torch.bfloat16:
+        return rows.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return rows.transpose(1, 2).contiguous()
+
+
 @dataclass
 class DecoderWeights:
     """A model's tensors as the native decoder reads them (kept alive here), and its sizes; built by
-    `hf_paged.native_decoder`. Per layer: norms, projections and biases (None where absent), softmax scale, sliding
-    window (0: none), and the layer's ``[num_blocks, block_size, kv_heads, head_dim]`` cache views."""
+    `hf_paged.native_decoder`. Per layer: norms, projections (`pack`-ed) and biases (None where absent), softmax scale,
+    sliding window (0: none), and the layer's ``[num_blocks, block_size, kv_heads, head_dim]`` cache views."""
 
     layers: list[dict]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor  # packed
     lm_head_bias: torch.Tensor | None
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -113,12 +132,11 @@ class DecoderWeights:
             for name, _ in _Layer._fields_[:-2]:
                 setattr(entry, name, _ptr(layer.get(name)))
             entry.scale, entry.sliding_window = layer["scale"], layer["sliding_window"] or 0
-        gate = first["gate"]
         model = _Model(
             ctypes.addressof(layers), self.final_norm.data_ptr(), self.lm_head.data_ptr(), _ptr(self.lm_head_bias),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            len(self.layers), gate.shape[1], gate.shape[0], self.num_heads, self.num_kv_heads, self.head_dim,
-            self.lm_head.shape[0], k_cache.shape[1], k_cache.shape[0], self.eps, _DTYPES[gate.dtype],
+            len(self.layers), self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.vocab_size, k_cache.shape[1], k_cache.shape[0], self.eps, _DTYPES[first["gate"].dtype],
         )
         return model, layers
 
