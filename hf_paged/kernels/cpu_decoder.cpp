@@ -58,11 +58,20 @@ constexpr int rows_at_once(int M) {
 // Keeps a loaded vector in its register. From three input rows on, GCC otherwise folds the weight loads into the
 // FMAs (or dot products), loading each weight vector once per input row, and spills: 2x slower products at 4 and 8
 // rows (fp32 and bf16).
-template <int M, typename V>
+// (The panel products below pin theirs from two rows on.)
+template <int M, int From = 3, typename V>
 __attribute__((always_inline)) inline void pin(V& v) {
 #if defined(__AVX512F__)  // a register holds the whole vector only here
-    if constexpr (M >= 3) asm("" : "+v"(v));
+    if constexpr (M >= From) asm("" : "+v"(v));
 #endif
+}
+
+template <int M, int N, typename V>
+__attribute__((always_inline)) inline void zero(V (&acc)[M][N]) {
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 8
+        for (int n = 0; n < N; ++n) acc[m][n] = V{};
 }
 
 // From two input rows on, the products take long enough per weight line that the hardware prefetcher falls behind:
@@ -107,10 +116,7 @@ template <int M, int R, typename T>
 __attribute__((always_inline)) inline void dot_widened(const T* x, int64_t xs, const T* w, int64_t K, int64_t ahead,
                                                        float* out) {
     vec16 acc[M][R];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[m][r] = vec16{};
+    zero(acc);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
         vec16 wv[R];
@@ -144,10 +150,7 @@ __attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, co
                                                int64_t ahead, float* out) {
 #if defined(__AVX512BF16__)
     __m512 acc[M][R];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    zero(acc);
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[R];
@@ -222,13 +225,6 @@ constexpr int kPanel = 48;
 constexpr int kPanelVectors = kPanel / 16;
 constexpr int64_t kPanelAheadBytes = 8192;  // prefetch distance in the weight stream
 
-template <int M, typename V>
-__attribute__((always_inline)) inline void pin_weight(V& v) {
-#if defined(__AVX512F__)
-    if constexpr (M >= 2) asm("" : "+v"(v));  // one load per weight vector, not one per input row
-#endif
-}
-
 // The three lines kPanelAheadBytes past this k's (fp32) or this pair of k's (bf16) 192 bytes.
 __attribute__((always_inline)) inline void prefetch_panel(const void* w) {
     const char* line = static_cast<const char*>(w) + kPanelAheadBytes;
@@ -241,15 +237,12 @@ template <int M>
 __attribute__((always_inline)) inline void panel_rows(const float* x, int64_t xs, const float* p, int64_t K,
                                                       float* out) {
     vec16 acc[M][kPanelVectors];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = vec16{};
+    zero(acc);
     for (int64_t k = 0; k < K; ++k) {
         const float* w = p + k * kPanel;
         vec16 wv[kPanelVectors];
 #pragma GCC unroll 4
-        for (int j = 0; j < kPanelVectors; ++j) pin_weight<M>(wv[j] = load16(w + 16 * j));
+        for (int j = 0; j < kPanelVectors; ++j) pin<M, 2>(wv[j] = load16(w + 16 * j));
         prefetch_panel(w);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
@@ -270,15 +263,12 @@ __attribute__((always_inline)) inline void panel_rows(const uint16_t* x, int64_t
                                                       float* out) {
 #if defined(__AVX512BF16__)
     __m512 acc[M][kPanelVectors];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m)
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = _mm512_setzero_ps();
+    zero(acc);
     for (int64_t k = 0; k < K; k += 2) {
         const uint16_t* w = p + k * kPanel;
         __m512bh wv[kPanelVectors];
 #pragma GCC unroll 4
-        for (int j = 0; j < kPanelVectors; ++j) pin_weight<M>(wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j));
+        for (int j = 0; j < kPanelVectors; ++j) pin<M, 2>(wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j));
         prefetch_panel(w);
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
@@ -295,8 +285,7 @@ __attribute__((always_inline)) inline void panel_rows(const uint16_t* x, int64_t
         for (int j = 0; j < kPanelVectors; ++j) _mm512_storeu_ps(out + m * kPanel + 16 * j, acc[m][j]);
 #else
     vec16 acc[M][kPanelVectors];
-    for (int m = 0; m < M; ++m)
-        for (int j = 0; j < kPanelVectors; ++j) acc[m][j] = vec16{};
+    zero(acc);
     for (int64_t k = 0; k < K; k += 2) {
         const uint16_t* w = p + k * kPanel;
         for (int j = 0; j < kPanelVectors; ++j) {
