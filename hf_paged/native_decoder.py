@@ -60,9 +60,10 @@ def _held(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
-        raise Unsupported(f"a bf16 linear layer has an odd number of inputs ({weight.shape[1]})")
-    return cpu_decoder.pack(weight.detach())
+    try:
+        return cpu_decoder.pack(weight.detach())
+    except ValueError as reason:  # a layout the panels do not take
+        raise Unsupported(str(reason)) from None
 
 
 def _linear_weights(model: nn.Module) -> list[torch.Tensor]:

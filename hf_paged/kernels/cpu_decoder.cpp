@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include <omp.h>
@@ -44,11 +45,11 @@ inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 #endif
 }
 
-// Weight rows read together, by input rows and dtype (SmolLM2's decode steps on a 2-core AVX-512 machine, from when the
-// decoder read plain rows, the variants taking turns step by step: benchmarks/native_ab.py). bf16 reads one row at a time up to 6 rows: its weight stream
-// then runs strictly in order, and its steps at 2, 3 and 5 rows were 1.13-1.26x faster than with the 2-8 rows that
-// fp32 still reads together, at 4 rows 1.07-1.21x faster than 4 rows at once (6 rows: 0.98-1.09x; 8 rows: 0.86x; in
-// fp32, one row at a time was 0.66-1.1x).
+// Weight rows read together, by input rows and dtype (SmolLM2's decode steps on a 2-core AVX-512 machine, from when
+// the decoder read plain rows, the variants taking turns step by step: benchmarks/native_ab.py). bf16 reads one row at
+// a time up to 6 rows: its weight stream then runs strictly in order, and its steps at 2, 3 and 5 rows were
+// 1.13-1.26x faster than with the 2-8 rows that fp32 still reads together, at 4 rows 1.07-1.21x faster than 4 rows at
+// once (6 rows: 0.98-1.09x; 8 rows: 0.86x; in fp32, one row at a time was 0.66-1.1x).
 template <typename T>
 constexpr int rows_at_once(int M) {
     if constexpr (sizeof(T) == 2) return M <= 6 ? 1 : 2;
@@ -180,6 +181,21 @@ __attribute__((always_inline)) inline void dot(const uint16_t* x, int64_t xs, co
 #endif
 }
 
+// f(std::integral_constant<int, M>) for M in 1..kMaxRows: the kernels' row counts are compile-time constants.
+template <typename F>
+inline void with_rows(int M, F&& f) {
+    switch (M) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        case 6: f(std::integral_constant<int, 6>{}); break;
+        case 7: f(std::integral_constant<int, 7>{}); break;
+        default: f(std::integral_constant<int, 8>{}); break;
+    }
+}
+
 // f(m, n, x[m] . w[n]) for the output rows [n0, n1) of w ([N, K] row-major) and M input rows.
 template <int M, typename T, typename F>
 inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
@@ -201,16 +217,7 @@ inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t 
 // The same for any M in 1..kMaxRows.
 template <typename T, typename F>
 inline void products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
-    switch (M) {
-        case 1: product_rows<1>(x, xs, w, K, n0, n1, f); break;
-        case 2: product_rows<2>(x, xs, w, K, n0, n1, f); break;
-        case 3: product_rows<3>(x, xs, w, K, n0, n1, f); break;
-        case 4: product_rows<4>(x, xs, w, K, n0, n1, f); break;
-        case 5: product_rows<5>(x, xs, w, K, n0, n1, f); break;
-        case 6: product_rows<6>(x, xs, w, K, n0, n1, f); break;
-        case 7: product_rows<7>(x, xs, w, K, n0, n1, f); break;
-        default: product_rows<8>(x, xs, w, K, n0, n1, f); break;
-    }
+    with_rows(M, [&](auto rows) { product_rows<decltype(rows)::value>(x, xs, w, K, n0, n1, f); });
 }
 
 // The decoder's own products read its weights packed in panels of kPanel output rows (`cpu_decoder.pack`): an fp32
@@ -219,8 +226,8 @@ inline void products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64
 // row's x[k] broadcast: no horizontal sums, one sequential weight stream, and the input rows read one scalar at a
 // time, so that up to 8 rows cost about what one does. Each output is one fp32 lane summed over k in order (bf16: by
 // pairs), whatever the number of rows: results do not depend on the batch. Against the dot products over plain rows
-// above, SmolLM2-shaped fp32 products streamed from memory (2 threads) 1.1-1.3x faster at one row and 1.6-2.4x at eight,
-// and whole decode steps at 8 sequences ran about 1.4x faster in both dtypes (benchmarks/decode.py).
+// above, SmolLM2-shaped fp32 products streamed from memory (2 threads) 1.1-1.3x faster at one row and 1.6-2.4x at
+// eight, and whole decode steps at 8 sequences ran about 1.4x faster in both dtypes (benchmarks/decode.py).
 constexpr int kPanel = 48;
 constexpr int kPanelVectors = kPanel / 16;
 constexpr int64_t kPanelAheadBytes = 8192;  // prefetch distance in the weight stream
@@ -322,16 +329,7 @@ inline void panel_products_of(const T* x, int64_t xs, const T* w, int64_t K, int
 template <typename T, typename F>
 inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t N, int64_t p0, int64_t p1,
                            F&& f) {
-    switch (M) {
-        case 1: panel_products_of<1>(x, xs, w, K, N, p0, p1, f); break;
-        case 2: panel_products_of<2>(x, xs, w, K, N, p0, p1, f); break;
-        case 3: panel_products_of<3>(x, xs, w, K, N, p0, p1, f); break;
-        case 4: panel_products_of<4>(x, xs, w, K, N, p0, p1, f); break;
-        case 5: panel_products_of<5>(x, xs, w, K, N, p0, p1, f); break;
-        case 6: panel_products_of<6>(x, xs, w, K, N, p0, p1, f); break;
-        case 7: panel_products_of<7>(x, xs, w, K, N, p0, p1, f); break;
-        default: panel_products_of<8>(x, xs, w, K, N, p0, p1, f); break;
-    }
+    with_rows(M, [&](auto rows) { panel_products_of<decltype(rows)::value>(x, xs, w, K, N, p0, p1, f); });
 }
 
 inline int64_t panels(int64_t N) { return (N + kPanel - 1) / kPanel; }
@@ -528,10 +526,11 @@ struct Forward {
         const T* gate_bias = static_cast<const T*>(layer.gate_bias);
         const T* up_bias = static_cast<const T*>(layer.up_bias);
         T* a = act.data();
-        panel_products(L, xn.data(), H, static_cast<const T*>(layer.gate), H, I, p0, p1, [&](int t, int64_t n, float v) {
+        const T *gate = static_cast<const T*>(layer.gate), *up = static_cast<const T*>(layer.up);
+        panel_products(L, xn.data(), H, gate, H, I, p0, p1, [&](int t, int64_t n, float v) {
             store(a + t * I + n, silu(rounded<T>(v + bias_at(gate_bias, n))));
         });
-        panel_products(L, xn.data(), H, static_cast<const T*>(layer.up), H, I, p0, p1, [&](int t, int64_t n, float v) {
+        panel_products(L, xn.data(), H, up, H, I, p0, p1, [&](int t, int64_t n, float v) {
             store(a + t * I + n, to_float(a[t * I + n]) * rounded<T>(v + bias_at(up_bias, n)));
         });
 #pragma omp barrier
@@ -550,7 +549,7 @@ struct Forward {
         const T* bias = static_cast<const T*>(m.lm_head_bias);
         T* out = static_cast<T*>(s.logits);
         panel_products(S, xn.data(), H, static_cast<const T*>(m.lm_head), H, V, p0, p1,
-                 [&](int i, int64_t n, float v) { store(out + i * V + n, v + bias_at(bias, n)); });
+                       [&](int i, int64_t n, float v) { store(out + i * V + n, v + bias_at(bias, n)); });
     }
 
     // One parallel region for the whole step; every layer's attention reads the same indices, checked once.
