@@ -1,7 +1,7 @@
 """`NativeDecoder`: the decode steps of Llama-family models on CPU in one native call (``kernels/cpu_decoder.cpp``).
 
-At one to eight tokens a step reads every weight once for very little arithmetic, and the Transformers forward spends
-as long again in Python and small tensor ops between its linear layers. For the decoder layers it recognises exactly
+At a few tokens a step reads every weight once for very little arithmetic, and the Transformers forward spends as
+long again in Python and small tensor ops between its linear layers. For the decoder layers it recognises exactly
 (Llama, Mistral, Qwen2 and Qwen3 in Transformers, as loaded: plain linear layers, RMSNorm, SiLU MLP, rotary
 embeddings), the native decoder runs the whole layer stack, stores and attends through the same paged kernel, and
 returns the sampled rows' logits. It multiplies by its own copy of the linear weights, packed in panels for its products
@@ -11,7 +11,8 @@ every rope variant Transformers implements is honoured. Each elementwise step ro
 summation orders differ, as they do between any two matrix-multiply kernels.
 
 Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
-C++ compiler) is not recognised and runs through the Transformers forward, as do longer steps.
+C++ compiler) is not recognised and runs through the Transformers forward, as do steps of more than `max_tokens`
+tokens (64: up to there the panel products, 8 rows per pass over each panel, beat the oneDNN forward).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class NativeDecoder:
     """A recognised model's weights, bound to the engine's KV storage; `forward` runs one step of at most
     `max_tokens` tokens. Built by `NativeDecoder.for_model`, which returns None for anything it does not recognise."""
 
-    max_tokens = cpu_decoder.MAX_ROWS
+    max_tokens = cpu_decoder.MAX_TOKENS
 
     def __init__(self, model: nn.Module, kv: PagedKVStorage, weights: cpu_decoder.DecoderWeights):
         self.model = model

@@ -52,14 +52,37 @@ def generate(model, tokenizer, enforce_eager: bool, logprobs: int | None = None,
 
 @pytest.mark.parametrize("arch", NATIVE)
 def test_native_steps_give_the_transformers_forwards_tokens_and_logprobs(arch, tokenizer):
-    """Three sequences past the sliding windows (Mistral 8, Qwen2 6), with prompts shorter and longer than the
-    native decoder's 8 tokens: every step of at most 8 tokens is native, the others run the Transformers forward."""
+    """Three sequences past the sliding windows (Mistral 8, Qwen2 6), with prompts of 3-12 tokens: every step is
+    native (up to 64 tokens; longer ones are tested below)."""
     eager = generate(tiny(arch), tokenizer, enforce_eager=True, logprobs=3)
     fast = generate(tiny(arch), tokenizer, enforce_eager=False, logprobs=3)
     for a, b in zip(eager, fast):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert step_a.keys() == step_b.keys()
+            assert torch.allclose(torch.tensor(list(step_a.values())), torch.tensor(list(step_b.values())),
+                                  atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_steps_of_more_than_one_pass_of_rows_are_native_and_give_the_same_tokens(arch, tokenizer):
+    """Ten sequences decode together (each weight panel multiplied by 8 rows, then by 2 more), after prompts shorter
+    and longer than the decoder's 64 tokens (the longer prefill through the Transformers forward)."""
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,)).tolist() for n in (3, 9, 17, 30, 5, 70, 12, 8, 40, 90)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outs, native_steps = [], []
+    for enforce_eager in (True, False):
+        gen = ContinuousBatchGenerator(tiny(arch), tokenizer, num_blocks=512, block_size=4,
+                                       enforce_eager=enforce_eager)
+        if not enforce_eager:
+            forward = gen.runner.native.forward
+            gen.runner.native.forward = lambda ids, *rest: native_steps.append(ids.shape[1]) or forward(ids, *rest)
+        outs.append(gen.run(prompts, params, use_tqdm=False))
+    assert max(native_steps) > cpu_decoder.MAX_ROWS and max(native_steps) <= cpu_decoder.MAX_TOKENS
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert torch.allclose(torch.tensor(list(step_a.values())), torch.tensor(list(step_b.values())),
                                   atol=1e-4)
 

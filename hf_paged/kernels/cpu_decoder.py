@@ -1,4 +1,4 @@
-"""Bindings of ``cpu_decoder.cpp`` (in the native library): linear layers at one to eight rows, and the decode forward
+"""Bindings of ``cpu_decoder.cpp`` (in the native library): linear layers at one to eight rows, and the decoder forward
 of a Llama-family model in one call (`DecoderWeights` + `decoder_forward`)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import torch
 from . import cpu_ops, native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-MAX_ROWS = 8  # rows of one call (hf_paged_max_rows)
+MAX_ROWS = 8  # rows of one `linear` call (hf_paged_max_rows)
+MAX_TOKENS = 64  # tokens of one `decoder_forward` step (hf_paged_decoder_max_tokens)
 PANEL = 48  # output rows of one panel of a packed weight (kPanel)
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -48,7 +49,8 @@ def _bind(library: ctypes.CDLL) -> None:
     library.hf_paged_linear.argtypes = [_p, _i64, _i32, _i64, _p, _p, _p, _i64, _i64, _i32, _i32]
     library.hf_paged_decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     sizes = [library.hf_paged_decoder_struct_sizes(i) for i in range(3)]
-    if sizes != [ctypes.sizeof(s) for s in (_Layer, _Model, _Step)] or library.hf_paged_max_rows() != MAX_ROWS:
+    limits = library.hf_paged_max_rows(), library.hf_paged_decoder_max_tokens()
+    if sizes != [ctypes.sizeof(s) for s in (_Layer, _Model, _Step)] or limits != (MAX_ROWS, MAX_TOKENS):
         raise RuntimeError("cpu_decoder.cpp and cpu_decoder.py disagree on the structures' layout")
 
 
