@@ -67,16 +67,6 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
         raise Unsupported(str(reason)) from None
 
 
-def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weights the decoder packs whose in-place changes show in their version (not inference tensors)."""
-    base = model.base_model
-    modules = [model.get_output_embeddings()] + [
-        m for layer in base.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                                             layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                                             layer.mlp.down_proj)]
-    return [m.weight for m in modules if not m.weight.is_inference()]
-
-
 def _linear(module: nn.Module, dtype: torch.dtype, where: str) -> nn.Module:
     if type(module) not in (nn.Linear, PrepackedLinear) or type(module.weight.data) is not torch.Tensor:
         raise Unsupported(f"{where} is a {type(module).__name__}, not a plain linear layer")
@@ -102,7 +92,10 @@ class NativeDecoder:
     def _bind(self, weights: cpu_decoder.DecoderWeights) -> None:
         self.weights = weights  # keeps the tensors the native structures point into alive
         self._struct, self._layers = weights.struct()
-        self._sources = _linear_weights(self.model)
+        # The packed weights' in-place changes show in their versions (not an inference tensor's). Their storage is
+        # kept, so that no weight the model is given later (by ``.to()``, say) can take the same address unnoticed.
+        self._sources = [w for w in weights.packed_from if not w.is_inference()]
+        self._kept = [w.detach() for w in weights.packed_from]
         self._at = self._addresses()
 
     def _addresses(self) -> tuple[int, ...]:
@@ -156,6 +149,7 @@ class NativeDecoder:
             raise Unsupported("the model's final norm or layer count is not Llama's")
         lm_head = _linear(model.get_output_embeddings(), dtype, "the output projection")
         layers = [cls._layer(layer, i, classes, dtype, config, kv) for i, layer in enumerate(base.layers)]
+        packed_from = [lm_head.weight] + [w for layer in layers for w in layer.pop("packed_from")]
         eps = {base.norm.variance_epsilon, *(e for layer in layers for e in layer.pop("eps"))}
         if len(eps) != 1:
             raise Unsupported("the model's norms use different epsilons")
@@ -163,7 +157,7 @@ class NativeDecoder:
         mlp = base.layers[0].mlp
         return cpu_decoder.DecoderWeights(
             layers=layers, final_norm=_held(base.norm.weight), lm_head=_packed(lm_head.weight),
-            lm_head_bias=_held(lm_head.bias), hidden_size=mlp.gate_proj.in_features,
+            lm_head_bias=_held(lm_head.bias), packed_from=packed_from, hidden_size=mlp.gate_proj.in_features,
             intermediate_size=mlp.gate_proj.out_features, vocab_size=lm_head.out_features,
             num_heads=config.num_attention_heads, num_kv_heads=kv.spec.num_kv_heads, head_dim=first.head_dim,
             eps=eps.pop(),
@@ -190,6 +184,7 @@ class NativeDecoder:
                              ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
             linear = _linear(module, dtype, f"layer {index}'s {name} projection")
             entry[name], entry[f"{name}_bias"] = _packed(linear.weight), _held(linear.bias)
+            entry.setdefault("packed_from", []).append(linear.weight)
         k_cache = kv.key_cache[index]
         if attn.head_dim != k_cache.shape[3] or attn.k_proj.weight.shape[0] != k_cache.shape[1] * attn.head_dim:
             raise Unsupported(f"layer {index}'s key heads do not match the KV cache")

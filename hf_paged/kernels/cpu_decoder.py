@@ -118,6 +118,7 @@ class DecoderWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor  # packed
     lm_head_bias: torch.Tensor | None
+    packed_from: list[torch.Tensor]  # the parameters the packed tensors copy
     hidden_size: int
     intermediate_size: int
     vocab_size: int

@@ -48,12 +48,13 @@ class PrepackedLinear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_from: tuple[int, int] | None = None
+    _packed_source: torch.Tensor | None = None
 
     def __getstate__(self) -> dict:
         # The packed copy is opaque to copy and pickle; a copy packs its own on its first forward.
         state = self.__dict__.copy()
-        state.pop("_packed", None)
-        state.pop("_packed_from", None)
+        for name in ("_packed", "_packed_from", "_packed_source"):
+            state.pop(name, None)
         return state
 
     def _pack(self) -> torch.Tensor:
@@ -62,6 +63,8 @@ class PrepackedLinear(nn.Linear):
         if self._packed_from != key:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self._packed_from = key
+            # Its storage is kept while the key names its address: a weight given later cannot take that address.
+            self._packed_source = weight.detach()
         return self._packed
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -112,7 +115,7 @@ def unpack_linear_layers(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is PrepackedLinear:
             module.__class__ = nn.Linear
-            module.__dict__.pop("_packed", None)
-            module.__dict__.pop("_packed_from", None)
+            for name in ("_packed", "_packed_from", "_packed_source"):
+                module.__dict__.pop(name, None)
             count += 1
     return count
