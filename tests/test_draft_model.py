@@ -31,8 +31,9 @@ def llama(tokenizer, seed: int, layers: int = 2, vocab: int | None = None):
     return AutoModelForCausalLM.from_config(config, attn_implementation="paged", dtype=torch.float32).eval()
 
 
-def run(target, tokenizer, draft=None, params=None, prompts=PROMPTS, **options):
-    spec = None if draft is None else {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": 8}
+def run(target, tokenizer, draft=None, params=None, prompts=PROMPTS, schedule="constant", **options):
+    spec = None if draft is None else {"model": draft, "num_speculative_tokens": 4, "disable_by_batch_size": 8,
+                                       "num_speculative_tokens_schedule": schedule}
     gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=options.pop("num_blocks", 128), block_size=4,
                                    speculative_config=spec, **options)
     params = params or SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -61,6 +62,31 @@ def test_a_draft_that_is_the_target_has_every_guess_kept(tokenizer):
     assert same == plain
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_mean_accepted_length > 4
+
+
+def test_the_heuristic_schedule_gives_a_draft_that_is_always_right_its_most_guesses(tokenizer, monkeypatch):
+    """Guesses start at one and grow by two while all are kept (1, 3, then the limit of 4), the draft's own KV keeping
+    up with guesses of every length; only an output's end asks for fewer."""
+    from hf_paged.generation.spec_decode import Speculator
+
+    guesses: dict[int, list[int]] = {}
+    record = Speculator.record
+
+    def recording(self, seq, drafts, kept):
+        if drafts:
+            guesses.setdefault(seq.seq_id, []).append(len(drafts))
+        record(self, seq, drafts, kept)
+
+    monkeypatch.setattr(Speculator, "record", recording)
+    target = llama(tokenizer, seed=0)
+    plain, _ = run(target, tokenizer)
+    same, gen = run(target, tokenizer, draft=target, schedule="heuristic")
+    stats = gen.stats()
+    assert same == plain
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert len(guesses) == len(PROMPTS)
+    for counts in guesses.values():
+        assert counts[:3] == [1, 3, 4] and set(counts[3:-1]) == {4}
 
 
 def test_the_draft_follows_preemption_and_shared_prefixes(tokenizer):

@@ -12,7 +12,8 @@ from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputs
 from hf_paged.generation import EngineConfig
 from hf_paged.generation.config import SpeculativeConfig
 from hf_paged.generation.sampler import SamplerOutput, SamplingBatch, sample
-from hf_paged.generation.spec_decode import _rejection_draws, accepted_greedy, accepted_sampled, propose_ngram
+from hf_paged.generation.spec_decode import (Speculator, _rejection_draws, accepted_greedy, accepted_sampled,
+                                             next_window, propose_ngram)
 from hf_paged.server.metrics import ServerMetrics
 from test_scheduler import make_request, make_scheduler
 
@@ -42,6 +43,14 @@ def test_greedy_keeps_guesses_while_they_equal_the_model_and_adds_its_token():
     assert accepted_greedy([], [3]) == [3]
     assert accepted_sampled([5, 6], [True, False], [0, 11, 12]) == [5, 11]
     assert accepted_sampled([5, 6], [True, True], [0, 11, 12]) == [5, 6, 12]
+
+
+def test_the_heuristic_schedule_grows_by_two_on_full_acceptance_and_shrinks_by_one():
+    assert next_window(1, guessed=1, kept=1, most=8) == 3
+    assert next_window(7, guessed=7, kept=7, most=8) == 8  # never above num_speculative_tokens
+    assert next_window(5, guessed=3, kept=3, most=8) == 7  # a short proposal kept whole counts as all kept
+    assert next_window(5, guessed=5, kept=4, most=8) == 4
+    assert next_window(1, guessed=1, kept=0, most=8) == 1  # never below one
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
@@ -80,7 +89,8 @@ def test_config_is_validated_and_parsed():
     for bad, field in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
                        ({"num_tokens": 2}, "unknown fields"), ("{not json", "not valid JSON"),
-                       ({"disable_by_batch_size": True}, "disable_by_batch_size")]:
+                       ({"disable_by_batch_size": True}, "disable_by_batch_size"),
+                       ({"num_speculative_tokens_schedule": "dynamic"}, "num_speculative_tokens_schedule")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(speculative_config=bad)
     parser = argparse.ArgumentParser()
@@ -158,6 +168,35 @@ def test_greedy_is_token_identical_to_no_speculation(smollm2, chat_prompts, grou
     assert fast == plain
     assert stats.spec_decode_num_drafts > 0 and 0 < stats.spec_decode_acceptance_rate <= 1
     assert stats.spec_decode_mean_accepted_length > 1.5  # the copied text is mostly guessed right
+
+
+def test_the_heuristic_schedule_follows_each_sequence_and_keeps_greedy_tokens(smollm2, grounded_prompts, chat_prompts,
+                                                                             monkeypatch):
+    """Each sequence's guesses start at one, grow by two while all are kept and shrink by one after a rejection,
+    up to num_speculative_tokens, and the greedy tokens stay those of decoding without speculation."""
+    prompts = grounded_prompts + chat_prompts[:1]
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (64, 48, 24)]
+    plain, _ = generate(smollm2, prompts, params)
+    seen: dict[int, list[tuple[int, int, int]]] = {}  # seq_id: (window, guessed, kept) of each verification
+    record = Speculator.record
+
+    def recording(self, seq, drafts, kept):
+        if drafts:  # a sequence's rows in a verifying step, without guesses of its own, leave its window
+            seen.setdefault(seq.seq_id, []).append((seq.spec_window, len(drafts), len(kept) - 1))
+        record(self, seq, drafts, kept)
+
+    monkeypatch.setattr(Speculator, "record", recording)
+    spec = dict(num_speculative_tokens=9, num_speculative_tokens_schedule="heuristic", disable_by_batch_size=8)
+    fast, stats = generate(smollm2, prompts, params, speculative_config=spec)
+    assert fast == plain and len(seen) == len(prompts)
+    for steps in seen.values():
+        assert steps[0][0] == 1
+        for (window, guessed, kept), (after, _, _) in zip(steps, steps[1:]):
+            assert guessed <= window and after == next_window(window, guessed, kept, 9)
+    windows = [w for steps in seen.values() for w, _, _ in steps]
+    assert max(windows) == 9  # the copied text is guessed whole, up to the limit
+    assert any(g > 0 and k < g for steps in seen.values() for _, g, k in steps)  # and rejections shrink it
+    assert stats.spec_decode_mean_accepted_length > 2
 
 
 def test_speculation_is_off_while_the_batch_is_large(smollm2, chat_prompts, monkeypatch):

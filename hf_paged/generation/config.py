@@ -28,6 +28,7 @@ def parse_memory(text: str) -> int:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATION_SCHEDULES = ("constant", "heuristic")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class SpeculativeConfig:
     (``model``: a smaller model with the same tokenizer, a local directory or, from Python, a loaded model; given
     alone it implies this method, as in vLLM). ``num_speculative_tokens``: guesses per step.
 
+``num_speculative_tokens_schedule`` (as Transformers' ``num_assistant_tokens_schedule``): ``"constant"`` (vLLM's
+way: every step guesses ``num_speculative_tokens``) or ``"heuristic"`` (Transformers' rule, per sequence: one guess
+at first, two more after a step that kept every guess, one fewer after a step that rejected one, never more than
+``num_speculative_tokens``). A step's cost grows with every guess it verifies (on a 2-core CPU each one adds about
+5% (fp32) to 8% (bf16) of a one-token step), so long guesses pay only where they are kept: the heuristic follows a
+sequence between text it copies and text it writes (`benchmarks/speculation.py --workload grounded`).
+
     ``disable_by_batch_size``: no sequence speculates while more than this many run. Verifying ``k`` guesses costs a
     forward over ``k + 1`` tokens per sequence; at one sequence that is nearly free (the weights are read once
     either way), at a large batch it is extra compute that guesses rarely repay (vLLM measured speculation 1.4-1.8x
@@ -47,6 +55,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    num_speculative_tokens_schedule: str = "constant"
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: object = None
@@ -60,6 +69,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens_schedule not in SPECULATION_SCHEDULES:
+            raise ValueError(f"speculative_config.num_speculative_tokens_schedule must be one of "
+                             f"{', '.join(SPECULATION_SCHEDULES)}, got {self.num_speculative_tokens_schedule!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

@@ -47,6 +47,12 @@ def propose_ngram(token_ids: TokenList[int], k: int, min_n: int, max_n: int) -> 
     return []
 
 
+def next_window(window: int, guessed: int, kept: int, most: int) -> int:
+    """The heuristic schedule's guesses for a sequence's next step, after a step that verified ``guessed`` guesses
+    and kept ``kept``: two more when it kept them all, one fewer (at least one) otherwise, at most ``most``."""
+    return min(most, window + 2) if kept == guessed else max(1, window - 1)
+
+
 def accepted_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     """The tokens a greedy sequence keeps: its guesses while each equals the model's choice, then the model's choice
     at the first difference (or after the last guess). ``targets`` has one more entry than ``drafts``."""
@@ -89,7 +95,8 @@ class Speculator:
         room = self.max_model_len - seq.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(self.config.num_speculative_tokens, room))
+        heuristic = self.config.num_speculative_tokens_schedule == "heuristic"
+        return max(0, min(seq.spec_window if heuristic else self.config.num_speculative_tokens, room))
 
     def propose(self, running: list[Sequence]) -> None:
         """Before the step is scheduled: set each running sequence's ``spec_token_ids`` (none while the batch is
@@ -112,11 +119,14 @@ class Speculator:
         if self.draft is not None:
             self.draft.propose(out)
 
-    def record(self, drafts: list[int], kept: list[int]) -> None:
+    def record(self, seq: Sequence, drafts: list[int], kept: list[int]) -> None:
+        """Count a verification: ``kept`` is what ``seq`` took from its ``drafts``, then the model's own token."""
         if drafts:
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += len(kept) - 1
+            seq.spec_window = next_window(seq.spec_window, len(drafts), len(kept) - 1,
+                                          self.config.num_speculative_tokens)
 
 
 def verify_drafts(logits: torch.Tensor, out: SchedulerOutput, speculator: Speculator) -> SamplerOutput:
@@ -145,7 +155,7 @@ def verify_drafts(logits: torch.Tensor, out: SchedulerOutput, speculator: Specul
             kept = accepted_greedy(drafts, plain[start : end + 1])
         else:
             kept = accepted_sampled(drafts, accept[start:end], residual[start:end] + [plain[end]])
-        speculator.record(drafts, kept)
+        speculator.record(seq, drafts, kept)
         tokens.append(kept[-1])
         accepted.append(kept[:-1])
     # Logprobs: only sequences that do not speculate ask for them, and their one row is their first.
