@@ -12,7 +12,7 @@ summation orders differ, as they do between any two matrix-multiply kernels.
 
 Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
 C++ compiler) is not recognised and runs through the Transformers forward, as do steps of more than `max_tokens`
-tokens (64: up to there the panel products, 8 rows per pass over each panel, beat the oneDNN forward).
+tokens (`STEP_TOKENS`: up to there the panel products, 8 rows per pass over each panel, beat the oneDNN forward).
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ _FAMILIES = {
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _QK_NORMS = {"q_norm", "k_norm"}
+
+# The longest steps the decoder takes, by dtype: up to these the native step was the faster one (SmolLM2 prompts
+# prefilled on the 2-core AVX-512 machine against the Transformers forward over oneDNN: fp32 1.12-1.14x at 128-500
+# tokens and on a par over the default workload; bf16 1.10-1.28x at 96-128 tokens, but 0.67-0.91x from 160 on).
+STEP_TOKENS = {torch.float32: 512, torch.bfloat16: 128}
 
 
 def _classes(family: str) -> tuple[type, type, type] | None:
@@ -80,8 +85,6 @@ class NativeDecoder:
     """A recognised model's weights, bound to the engine's KV storage; `forward` runs one step of at most
     `max_tokens` tokens. Built by `NativeDecoder.for_model`, which returns None for anything it does not recognise."""
 
-    max_tokens = cpu_decoder.MAX_TOKENS
-
     def __init__(self, model: nn.Module, kv: PagedKVStorage, weights: cpu_decoder.DecoderWeights):
         self.model = model
         self.kv = kv
@@ -91,6 +94,7 @@ class NativeDecoder:
 
     def _bind(self, weights: cpu_decoder.DecoderWeights) -> None:
         self.weights = weights  # keeps the tensors the native structures point into alive
+        self.max_tokens = STEP_TOKENS[weights.final_norm.dtype]
         self._struct, self._layers = weights.struct()
         # The packed weights' in-place changes show in their versions (not an inference tensor's). Their storage is
         # kept, so that no weight the model is given later (by ``.to()``, say) can take the same address unnoticed.

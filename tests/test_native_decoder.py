@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.cache import PagedMetadata
 from hf_paged.kernels import cpu_decoder, native
-from hf_paged.native_decoder import NativeDecoder
+from hf_paged.native_decoder import STEP_TOKENS, NativeDecoder
 from tiny_models import ARCHITECTURES, COMMON, tiny_model
 
 # Without a C++ compiler there is no native decoder and every step runs the Transformers forward (tested elsewhere).
@@ -64,27 +64,53 @@ def test_native_steps_give_the_transformers_forwards_tokens_and_logprobs(arch, t
                                   atol=1e-4)
 
 
+def record_steps(gen) -> tuple[list[int], list[int]]:
+    """The token counts of the steps ``gen`` runs natively and through the Transformers forward, as they run."""
+    native_steps, forward_steps = [], []
+    native_forward, forward = gen.runner.native.forward, gen.runner.forward
+    gen.runner.native.forward = lambda ids, *rest: native_steps.append(ids.shape[1]) or native_forward(ids, *rest)
+    gen.runner.forward = lambda step: forward_steps.append(step.num_tokens) or forward(step)
+    return native_steps, forward_steps
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_steps_of_more_than_one_pass_of_rows_are_native_and_give_the_same_tokens(arch, tokenizer):
-    """Ten sequences decode together (each weight panel multiplied by 8 rows, then by 2 more), after prompts shorter
-    and longer than the decoder's 64 tokens (the longer prefill through the Transformers forward)."""
+    """Ten prompts of 3-90 tokens prefill in one native step of 284 tokens (each weight panel multiplied by 8 rows
+    a pass, 36 passes), then decode together (8 rows, then 2 more)."""
     torch.manual_seed(1)
     prompts = [torch.randint(3, 250, (n,)).tolist() for n in (3, 9, 17, 30, 5, 70, 12, 8, 40, 90)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    outs, native_steps = [], []
+    outs = []
     for enforce_eager in (True, False):
         gen = ContinuousBatchGenerator(tiny(arch), tokenizer, num_blocks=512, block_size=4,
                                        enforce_eager=enforce_eager)
         if not enforce_eager:
-            forward = gen.runner.native.forward
-            gen.runner.native.forward = lambda ids, *rest: native_steps.append(ids.shape[1]) or forward(ids, *rest)
+            native_steps, forward_steps = record_steps(gen)
         outs.append(gen.run(prompts, params, use_tqdm=False))
-    assert max(native_steps) > cpu_decoder.MAX_ROWS and max(native_steps) <= cpu_decoder.MAX_TOKENS
+    assert native_steps[0] == 284 and 10 in native_steps and not forward_steps
     for a, b in zip(*outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert torch.allclose(torch.tensor(list(step_a.values())), torch.tensor(list(step_b.values())),
                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_longer_steps_than_the_dtypes_limit_run_the_transformers_forward(dtype, tokenizer):
+    """fp32 steps run natively up to 512 tokens, bf16 ones up to 128 (`STEP_TOKENS`); longer ones run the Transformers
+    forward, and the decode steps after them are native again."""
+    torch.manual_seed(2)
+    steps = {}
+    for lengths in ((3, 9, 17, 30, 5, 70, 12, 8, 40, 90), (200, 150, 170)):  # first steps of 284 and 520 tokens
+        prompts = [torch.randint(3, 250, (n,)).tolist() for n in lengths]
+        gen = ContinuousBatchGenerator(tiny("llama", dtype), tokenizer, num_blocks=512, block_size=4)
+        native_steps, forward_steps = record_steps(gen)
+        gen.run(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        steps[sum(lengths)] = native_steps, forward_steps
+    assert gen.runner.native.max_tokens == STEP_TOKENS[dtype]
+    # The prompts' step, then three decode steps of every sequence.
+    assert steps[284] == (([284] if dtype == torch.float32 else []) + [10] * 3, [] if dtype == torch.float32 else [284])
+    assert steps[520] == ([3] * 3, [520])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

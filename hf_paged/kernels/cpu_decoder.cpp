@@ -27,7 +27,7 @@ namespace {
 using namespace hf_paged;
 
 constexpr int kMaxRows = 8;  // rows of one matrix-vector kernel call (hf_paged_linear)
-constexpr int kMaxTokens = 64;  // tokens of one decoder step: the panel products take them kMaxRows at a time
+constexpr int kMaxTokens = 512;  // tokens of one decoder step: the panel products take them kMaxRows at a time
 
 inline vec16 fma16(vec16 a, vec16 b, vec16 c) {
 #if defined(__AVX512F__)
