@@ -8,11 +8,13 @@ returns the sampled rows' logits. It multiplies by its own copy of the linear we
 (`cpu_decoder.pack`: the memory of those weights once more) and packed again whenever a weight moves or changes; norms
 and biases are read where they are. The embedding and the rotary tables still come from the model's own modules, so
 every rope variant Transformers implements is honoured. Each elementwise step rounds where Transformers rounds; only
-summation orders differ, as they do between any two matrix-multiply kernels.
+summation orders differ, as they do between any two matrix-multiply kernels, and SiLU's exponential (vectorised, within
+1 ulp, as torch's own is).
 
 Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
 C++ compiler) is not recognised and runs through the Transformers forward, as do steps of more than `max_tokens`
-tokens (`STEP_TOKENS`: up to there the panel products, 8 rows per pass over each panel, beat the oneDNN forward).
+tokens (512, prompts included: up to there the panel products, 8 rows per pass over each panel, beat the oneDNN
+forward in fp32 and bf16).
 """
 
 from __future__ import annotations
@@ -38,11 +40,6 @@ _FAMILIES = {
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _QK_NORMS = {"q_norm", "k_norm"}
-
-# The longest steps the decoder takes, by dtype: up to these the native step was the faster one (SmolLM2 prompts
-# prefilled on the 2-core AVX-512 machine against the Transformers forward over oneDNN: fp32 1.12-1.14x at 128-500
-# tokens and on a par over the default workload; bf16 1.10-1.28x at 96-128 tokens, but 0.67-0.91x from 160 on).
-STEP_TOKENS = {torch.float32: 512, torch.bfloat16: 128}
 
 
 def _classes(family: str) -> tuple[type, type, type] | None:
@@ -85,6 +82,8 @@ class NativeDecoder:
     """A recognised model's weights, bound to the engine's KV storage; `forward` runs one step of at most
     `max_tokens` tokens. Built by `NativeDecoder.for_model`, which returns None for anything it does not recognise."""
 
+    max_tokens = cpu_decoder.MAX_TOKENS
+
     def __init__(self, model: nn.Module, kv: PagedKVStorage, weights: cpu_decoder.DecoderWeights):
         self.model = model
         self.kv = kv
@@ -94,7 +93,6 @@ class NativeDecoder:
 
     def _bind(self, weights: cpu_decoder.DecoderWeights) -> None:
         self.weights = weights  # keeps the tensors the native structures point into alive
-        self.max_tokens = STEP_TOKENS[weights.final_norm.dtype]
         self._struct, self._layers = weights.struct()
         # The packed weights' in-place changes show in their versions (not an inference tensor's). Their storage is
         # kept, so that no weight the model is given later (by ``.to()``, say) can take the same address unnoticed.

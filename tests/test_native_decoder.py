@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.cache import PagedMetadata
 from hf_paged.kernels import cpu_decoder, native
-from hf_paged.native_decoder import STEP_TOKENS, NativeDecoder
+from hf_paged.native_decoder import NativeDecoder
 from tiny_models import ARCHITECTURES, COMMON, tiny_model
 
 # Without a C++ compiler there is no native decoder and every step runs the Transformers forward (tested elsewhere).
@@ -96,9 +96,9 @@ def test_steps_of_more_than_one_pass_of_rows_are_native_and_give_the_same_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_longer_steps_than_the_dtypes_limit_run_the_transformers_forward(dtype, tokenizer):
-    """fp32 steps run natively up to 512 tokens, bf16 ones up to 128 (`STEP_TOKENS`); longer ones run the Transformers
-    forward, and the decode steps after them are native again."""
+def test_steps_longer_than_the_decoders_run_the_transformers_forward(dtype, tokenizer):
+    """Steps of up to 512 tokens (`cpu_decoder.MAX_TOKENS`) run natively, prompts included; longer ones run the
+    Transformers forward, and the decode steps after them are native again."""
     torch.manual_seed(2)
     steps = {}
     for lengths in ((3, 9, 17, 30, 5, 70, 12, 8, 40, 90), (200, 150, 170)):  # first steps of 284 and 520 tokens
@@ -107,9 +107,9 @@ def test_longer_steps_than_the_dtypes_limit_run_the_transformers_forward(dtype, 
         native_steps, forward_steps = record_steps(gen)
         gen.run(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         steps[sum(lengths)] = native_steps, forward_steps
-    assert gen.runner.native.max_tokens == STEP_TOKENS[dtype]
+    assert gen.runner.native.max_tokens == cpu_decoder.MAX_TOKENS == 512
     # The prompts' step, then three decode steps of every sequence.
-    assert steps[284] == (([284] if dtype == torch.float32 else []) + [10] * 3, [] if dtype == torch.float32 else [284])
+    assert steps[284] == ([284] + [10] * 3, [])
     assert steps[520] == ([3] * 3, [520])
 
 

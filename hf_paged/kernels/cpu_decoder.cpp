@@ -385,7 +385,70 @@ void rotate(T* x, const T* cos, const T* sin, int D) {
     for (int i = 0; i < D; ++i) store(x + i, rotated[i]);
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+typedef int32_t int16v __attribute__((vector_size(64)));
+
+// e^x in every lane, within about 1 ulp of the true value (Cephes' expf: x = n ln 2 + r with ln 2 split in two, a
+// polynomial in r, then 2^n put into exponent bits). Lanes beyond float's range give inf (x > ln of the
+// largest float) or the smallest normal float (x below ln of it). Vectorised, SiLU's exponentials cost about a tenth
+// of libm's one at a time: bf16 decode steps of 8 sequences ran 1.15x faster without them at all.
+inline vec16 exp16(vec16 x) {
+    const vec16 top = vec16{} + 88.72283905206835f, bottom = vec16{} - 87.33654475055310898657f;
+    const int16v overflow = x > top;
+    x = x > top ? top : x;
+    x = x < bottom ? bottom : x;
+    const vec16 t = x * 1.44269504088896341f + 0.5f;
+    vec16 n = __builtin_convertvector(__builtin_convertvector(t, int16v), vec16);
+    n = n > t ? n - 1.0f : n;  // floor
+    const vec16 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    vec16 p = vec16{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    // 2^n as two exact factors, since n reaches 128 near the top of the range
+    const int16v whole = __builtin_convertvector(n, int16v), half = whole >> 1;
+    const int16v bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
+    vec16 a, b;
+    std::memcpy(&a, &bits_a, sizeof a);
+    std::memcpy(&b, &bits_b, sizeof b);
+    const vec16 inf = vec16{} + __builtin_inff();
+    return overflow ? inf : p * a * b;
+}
+
+// Transformers' SiLU, x / (1 + e^-x), in every lane (NaN stays NaN).
+inline vec16 silu16(vec16 x) {
+    const vec16 y = x / (1.0f + exp16(-x));
+    return x != x ? x : y;
+}
+
+inline void store16(float* dst, vec16 v) { std::memcpy(dst, &v, sizeof v); }
+inline void store16(uint16_t* dst, vec16 v) {  // as `store`, lane by lane: nearest even, NaN as 0x7fc0
+    word16 bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    const word16 nan = ((bits & 0x7f800000u) == 0x7f800000u) & ((bits & 0x007fffffu) != 0u);
+    const word16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const half16 out = __builtin_convertvector(nan ? word16{} + 0x7fc0u : rounded, half16);
+    std::memcpy(dst, &out, sizeof out);
+}
+
+// a[t * stride + n] = silu(a[t * stride + n]) for rows [0, rows) and columns [n0, n1), 16 at a time (a last partial
+// run through the same lanes, so that a value's result never depends on where it sits).
+template <typename T>
+void silu_rows(T* a, int rows, int64_t stride, int64_t n0, int64_t n1) {
+    for (int t = 0; t < rows; ++t) {
+        T* row = a + t * stride;
+        int64_t n = n0;
+        for (; n + 16 <= n1; n += 16) store16(row + n, silu16(load16(row + n)));
+        if (n < n1) {
+            T part[16] = {};
+            std::copy(row + n, row + n1, part);
+            store16(part, silu16(load16(part)));
+            std::copy(part, part + (n1 - n), row + n);
+        }
+    }
+}
 
 }  // namespace
 
@@ -530,8 +593,9 @@ struct Forward {
         T* a = act.data();
         const T *gate = static_cast<const T*>(layer.gate), *up = static_cast<const T*>(layer.up);
         panel_products(L, xn.data(), H, gate, H, I, p0, p1, [&](int t, int64_t n, float v) {
-            store(a + t * I + n, silu(rounded<T>(v + bias_at(gate_bias, n))));
+            store(a + t * I + n, v + bias_at(gate_bias, n));  // rounded to T, as the gate projection's output
         });
+        silu_rows(a, L, I, std::min<int64_t>(I, p0 * kPanel), std::min<int64_t>(I, p1 * kPanel));
         panel_products(L, xn.data(), H, up, H, I, p0, p1, [&](int t, int64_t n, float v) {
             store(a + t * I + n, to_float(a[t * I + n]) * rounded<T>(v + bias_at(up_bias, n)));
         });
