@@ -39,12 +39,12 @@ class SpeculativeConfig:
     (``model``: a smaller model with the same tokenizer, a local directory or, from Python, a loaded model; given
     alone it implies this method, as in vLLM). ``num_speculative_tokens``: guesses per step.
 
-``num_speculative_tokens_schedule`` (as Transformers' ``num_assistant_tokens_schedule``): ``"constant"`` (vLLM's
-way: every step guesses ``num_speculative_tokens``) or ``"heuristic"`` (Transformers' rule, per sequence: one guess
-at first, two more after a step that kept every guess, one fewer after a step that rejected one, never more than
-``num_speculative_tokens``). A step's cost grows with every guess it verifies (on a 2-core CPU each one adds about
-5% (fp32) to 8% (bf16) of a one-token step), so long guesses pay only where they are kept: the heuristic follows a
-sequence between text it copies and text it writes (`benchmarks/speculation.py --workload grounded`).
+    ``num_speculative_tokens_schedule`` (as Transformers' ``num_assistant_tokens_schedule``): ``"constant"`` (vLLM's
+    way: every step guesses ``num_speculative_tokens``) or ``"heuristic"`` (Transformers' rule, per sequence: one guess
+    at first, two more after a step that kept every guess, one fewer after a step that rejected one, never more than
+    ``num_speculative_tokens``). A step's cost grows with every guess it verifies (on a 2-core CPU each one adds about
+    5% (fp32) to 8% (bf16) of a one-token step), so long guesses pay only where they are kept: the heuristic follows a
+    sequence between text it copies and text it writes (`benchmarks/speculation.py --workload grounded`).
 
     ``disable_by_batch_size``: no sequence speculates while more than this many run. Verifying ``k`` guesses costs a
     forward over ``k + 1`` tokens per sequence; at one sequence that is nearly free (the weights are read once
