@@ -318,6 +318,101 @@ __attribute__((always_inline)) inline void panel_rows(const uint16_t* x, int64_t
 // kMaxTokens: kMaxRows rows at a time per panel, so that a panel is read from memory once and from the cache for the
 // further rows. Decode steps of 12 to 64 sequences ran 1.10-1.88x faster this way than through the Transformers forward
 // with oneDNN's packed weights (SmolLM2, fp32 and bf16, benchmarks/decode.py).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// With AVX2's 16 registers of 8 floats a panel line takes 6 registers, and a row's sums 6 more: the kernels above
+// (written for AVX-512's 32 registers of 16) spill from one row on. Here a panel is multiplied in blocks of
+// kBlockK k's, small enough to stay in L1, two input rows at a time: the block is read from memory once and from L1
+// for the further rows, and each row's sums go to `out` between blocks. Every sum still runs over k in order with
+// one FMA per k (bf16: its pairs' weights widened to fp32 first), as in the kernels above.
+constexpr int kBlockK = 64;
+
+// out[m * kPanel + r] (+)= x[m] . (row r of an fp32 panel block w of n k's) for M = 1 or 2 rows of x (stride xs);
+// with `ahead`, the weight stream's next block (ahead_step bytes per k) is asked for meanwhile.
+template <int M>
+__attribute__((always_inline)) inline void panel_block(const float* x, int64_t xs, const float* w, int64_t n,
+                                                       bool first, const char* ahead, int64_t ahead_step, float* out) {
+    constexpr int V = kPanel / 8;
+    __m256 acc[M][V];
+#pragma GCC unroll 2
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 6
+        for (int j = 0; j < V; ++j)
+            acc[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * kPanel + 8 * j);
+    for (int64_t k = 0; k < n; ++k) {
+        __m256 xb[M];
+#pragma GCC unroll 2
+        for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(x + m * xs + k);
+        if (ahead) {
+#pragma GCC unroll 3
+            for (int j = 0; j < 3; ++j) __builtin_prefetch(ahead + k * ahead_step + 64 * j, 0, 3);
+        }
+#pragma GCC unroll 6
+        for (int j = 0; j < V; ++j) {
+            __m256 wv = _mm256_loadu_ps(w + k * kPanel + 8 * j);
+            asm("" : "+x"(wv));  // in a register for all M rows: GCC otherwise reloads it for each
+#pragma GCC unroll 2
+            for (int m = 0; m < M; ++m) acc[m][j] = _mm256_fmadd_ps(xb[m], wv, acc[m][j]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 6
+        for (int j = 0; j < V; ++j) _mm256_storeu_ps(out + m * kPanel + 8 * j, acc[m][j]);
+}
+
+// The fp32 weights of block [k0, k0 + n) of a panel: the panel itself (fp32), or widened into buf (bf16, whose
+// panel keeps pairs of k's interleaved).
+inline const float* block_weights(const float* panel, int64_t k0, int64_t, float*) { return panel + k0 * kPanel; }
+inline const float* block_weights(const uint16_t* panel, int64_t k0, int64_t n, float* buf) {
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int64_t k = 0; k < n; k += 2) {
+        const uint16_t* pair = panel + (k0 + k) * kPanel;
+#pragma GCC unroll 6
+        for (int j = 0; j < kPanel / 8; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 16 * j));
+            _mm256_storeu_ps(buf + k * kPanel + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_storeu_ps(buf + (k + 1) * kPanel + 8 * j, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+        }
+    }
+    return buf;
+}
+
+// Rows [0, rows) of x at columns [k0, k0 + n) as fp32: x itself (fp32, stride xs) or widened into buf (stride kBlockK).
+inline const float* block_rows(const float* x, int64_t xs, int, int64_t k0, int64_t, float*, int64_t& stride) {
+    stride = xs;
+    return x + k0;
+}
+inline const float* block_rows(const uint16_t* x, int64_t xs, int rows, int64_t k0, int64_t n, float* buf,
+                               int64_t& stride) {
+    stride = kBlockK;
+    for (int m = 0; m < rows; ++m)
+        for (int64_t k = 0; k < n; ++k) buf[m * kBlockK + k] = to_float(x[m * xs + k0 + k]);
+    return buf;
+}
+
+// out[m * kPanel + r] = x[m] . (row r of panel) for rows <= kMaxRows rows of x (stride xs), K elements each.
+template <typename T>
+inline void panel_rows_blocked(int rows, const T* x, int64_t xs, const T* panel, int64_t K, float* out) {
+    alignas(64) float wbuf[kBlockK * kPanel], xbuf[kMaxRows * kBlockK];
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+        const int64_t n = std::min<int64_t>(kBlockK, K - k0);
+        int64_t stride;
+        const float* wb = block_weights(panel, k0, n, wbuf);
+        const float* xb = block_rows(x, xs, rows, k0, n, xbuf, stride);
+        // bf16 asks for the next block while it multiplies this one (its widening slows the stream down: steps of
+        // 1-8 rows 1.1-1.3x faster); fp32 was as fast or faster without (benchmarks/native_ab.py)
+        const char* ahead = sizeof(T) == 2 ? reinterpret_cast<const char*>(panel + (k0 + kBlockK) * kPanel) : nullptr;
+        const int64_t step = kPanel * sizeof(T);
+        const bool first = k0 == 0;
+        int m = 0;
+        for (; m + 2 <= rows; m += 2)
+            panel_block<2>(xb + m * stride, stride, wb, n, first, m == 0 ? ahead : nullptr, step, out + m * kPanel);
+        if (m < rows)
+            panel_block<1>(xb + m * stride, stride, wb, n, first, m == 0 ? ahead : nullptr, step, out + m * kPanel);
+    }
+}
+#endif
+
 template <typename T, typename F>
 inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t N, int64_t p0, int64_t p1,
                            F&& f) {
@@ -327,7 +422,11 @@ inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K,
         for (int m0 = 0; m0 < M; m0 += kMaxRows) {
             const int rows = std::min(kMaxRows, M - m0);
             const T* panel = w + p * kPanel * K;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+            panel_rows_blocked(rows, x + m0 * xs, xs, panel, K, out);
+#else
             with_rows(rows, [&](auto R) { panel_rows<decltype(R)::value>(x + m0 * xs, xs, panel, K, out); });
+#endif
             for (int m = 0; m < rows; ++m)
                 for (int64_t r = 0; r < count; ++r) f(m0 + m, n0 + r, out[m * kPanel + r]);
         }

@@ -57,11 +57,16 @@ class PrepackedLinear(nn.Linear):
             state.pop(name, None)
         return state
 
-    def _pack(self) -> torch.Tensor:
+    def _pack(self) -> torch.Tensor | None:
+        """The packed copy of the current weight, or None where oneDNN cannot pack it (bf16 on CPUs without
+        AVX-512 or AVX-NE-CONVERT, say after ``model.to(torch.bfloat16)``): then the forward is plain ``F.linear``."""
         weight = self.weight
         key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
         if self._packed_from != key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            except (RuntimeError, NotImplementedError):
+                self._packed = None
             self._packed_from = key
             # Its storage is kept while the key names its address: a weight given later cannot take that address.
             self._packed_source = weight.detach()
@@ -81,7 +86,9 @@ class PrepackedLinear(nn.Linear):
         ):
             if cpu_decoder.linear_fits(input, weight, self.bias):
                 return cpu_decoder.linear(input, weight, self.bias)
-            return _linear_pointwise(input, self._pack(), self.bias, "none", [], "")
+            packed = self._pack()
+            if packed is not None:
+                return _linear_pointwise(input, packed, self.bias, "none", [], "")
         return F.linear(input, weight, self.bias)
 
 
@@ -100,10 +107,10 @@ def prepack_linear_layers(model: nn.Module) -> int:
         if weight.device.type != "cpu" or not available(weight.dtype):
             continue
         module.__class__ = PrepackedLinear
-        try:
-            module._pack()
-        except (RuntimeError, NotImplementedError):  # a weight oneDNN cannot take: leave the layer plain
+        if module._pack() is None:  # a weight oneDNN cannot take: leave the layer plain
             module.__class__ = nn.Linear
+            module.__dict__.pop("_packed", None)
+            module.__dict__.pop("_packed_from", None)
             continue
         count += 1
     return count
