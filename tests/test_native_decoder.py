@@ -228,7 +228,8 @@ def test_linear_matches_f_linear_and_each_row_is_independent_of_the_others(dtype
     x = torch.randn(cpu_decoder.MAX_ROWS, k, dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     with torch.inference_mode():
-        assert cpu_decoder.linear_fits(x, layer.weight, layer.bias)
+        for rows in range(1, cpu_decoder.MAX_ROWS + 1):
+            assert cpu_decoder.linear_fits(x[:rows], layer.weight, layer.bias) == (rows <= cpu_decoder.linear_rows())
         full = cpu_decoder.linear(x, layer.weight, layer.bias)
         expected = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
         assert torch.allclose(full.double(), expected, rtol=tolerance, atol=tolerance)
@@ -239,6 +240,7 @@ def test_linear_matches_f_linear_and_each_row_is_independent_of_the_others(dtype
 
 def test_linear_takes_only_what_it_can_read():
     weight = torch.randn(8, 16)
+    assert cpu_decoder.linear_rows() in (2, cpu_decoder.MAX_ROWS)  # 2 with AVX2 alone, where oneDNN is faster
     assert not cpu_decoder.linear_fits(torch.randn(9, 16), weight, None)  # more rows than the kernel's
     assert not cpu_decoder.linear_fits(torch.randn(2, 16, dtype=torch.float64), weight.double(), None)
     assert not cpu_decoder.linear_fits(torch.randn(2, 16), weight.t().contiguous().t(), None)

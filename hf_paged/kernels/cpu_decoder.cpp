@@ -26,6 +26,13 @@ namespace {
 
 using namespace hf_paged;
 
+// AVX2 without AVX-512: 16 vector registers of 8 floats, for which some kernels below are blocked differently.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define HF_PAGED_AVX2 1
+#else
+#define HF_PAGED_AVX2 0
+#endif
+
 constexpr int kMaxRows = 8;  // rows of one matrix-vector kernel call (hf_paged_linear)
 constexpr int kMaxTokens = 512;  // tokens of one decoder step: the panel products take them kMaxRows at a time
 
@@ -198,6 +205,33 @@ inline void with_rows(int M, F&& f) {
 }
 
 // f(m, n, x[m] . w[n]) for the output rows [n0, n1) of w ([N, K] row-major) and M input rows.
+#if HF_PAGED_AVX2
+// AVX2: blocks of R weight rows (4 at one input row, else 2) times groups of at most two input rows, the block read
+// from L1 for the further groups; more at once spills (the sums do not depend on R or on the groups).
+template <int M, typename T, typename F>
+inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
+    constexpr int R = M == 1 ? 4 : 2;
+    float out[2 * R];
+    int64_t n = n0;
+    const int64_t ahead = rows_ahead<T>(R, K);
+    for (; n + R <= n1; n += R) {
+        for (int m0 = 0; m0 < M; m0 += 2) {
+            const int rows = std::min(2, M - m0);
+            if (rows == 2)
+                dot<2, R>(x + m0 * xs, xs, w + n * K, K, ahead, out);
+            else
+                dot<1, R>(x + m0 * xs, xs, w + n * K, K, ahead, out);
+            for (int m = 0; m < rows; ++m)
+                for (int r = 0; r < R; ++r) f(m0 + m, n + r, out[m * R + r]);
+        }
+    }
+    for (; n < n1; ++n)
+        for (int m = 0; m < M; ++m) {
+            dot<1, 1>(x + m * xs, xs, w + n * K, K, rows_ahead<T>(1, K), out);
+            f(m, n, out[0]);
+        }
+}
+#else
 template <int M, typename T, typename F>
 inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
     constexpr int R = rows_at_once<T>(M);
@@ -214,6 +248,7 @@ inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t 
         for (int m = 0; m < M; ++m) f(m, n, out[m]);
     }
 }
+#endif
 
 // The same for any M in 1..kMaxRows.
 template <typename T, typename F>
@@ -318,7 +353,7 @@ __attribute__((always_inline)) inline void panel_rows(const uint16_t* x, int64_t
 // kMaxTokens: kMaxRows rows at a time per panel, so that a panel is read from memory once and from the cache for the
 // further rows. Decode steps of 12 to 64 sequences ran 1.10-1.88x faster this way than through the Transformers forward
 // with oneDNN's packed weights (SmolLM2, fp32 and bf16, benchmarks/decode.py).
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if HF_PAGED_AVX2
 // With AVX2's 16 registers of 8 floats a panel line takes 6 registers, and a row's sums 6 more: the kernels above
 // (written for AVX-512's 32 registers of 16) spill from one row on. Here a panel is multiplied in blocks of
 // kBlockK k's, small enough to stay in L1, two input rows at a time: the block is read from memory once and from L1
@@ -422,7 +457,7 @@ inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K,
         for (int m0 = 0; m0 < M; m0 += kMaxRows) {
             const int rows = std::min(kMaxRows, M - m0);
             const T* panel = w + p * kPanel * K;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if HF_PAGED_AVX2
             panel_rows_blocked(rows, x + m0 * xs, xs, panel, K, out);
 #else
             with_rows(rows, [&](auto R) { panel_rows<decltype(R)::value>(x + m0 * xs, xs, panel, K, out); });
@@ -782,5 +817,9 @@ extern "C" int hf_paged_decoder_struct_sizes(int which) {
 }
 
 extern "C" int hf_paged_max_rows() { return kMaxRows; }
+
+// The rows up to which hf_paged_linear streams a plain weight faster than oneDNN's packed GEMM: with AVX2 alone,
+// SmolLM2's layers at 4 and 8 rows ran 0.8x and 0.46x oneDNN's speed (1 and 2 rows: 1.15x), else all of kMaxRows.
+extern "C" int hf_paged_linear_rows() { return HF_PAGED_AVX2 ? 2 : kMaxRows; }
 
 extern "C" int hf_paged_decoder_max_tokens() { return kMaxTokens; }

@@ -43,6 +43,7 @@ class _Step(ctypes.Structure):
 
 
 _library: ctypes.CDLL | None = None
+_linear_rows = 0  # the rows `linear_fits` takes (hf_paged_linear_rows), once the library is loaded
 
 
 def _bind(library: ctypes.CDLL) -> None:
@@ -56,8 +57,10 @@ def _bind(library: ctypes.CDLL) -> None:
 
 def available() -> bool:
     """Whether the native library is built and loaded (builds it on first call)."""
-    global _library
-    _library = _library or native.bound(_bind)
+    global _library, _linear_rows
+    if _library is None:
+        _library = native.bound(_bind)
+        _linear_rows = _library.hf_paged_linear_rows() if _library is not None else 0
     return _library is not None
 
 
@@ -66,18 +69,25 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 
 def linear_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` takes these: CPU fp32/bf16 of one dtype, contiguous weight and bias, contiguous rows of x,
-    one to `MAX_ROWS` rows."""
+    """Whether `linear` takes these and beats oneDNN at them: CPU fp32/bf16 of one dtype, contiguous weight and bias,
+    contiguous rows of x, one to `linear_rows()` rows."""
     return (
         x.dtype == weight.dtype in _DTYPES
         and x.is_cpu
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
         and x.shape[-1] == weight.shape[1] > 0
-        and 0 < x.numel() // x.shape[-1] <= MAX_ROWS
         and x.stride(-1) == 1
         and available()
+        and 0 < x.numel() // x.shape[-1] <= _linear_rows
     )
+
+
+def linear_rows() -> int:
+    """The rows up to which `linear_fits` sends products to the native kernel: `MAX_ROWS`, or 2 on CPUs with AVX2 and
+    no AVX-512, where oneDNN is faster from 4 rows on (0 without the library)."""
+    available()
+    return _linear_rows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
