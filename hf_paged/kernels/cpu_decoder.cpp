@@ -26,13 +26,6 @@ namespace {
 
 using namespace hf_paged;
 
-// AVX2 without AVX-512: 16 vector registers of 8 floats, for which some kernels below are blocked differently.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define HF_PAGED_AVX2 1
-#else
-#define HF_PAGED_AVX2 0
-#endif
-
 constexpr int kMaxRows = 8;  // rows of one matrix-vector kernel call (hf_paged_linear)
 constexpr int kMaxTokens = 512;  // tokens of one decoder step: the panel products take them kMaxRows at a time
 

@@ -9,6 +9,14 @@
 #include <immintrin.h>
 #endif
 
+// AVX2 without AVX-512: 16 vector registers of 8 floats, for which some kernels are blocked differently (the vec16
+// loops written for AVX-512's 32 registers of 16 floats spill there).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define HF_PAGED_AVX2 1
+#else
+#define HF_PAGED_AVX2 0
+#endif
+
 namespace hf_paged {
 
 // Internal linkage: each source compiles these with its own flags (cpu_attention.cpp with -ffast-math).
