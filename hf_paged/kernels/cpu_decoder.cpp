@@ -342,10 +342,6 @@ __attribute__((always_inline)) inline void panel_rows(const uint16_t* x, int64_t
 #endif
 }
 
-// f(m, n, x[m] . w[n]) for the output rows of panels [p0, p1) of a packed weight of N rows and M input rows, M up to
-// kMaxTokens: kMaxRows rows at a time per panel, so that a panel is read from memory once and from the cache for the
-// further rows. Decode steps of 12 to 64 sequences ran 1.10-1.88x faster this way than through the Transformers forward
-// with oneDNN's packed weights (SmolLM2, fp32 and bf16, benchmarks/decode.py).
 #if HF_PAGED_AVX2
 // With AVX2's 16 registers of 8 floats a panel line takes 6 registers, and a row's sums 6 more: the kernels above
 // (written for AVX-512's 32 registers of 16) spill from one row on. Here a panel is multiplied in blocks of
@@ -353,6 +349,9 @@ __attribute__((always_inline)) inline void panel_rows(const uint16_t* x, int64_t
 // for the further rows, and each row's sums go to `out` between blocks. Every sum still runs over k in order with
 // one FMA per k (bf16: its pairs' weights widened to fp32 first), as in the kernels above.
 constexpr int kBlockK = 64;
+// Input rows per pass over a panel: a bf16 block is widened once for them all (with the block, their sums and their
+// block of x, 19 KiB of L1).
+constexpr int kChunkRows = 16;
 
 // out[m * kPanel + r] (+)= x[m] . (row r of an fp32 panel block w of n k's) for M = 1 or 2 rows of x (stride xs);
 // with `ahead`, the weight stream's next block (ahead_step bytes per k) is asked for meanwhile.
@@ -413,15 +412,22 @@ inline const float* block_rows(const float* x, int64_t xs, int, int64_t k0, int6
 inline const float* block_rows(const uint16_t* x, int64_t xs, int rows, int64_t k0, int64_t n, float* buf,
                                int64_t& stride) {
     stride = kBlockK;
-    for (int m = 0; m < rows; ++m)
-        for (int64_t k = 0; k < n; ++k) buf[m * kBlockK + k] = to_float(x[m * xs + k0 + k]);
+    for (int m = 0; m < rows; ++m) {
+        const uint16_t* row = x + m * xs + k0;
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) {
+            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+            _mm256_storeu_ps(buf + m * kBlockK + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+        for (; k < n; ++k) buf[m * kBlockK + k] = to_float(row[k]);
+    }
     return buf;
 }
 
-// out[m * kPanel + r] = x[m] . (row r of panel) for rows <= kMaxRows rows of x (stride xs), K elements each.
+// out[m * kPanel + r] = x[m] . (row r of panel) for rows <= kChunkRows rows of x (stride xs), K elements each.
 template <typename T>
 inline void panel_rows_blocked(int rows, const T* x, int64_t xs, const T* panel, int64_t K, float* out) {
-    alignas(64) float wbuf[kBlockK * kPanel], xbuf[kMaxRows * kBlockK];
+    alignas(64) float wbuf[kBlockK * kPanel], xbuf[kChunkRows * kBlockK];
     for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
         const int64_t n = std::min<int64_t>(kBlockK, K - k0);
         int64_t stride;
@@ -441,14 +447,23 @@ inline void panel_rows_blocked(int rows, const T* x, int64_t xs, const T* panel,
 }
 #endif
 
+// f(m, n, x[m] . w[n]) for the output rows of panels [p0, p1) of a packed weight of N rows and M input rows, M up to
+// kMaxTokens: kMaxRows rows (AVX2: kChunkRows) at a time per panel, so that a panel is read from memory once and from
+// the cache for the further rows. Decode steps of 12 to 64 sequences ran 1.10-1.88x faster this way than through the
+// Transformers forward with oneDNN's packed weights (SmolLM2, fp32 and bf16, benchmarks/decode.py, AVX-512).
 template <typename T, typename F>
 inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t N, int64_t p0, int64_t p1,
                            F&& f) {
-    float out[kMaxRows * kPanel];
+#if HF_PAGED_AVX2
+    constexpr int chunk = kChunkRows;
+#else
+    constexpr int chunk = kMaxRows;
+#endif
+    float out[chunk * kPanel];
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel, count = std::min<int64_t>(kPanel, N - n0);
-        for (int m0 = 0; m0 < M; m0 += kMaxRows) {
-            const int rows = std::min(kMaxRows, M - m0);
+        for (int m0 = 0; m0 < M; m0 += chunk) {
+            const int rows = std::min(chunk, M - m0);
             const T* panel = w + p * kPanel * K;
 #if HF_PAGED_AVX2
             panel_rows_blocked(rows, x + m0 * xs, xs, panel, K, out);
