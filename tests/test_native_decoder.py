@@ -1,6 +1,9 @@
 """The native CPU decoder (``hf_paged/native_decoder.py``, ``kernels/cpu_decoder.cpp``) against the Transformers
 forward it stands in for: the same tokens and logprobs, what it recognises, and its matrix-vector kernel."""
 
+import ctypes
+import subprocess
+
 import pytest
 import torch
 from torch import nn
@@ -124,6 +127,60 @@ def test_bf16_native_steps_round_like_transformers(arch, tokenizer):
         assert first_a.keys() == first_b.keys()  # the first step has no earlier difference to inherit
         assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 0.05 * len(
             a.outputs[0].token_ids)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """The native library built for AVX2 without AVX-512 (``-march=haswell``), whatever this CPU has beyond that:
+    the kernels blocked for AVX2's 16 registers run here too, not only on the CPUs whose own build picks them."""
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("an AVX2 build cannot run on this CPU")
+    out, compiler, objects = tmp_path_factory.mktemp("avx2"), native.compiler(), []
+    for source, flags in native.SOURCES.items():
+        objects.append(str(out / f"{source.stem}.o"))
+        subprocess.run([compiler, *flags, "-march=haswell", f"-I{source.parent}", "-c", str(source), "-o",
+                        objects[-1]], check=True)
+    subprocess.run([compiler, *native.LINK_FLAGS, *objects, "-o", str(out / "avx2.so")], check=True)
+    library = ctypes.CDLL(str(out / "avx2.so"))
+    cpu_decoder._bind(library)
+    assert library.hf_paged_linear_rows() == 2  # the AVX2 kernels, not the AVX-512 ones
+    return library
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx2_build_gives_the_transformers_forwards_tokens(dtype, tokenizer, avx2_library, monkeypatch):
+    """Ten prompts in one 284-token step (panels 16 rows at a time: 17 passes and 12 rows), then decodes of 10 and 8
+    rows (pairs of rows, and an odd one), through the AVX2 build."""
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,)).tolist() for n in (3, 9, 17, 30, 5, 70, 12, 8, 40, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = []
+    for enforce_eager in (True, False):
+        gen = ContinuousBatchGenerator(tiny("llama", dtype), tokenizer, num_blocks=512, block_size=4,
+                                       enforce_eager=enforce_eager)
+        if not enforce_eager:
+            monkeypatch.setattr(cpu_decoder, "_library", avx2_library)
+            native_steps, forward_steps = record_steps(gen)
+        outs.append(gen.run(prompts, params, use_tqdm=False))
+    assert native_steps[0] == 284 and not forward_steps
+    for a, b in zip(*outs):
+        if dtype == torch.float32:
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert torch.allclose(torch.tensor(list(step_a.values())), torch.tensor(list(step_b.values())),
+                                      atol=1e-4)
+        else:  # as test_bf16_native_steps_round_like_transformers
+            assert a.outputs[0].logprobs[0].keys() == b.outputs[0].logprobs[0].keys()
+            assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 0.05 * len(
+                a.outputs[0].token_ids)
 
 
 def test_a_spec_decode_step_verifies_guesses_natively(tokenizer):
