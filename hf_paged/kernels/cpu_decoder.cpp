@@ -198,33 +198,6 @@ inline void with_rows(int M, F&& f) {
 }
 
 // f(m, n, x[m] . w[n]) for the output rows [n0, n1) of w ([N, K] row-major) and M input rows.
-#if HF_PAGED_AVX2
-// AVX2: blocks of R weight rows (4 at one input row, else 2) times groups of at most two input rows, the block read
-// from L1 for the further groups; more at once spills (the sums do not depend on R or on the groups).
-template <int M, typename T, typename F>
-inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
-    constexpr int R = M == 1 ? 4 : 2;
-    float out[2 * R];
-    int64_t n = n0;
-    const int64_t ahead = rows_ahead<T>(R, K);
-    for (; n + R <= n1; n += R) {
-        for (int m0 = 0; m0 < M; m0 += 2) {
-            const int rows = std::min(2, M - m0);
-            if (rows == 2)
-                dot<2, R>(x + m0 * xs, xs, w + n * K, K, ahead, out);
-            else
-                dot<1, R>(x + m0 * xs, xs, w + n * K, K, ahead, out);
-            for (int m = 0; m < rows; ++m)
-                for (int r = 0; r < R; ++r) f(m0 + m, n + r, out[m * R + r]);
-        }
-    }
-    for (; n < n1; ++n)
-        for (int m = 0; m < M; ++m) {
-            dot<1, 1>(x + m * xs, xs, w + n * K, K, rows_ahead<T>(1, K), out);
-            f(m, n, out[0]);
-        }
-}
-#else
 template <int M, typename T, typename F>
 inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t n0, int64_t n1, F&& f) {
     constexpr int R = rows_at_once<T>(M);
@@ -241,7 +214,6 @@ inline void product_rows(const T* x, int64_t xs, const T* w, int64_t K, int64_t 
         for (int m = 0; m < M; ++m) f(m, n, out[m]);
     }
 }
-#endif
 
 // The same for any M in 1..kMaxRows.
 template <typename T, typename F>
