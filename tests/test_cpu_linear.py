@@ -121,6 +121,26 @@ def test_layers_onednn_cannot_take_stay_plain():
     assert prepack_linear_layers(layer) == 0 and type(layer) is nn.Linear
 
 
+def test_a_weight_onednn_cannot_pack_runs_f_linear(monkeypatch):
+    """As bf16 on CPUs without AVX-512 or AVX-NE-CONVERT after ``model.to(torch.bfloat16)``: the reorder raises, the
+    layer stays usable, and prepacking leaves such layers plain."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(48, 96), torch.randn(12, 48)  # 12 rows: past the native kernel, to oneDNN's path
+    prepack_linear_layers(layer)
+
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: this CPU cannot")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # a new version: packed again
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer._packed is None
+    other = nn.Linear(48, 96)
+    assert prepack_linear_layers(other) == 0 and type(other) is nn.Linear and "_packed_from" not in other.__dict__
+
+
 def test_autocast_and_inference_mode_weights():
     with torch.inference_mode():
         layer = nn.Linear(48, 96)  # an inference tensor: no version counter

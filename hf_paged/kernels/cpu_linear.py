@@ -108,9 +108,7 @@ def prepack_linear_layers(model: nn.Module) -> int:
             continue
         module.__class__ = PrepackedLinear
         if module._pack() is None:  # a weight oneDNN cannot take: leave the layer plain
-            module.__class__ = nn.Linear
-            module.__dict__.pop("_packed", None)
-            module.__dict__.pop("_packed_from", None)
+            _unpack(module)
             continue
         count += 1
     return count
@@ -121,8 +119,12 @@ def unpack_linear_layers(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) is PrepackedLinear:
-            module.__class__ = nn.Linear
-            for name in ("_packed", "_packed_from", "_packed_source"):
-                module.__dict__.pop(name, None)
+            _unpack(module)
             count += 1
     return count
+
+
+def _unpack(module: PrepackedLinear) -> None:
+    module.__class__ = nn.Linear
+    for name in ("_packed", "_packed_from", "_packed_source"):
+        module.__dict__.pop(name, None)
