@@ -7,7 +7,7 @@ import os
 import torch
 
 from .default_model import resolve_model
-from .quantization import quantized_load_kwargs
+from .quantization import quantized_load_kwargs, run_dequantize_eagerly
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +42,8 @@ def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | t
     kwargs = quantized_load_kwargs(path, device, quant_backend)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=_dtype(dtype),
                                                  device_map=device, **kwargs)
+    if kwargs:
+        run_dequantize_eagerly(model)
     return model.eval()
 
 

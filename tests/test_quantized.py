@@ -5,6 +5,7 @@ import torch
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.loading import load_model
+from hf_paged.quantization import quantized_load_kwargs, run_dequantize_eagerly
 from fixtures.quantized import fixture_path
 from reference import generate_with
 
@@ -29,9 +30,8 @@ def quantized(request, smollm2_path):
 AWQ_NEAR_TIE = 0.1
 
 
-def assert_same_greedy_tokens(name, got, expected, expected_logits):
+def assert_same_greedy_tokens(got, expected, expected_logits, tolerance=0.0):
     """``got``/``expected``: generated token lists per prompt; ``expected_logits[i][t]``: reference logits."""
-    tolerance = AWQ_NEAR_TIE if "awq" in name else 0.0
     exact = 0
     for row, (a, b) in enumerate(zip(got, expected)):
         if a == b:
@@ -43,6 +43,9 @@ def assert_same_greedy_tokens(name, got, expected, expected_logits):
         assert gap <= tolerance, f"prompt {row} diverges at token {step} where the reference prefers by {gap:.3f}"
     assert exact >= len(got) - 2 if tolerance else exact == len(got)
 
+
+def _near_tie(name):
+    return AWQ_NEAR_TIE if "awq" in name else 0.0
 
 
 def test_quantized_checkpoint_uses_quantized_linears(quantized):
@@ -61,6 +64,22 @@ def test_a_checkpoint_the_fused_kernel_cannot_take_loads_with_the_plain_one(chat
     assert torch.equal(model.generate(**kwargs), generate_with(model, "sdpa", **kwargs))
 
 
+def test_the_exact_gptq_kernel_dequantizes_eagerly_on_cpu():
+    """gptqmodel compiles each plain torch kernel's dequantize; on CPU loading undoes it (see hf_paged.quantization)."""
+    from transformers import AutoModelForCausalLM
+
+    path = fixture_path("tiny-gptq-g128")
+    model, _ = load_model(path, quant_backend="torch")
+    layers = [m for m in model.modules() if type(m).__name__ == "TorchLinear"]
+    assert len(layers) == 14 and all("dequantize_weight" not in vars(m) for m in layers)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    compiled = AutoModelForCausalLM.from_pretrained(path, **quantized_load_kwargs(path, backend="torch"))
+    assert run_dequantize_eagerly(compiled) == 14
+
+
 def _new_tokens(out, width):
     return [row[width:].tolist() for row in out.sequences], [torch.stack(out.logits)[:, i] for i in range(len(out.sequences))]
 
@@ -73,7 +92,7 @@ def test_paged_generate_matches_sdpa(quantized, chat_prompts):
     width = batch.input_ids.shape[1]
     got, _ = _new_tokens(model.generate(**kwargs), width)
     expected, logits = _new_tokens(generate_with(model, "sdpa", **kwargs), width)
-    assert_same_greedy_tokens(name, got, expected, logits)
+    assert_same_greedy_tokens(got, expected, logits, _near_tie(name))
 
 
 def test_generator_matches_generate_alone(quantized, chat_prompts):
@@ -89,16 +108,60 @@ def test_generator_matches_generate_alone(quantized, chat_prompts):
         logits += step_logits
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=128)
     outputs = gen.run(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
-    assert_same_greedy_tokens(name, [o.outputs[0].token_ids for o in outputs], expected, logits)
+    assert_same_greedy_tokens([o.outputs[0].token_ids for o in outputs], expected, logits, _near_tie(name))
     assert gen.kv.pool.num_used_blocks == 0
 
 
+# Reference answers to score: a 4-bit 135M model's single greedy answer to a question flips with the machine its
+# checkpoint was quantized on (the GPTQ SmolLM2 made on one CI machine named another play), so the sanity check is the
+# likelihood the quantized model gives to right answers, against the unquantized model's.
+FACTS = [("Who wrote Romeo and Juliet?", "Romeo and Juliet was written by William Shakespeare."),
+         ("What is the capital of France?", "The capital of France is Paris."),
+         ("What is the largest planet in the solar system?", "The largest planet in the solar system is Jupiter."),
+         ("Who painted the Mona Lisa?", "The Mona Lisa was painted by Leonardo da Vinci."),
+         ("What is the chemical symbol for gold?", "The chemical symbol for gold is Au."),
+         ("How many days are in a week?", "There are seven days in a week."),
+         ("What is the boiling point of water in Celsius?", "Water boils at 100 degrees Celsius at sea level."),
+         ("Which ocean is the largest?", "The Pacific Ocean is the largest ocean on Earth.")]
+# Nats per answer token the quantized model may lose (measured: 0.81 unquantized, 1.06-1.07 for both fixtures; the
+# random-weight tiny Llama with the same tokenizer, a model that knows nothing, scores 13).
+MAX_NLL_LOSS = 0.6
+
+
+def _answer_nll(model, tokenizer) -> float:
+    total, count = 0.0, 0
+    for question, answer in FACTS:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               tokenize=False)
+        prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
+        answer_ids = tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            logits = model(torch.cat([prompt_ids, answer_ids], 1)).logits[0, prompt_ids.shape[1] - 1:-1]
+        total += torch.nn.functional.cross_entropy(logits.float(), answer_ids[0], reduction="sum").item()
+        count += answer_ids.shape[1]
+    return total / count
+
+
 @pytest.mark.parametrize("name", ["smollm2-gptq-g64", "smollm2-awq-gemm"])
-def test_quantized_smollm2_still_answers_a_factual_question(name):
-    # The 4-bit AWQ SmolLM2 made here answers "What is the capital of France?" in garbled French even with
-    # Transformers' own sdpa attention (quantization damage to a 135M model), so the sanity check asks another fact.
+def test_quantized_smollm2_on_its_default_kernels_keeps_the_models_likelihood(name, smollm2):
+    base = _answer_nll(*smollm2)
     model, tokenizer = load_model(fixture_path(name))  # the default (fastest) kernels
-    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
-    out = gen.run([[{"role": "user", "content": "Who wrote Romeo and Juliet?"}]],
-                  SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
-    assert "Shakespeare" in out.outputs[0].text
+    assert _answer_nll(model, tokenizer) < base + MAX_NLL_LOSS
+
+
+@pytest.mark.parametrize("name", ["smollm2-gptq-g64", "smollm2-awq-gemm"])
+def test_the_generator_on_the_default_kernels_matches_generate_alone(name):
+    """The fused kernels compute in fp16/bf16, so a divergence is accepted at a near-tie only (as for AWQ above)."""
+    model, tokenizer = load_model(fixture_path(name))
+    chats = [[{"role": "user", "content": question}] for question, _ in FACTS]
+    expected, logits = [], []
+    for chat in chats:
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             output_logits=True, return_dict_in_generate=True)
+        tokens, step_logits = _new_tokens(out, ids["input_ids"].shape[1])
+        expected += tokens
+        logits += step_logits
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=128)
+    outputs = gen.run(chats, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert_same_greedy_tokens([o.outputs[0].token_ids for o in outputs], expected, logits, AWQ_NEAR_TIE)
