@@ -66,6 +66,23 @@ def test_task_plans_match_naive(num_decodes, chunks, dtype):
     torch.testing.assert_close(got.double(), naive_attention(case, 0.125, 24), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("groups", [3, 6])
+def test_a_decode_alone_equals_the_same_decode_in_a_batch_bit_for_bit(groups, dtype):
+    """Alone, a decode gets one task per kv head; in a large batch all its heads are one task. The attention source
+    is built with -ffast-math, so this holds only while both plans run a head in the same unrolled kernel: splitting a
+    group's query heads between tasks (runs of 1 and 2 heads instead of 3) changed results by an ulp."""
+    many = 2 * torch.get_num_threads() + 1
+    case = make_case([5 + 29 * i % 200 for i in range(many)], [1] * many, 3, groups, 64, 16, dtype=dtype,
+                     paged_layout=True)
+    args = (case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], 0.125)
+    batched = cpu_ops.paged_decode_attention(*args)
+    for i in (0, many - 1):
+        alone = cpu_ops.paged_decode_attention(case["query"][i:i + 1], case["k_cache"], case["v_cache"],
+                                               case["block_tables"][i:i + 1], case["seq_lens"][i:i + 1], 0.125)
+        assert torch.equal(alone[0], batched[i])
+
+
 PREFILL_CASES = [
     # seq_lens, q_lens, kv heads, GQA groups, head dim, block size
     ([1, 17, 32, 40], [1, 5, 32, 3], 2, 1, 64, 8),
