@@ -3,7 +3,8 @@
 The paged backend never looks inside linear layers, so quantized models need nothing special at run time. The one
 special case is *loading* on CPU: gptqmodel's default CPU kernels (AVX-512) compile a C++ extension on first load
 (minutes on a 2-core machine). We pick its ``torch_fused`` kernels instead, which load in about a second and were the
-fastest here (SmolLM2-135M GPTQ, 30 tokens, one thread: 1.3 s against 8.5 s for ``backend="torch"``). The fused
+fastest here (SmolLM2-135M GPTQ, 30 greedy tokens, one thread: 2.0-2.5 s against 15-21 s for ``backend="torch"``
+run eagerly, see `run_dequantize_eagerly`). The fused
 kernels compute at reduced precision: with them Transformers' own eager and sdpa attention differ by up to 0.2 in the
 logits of SmolLM2-GPTQ, so token-exact comparisons use ``backend="torch"`` / ``"torch_awq"`` (fp32
 dequantize-and-matmul), which agree to 1e-4. The fused kernels take 4-bit weights in groups of up to 128 (AWQ: the
@@ -65,7 +66,8 @@ def run_dequantize_eagerly(model) -> int:
 
     On CPU it buys nothing: one compile per layer on the first forward and more for each new shape (210 layers and
     about 50 s on 2 cores for SmolLM2-135M GPTQ before its first token) for forwards no faster than eager ones
-    (0.26-0.6 s each for that model, either way).
+    (0.26-0.6 s each for that model, either way; 30 greedy tokens on one thread: 72 s, then 24-27 s compiled, against
+    21-22 s eager).
     """
     undone = 0
     for module in model.modules():
