@@ -48,6 +48,7 @@ def _near_tie(name):
     return AWQ_NEAR_TIE if "awq" in name else 0.0
 
 
+
 def test_quantized_checkpoint_uses_quantized_linears(quantized):
     name, model, _ = quantized
     linear = type(model.model.layers[0].self_attn.q_proj).__name__
@@ -95,9 +96,8 @@ def test_paged_generate_matches_sdpa(quantized, chat_prompts):
     assert_same_greedy_tokens(got, expected, logits, _near_tie(name))
 
 
-def test_generator_matches_generate_alone(quantized, chat_prompts):
-    name, model, tokenizer = quantized
-    prompts = chat_prompts[:8]
+def _generate_alone(model, tokenizer, prompts):
+    """Each prompt through `generate` on its own: its greedy tokens and its logits at every step."""
     expected, logits = [], []
     for prompt in prompts:
         inputs = tokenizer(prompt, return_tensors="pt")
@@ -106,6 +106,13 @@ def test_generator_matches_generate_alone(quantized, chat_prompts):
         tokens, step_logits = _new_tokens(out, inputs.input_ids.shape[1])
         expected += tokens
         logits += step_logits
+    return expected, logits
+
+
+def test_generator_matches_generate_alone(quantized, chat_prompts):
+    name, model, tokenizer = quantized
+    prompts = chat_prompts[:8]
+    expected, logits = _generate_alone(model, tokenizer, prompts)
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=128)
     outputs = gen.run(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert_same_greedy_tokens([o.outputs[0].token_ids for o in outputs], expected, logits, _near_tie(name))
@@ -153,15 +160,9 @@ def test_quantized_smollm2_on_its_default_kernels_keeps_the_models_likelihood(na
 def test_the_generator_on_the_default_kernels_matches_generate_alone(name):
     """The fused kernels compute in fp16/bf16, so a divergence is accepted at a near-tie only (as for AWQ above)."""
     model, tokenizer = load_model(fixture_path(name))
-    chats = [[{"role": "user", "content": question}] for question, _ in FACTS]
-    expected, logits = [], []
-    for chat in chats:
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             output_logits=True, return_dict_in_generate=True)
-        tokens, step_logits = _new_tokens(out, ids["input_ids"].shape[1])
-        expected += tokens
-        logits += step_logits
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True) for question, _ in FACTS]
+    expected, logits = _generate_alone(model, tokenizer, prompts)
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=128)
-    outputs = gen.run(chats, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    outputs = gen.run(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert_same_greedy_tokens([o.outputs[0].token_ids for o in outputs], expected, logits, AWQ_NEAR_TIE)
