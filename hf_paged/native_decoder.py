@@ -13,8 +13,8 @@ summation orders differ, as they do between any two matrix-multiply kernels, and
 
 Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
 C++ compiler) is not recognised and runs through the Transformers forward, as do steps of more than `max_tokens`
-tokens (512, prompts included: up to there the panel products, 8 rows per pass over each panel, beat the oneDNN
-forward in fp32 and bf16).
+tokens (prompts included): 512 where the panel products, 8 rows per pass over each panel, beat the oneDNN forward up
+to there, 160 in fp32 on CPUs with AVX2 alone (`cpu_decoder.faster_tokens`).
 """
 
 from __future__ import annotations
@@ -79,13 +79,14 @@ def _linear(module: nn.Module, dtype: torch.dtype, where: str) -> nn.Module:
 
 
 class NativeDecoder:
-    """A recognised model's weights, bound to the engine's KV storage; `forward` runs one step of at most
-    `max_tokens` tokens. Built by `NativeDecoder.for_model`, which returns None for anything it does not recognise."""
-
-    max_tokens = cpu_decoder.MAX_TOKENS
+    """A recognised model's weights, bound to the engine's KV storage; `forward` runs steps of up to
+    `cpu_decoder.MAX_TOKENS` tokens, and the engine gives it those of at most `max_tokens`, the sizes it runs faster
+    than the Transformers forward. Built by `NativeDecoder.for_model`, which returns None for anything it does not
+    recognise."""
 
     def __init__(self, model: nn.Module, kv: PagedKVStorage, weights: cpu_decoder.DecoderWeights):
         self.model = model
+        self.max_tokens = cpu_decoder.faster_tokens(model.dtype)
         self.kv = kv
         self.embed = model.get_input_embeddings()
         self.rotary = model.base_model.rotary_emb

@@ -88,6 +88,7 @@ def test_steps_of_more_than_one_pass_of_rows_are_native_and_give_the_same_tokens
         gen = ContinuousBatchGenerator(tiny(arch), tokenizer, num_blocks=512, block_size=4,
                                        enforce_eager=enforce_eager)
         if not enforce_eager:
+            gen.runner.native.max_tokens = cpu_decoder.MAX_TOKENS  # the decoder's reach, whatever this CPU's limit
             native_steps, forward_steps = record_steps(gen)
         outs.append(gen.run(prompts, params, use_tqdm=False))
     assert native_steps[0] == 284 and 10 in native_steps and not forward_steps
@@ -100,17 +101,19 @@ def test_steps_of_more_than_one_pass_of_rows_are_native_and_give_the_same_tokens
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_steps_longer_than_the_decoders_run_the_transformers_forward(dtype, tokenizer):
-    """Steps of up to 512 tokens (`cpu_decoder.MAX_TOKENS`) run natively, prompts included; longer ones run the
+    """Steps of up to 512 tokens (`cpu_decoder.MAX_TOKENS`) can run natively, prompts included; longer ones run the
     Transformers forward, and the decode steps after them are native again."""
     torch.manual_seed(2)
     steps = {}
     for lengths in ((3, 9, 17, 30, 5, 70, 12, 8, 40, 90), (200, 150, 170)):  # first steps of 284 and 520 tokens
         prompts = [torch.randint(3, 250, (n,)).tolist() for n in lengths]
         gen = ContinuousBatchGenerator(tiny("llama", dtype), tokenizer, num_blocks=512, block_size=4)
+        assert gen.runner.native.max_tokens == cpu_decoder.faster_tokens(dtype) in (160, 512)
+        gen.runner.native.max_tokens = cpu_decoder.MAX_TOKENS
         native_steps, forward_steps = record_steps(gen)
         gen.run(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         steps[sum(lengths)] = native_steps, forward_steps
-    assert gen.runner.native.max_tokens == cpu_decoder.MAX_TOKENS == 512
+    assert cpu_decoder.MAX_TOKENS == 512
     # The prompts' step, then three decode steps of every sequence.
     assert steps[284] == ([284] + [10] * 3, [])
     assert steps[520] == ([3] * 3, [520])
@@ -168,6 +171,7 @@ def test_the_avx2_build_gives_the_transformers_forwards_tokens(dtype, tokenizer,
                                        enforce_eager=enforce_eager)
         if not enforce_eager:
             monkeypatch.setattr(cpu_decoder, "_library", avx2_library)
+            gen.runner.native.max_tokens = cpu_decoder.MAX_TOKENS  # past the AVX2 build's fp32 limit (next test)
             native_steps, forward_steps = record_steps(gen)
         outs.append(gen.run(prompts, params, use_tqdm=False))
     assert native_steps[0] == 284 and not forward_steps
@@ -181,6 +185,25 @@ def test_the_avx2_build_gives_the_transformers_forwards_tokens(dtype, tokenizer,
             assert a.outputs[0].logprobs[0].keys() == b.outputs[0].logprobs[0].keys()
             assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 0.05 * len(
                 a.outputs[0].token_ids)
+
+
+def test_the_avx2_build_leaves_long_fp32_steps_to_the_transformers_forward(tokenizer, avx2_library, monkeypatch):
+    """With AVX2 alone oneDNN's fp32 GEMMs beat the panel products from about 170 tokens on: there fp32 steps of more
+    than 160 tokens run the Transformers forward, shorter ones and the decodes after them the native decoder. bf16
+    keeps all 512."""
+    monkeypatch.setattr(cpu_decoder, "_library", avx2_library)
+    assert (cpu_decoder.faster_tokens(torch.float32), cpu_decoder.faster_tokens(torch.bfloat16)) == (160, 512)
+    torch.manual_seed(3)
+    steps = {}
+    for lengths in ((100, 60), (100, 61)):  # first steps of 160 and 161 tokens
+        gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=256, block_size=4)
+        assert gen.runner.native.max_tokens == 160
+        native_steps, forward_steps = record_steps(gen)
+        prompts = [torch.randint(3, 250, (n,)).tolist() for n in lengths]
+        gen.run(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        steps[sum(lengths)] = native_steps, forward_steps
+    assert steps[160] == ([160, 2, 2], [])
+    assert steps[161] == ([2, 2], [161])
 
 
 def test_a_spec_decode_step_verifies_guesses_natively(tokenizer):

@@ -83,6 +83,13 @@ def linear_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     )
 
 
+def faster_tokens(dtype: torch.dtype) -> int:
+    """The steps, in tokens, up to which `decoder_forward` beats the Transformers forward in ``dtype``: `MAX_TOKENS`,
+    or 160 for fp32 on CPUs with AVX2 and no AVX-512, where oneDNN's GEMMs are faster on longer prompts (0 without the
+    library)."""
+    return _library.hf_paged_decoder_faster_tokens(_DTYPES[dtype]) if available() else 0
+
+
 def linear_rows() -> int:
     """The rows up to which `linear_fits` sends products to the native kernel: `MAX_ROWS`, or 2 on CPUs with AVX2 and
     no AVX-512, where oneDNN is faster from 4 rows on (0 without the library)."""
