@@ -59,7 +59,9 @@ def padding_mask(
             "the paged attention backend applies causal and sliding-window masks only; this forward asks for another "
             "mask pattern (packed sequences, bidirectional blocks, chunked attention or a custom mask function)"
         )
-    if attention_mask is not None:
+    if getattr(attention_mask, "paged_unpadded", False):
+        attention_mask = None
+    elif attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             attention_mask = None
@@ -71,6 +73,15 @@ def padding_mask(
         mask = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
     mask.paged_sliding_window = window
     mask.paged_is_padding = attention_mask is not None
+    return mask
+
+
+def unpadded_mask(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """The ``attention_mask`` of the engine's packed steps, ``[1, num_tokens]``, all True and marked so, so that
+    `padding_mask` need not read it: reading it costs a device-to-host sync every step, which no CUDA graph can hold.
+    Transformers must get some mask: without one it reads the restarting positions as packed sequences."""
+    mask = torch.ones(1, num_tokens, dtype=torch.bool, device=device)
+    mask.paged_unpadded = True
     return mask
 
 
