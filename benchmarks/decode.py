@@ -39,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--output", type=int, default=128, help="greedy output tokens of every request (default: 128)")
     add("--rounds", type=int, default=2, help="turns each variant takes (default: 2)")
     add("--threads", type=int, default=None, help="torch and llama.cpp threads (default: all cores)")
+    add("--device", default="cpu", help="where hf_paged and generate run, cpu or cuda (ours: CUDA graphs, eager: none)")
     add("--variants", default="ours,eager,baseline,generate,llama.cpp",
         help="comma list of the variants to run, a subset of " + ",".join(VARIANTS))
     add("--baseline", default=None, help="a checkout of an older hf_paged (its benchmarks/throughput.py runs it)")
@@ -74,6 +75,8 @@ def throughput_run(args, variant: str, dtype: str, batch: int) -> float:
             cmd += ["--model", args.model]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if args.device != "cpu":
+            cmd += ["--device", args.device]
         if variant == "eager":
             cmd += ["--enforce-eager"]
         env = dict(os.environ, PYTHONPATH=str(root))

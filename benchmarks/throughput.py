@@ -119,6 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--model", default=None, help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
     add("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
         help="weights and KV cache dtype (all engines; float64 is slow, for numerical references)")
+    add("--device", default="cpu", help="where the model runs, cpu or cuda (default: cpu)")
     add("--engines", default=",".join(ENGINES), help=f"comma list, a subset of {','.join(ENGINES)}")
     add("--num-requests", type=int, default=64, help="number of requests in the workload")
     add("--min-prompt", type=int, default=16, help="shortest prompt, in tokens (before --shared-prefix)")
@@ -327,7 +328,7 @@ class StepRecorder:
 
 
 # ------------------------------------------------------------------------------------------------------ engines
-def load_model(path: str, dtype: str, attn: str, round_weights: str | None = None):
+def load_model(path: str, dtype: str, attn: str, round_weights: str | None = None, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -335,7 +336,7 @@ def load_model(path: str, dtype: str, attn: str, round_weights: str | None = Non
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=getattr(torch, dtype),
-                                                 **quantized_load_kwargs(path))
+                                                 device_map=device, **quantized_load_kwargs(path, device))
     if round_weights:
         round_parameters(model, getattr(torch, round_weights))
     return model.eval(), tokenizer
@@ -561,7 +562,7 @@ def run_worker(args) -> None:
         model, tokenizer = load_sharded(args.model, args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     else:
         model, tokenizer = load_model(args.model, args.dtype, "paged" if args.worker == "ours" else "sdpa",
-                                      args.round_weights)
+                                      args.round_weights, args.device)
     runners = dict(static=run_static, hf_cb=run_hf_cb, ours=run_ours)
     if args.worker == "ceiling":
         result = run_ceiling(args, model, tokenizer, job["ceiling_batches"])
@@ -614,6 +615,8 @@ def worker_argv(args) -> list[str]:
         argv += ["--round-weights", args.round_weights]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.device != "cpu":
+        argv += ["--device", args.device]
     if args.kv_cache_memory:
         argv += ["--kv-cache-memory", str(args.kv_cache_memory)]
     if args.tensor_parallel_size > 1:

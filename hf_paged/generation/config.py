@@ -141,8 +141,8 @@ class EngineConfig:
         "on CPU, run linear layers through plain torch instead of oneDNN with weights packed once (packing is "
         "faster and costs the linear weights' memory once more)", True, flag="--no-prepack-weights")
     enforce_eager: bool = _option(
-        "run every step through the model's own Transformers forward: no native CPU decoder for short steps of "
-        "Llama, Mistral and Qwen2/3 models", False)
+        "run every step through the model's own eager Transformers forward: no CUDA graphs for decode steps on GPU, "
+        "no native CPU decoder for short steps of Llama, Mistral and Qwen2/3 models", False)
     speculative_config: SpeculativeConfig | None = _option(
         "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4} (prompt lookup), or "

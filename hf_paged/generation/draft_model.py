@@ -21,6 +21,7 @@ from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers
 from ..native_decoder import NativeDecoder
 from .config import EngineConfig
+from .cuda_graphs import decode_graphs
 from .model_runner import ModelRunner, Span
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
@@ -31,7 +32,7 @@ class DraftModel:
     local model directory (loaded in the target's dtype)."""
 
     def __init__(self, model: torch.nn.Module | str | os.PathLike, target: torch.nn.Module, target_kv: PagedKVStorage,
-                 kv_manager: KVCacheManager, config: EngineConfig):
+                 kv_manager: KVCacheManager, config: EngineConfig, max_model_len: int):
         model = self._load(model, target)
         vocab, target_vocab = (m.get_output_embeddings().weight.shape[0] for m in (model, target))
         if vocab > target_vocab:
@@ -48,6 +49,7 @@ class DraftModel:
             prepack_linear_layers(model)
         native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv)
         self.runner = ModelRunner(model, self.kv, kv_manager, native)
+        self.runner.graphs = decode_graphs(self.runner, config, max_model_len)
         self.computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft keys and values are written
 
     @staticmethod

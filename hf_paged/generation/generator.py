@@ -19,6 +19,7 @@ from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
 from .config import EngineConfig
+from .cuda_graphs import decode_graphs
 from .detokenizer import Detokenizer
 from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one_params_per_prompt
@@ -86,6 +87,7 @@ class ContinuousBatchGenerator:
                 prepack_sharded_linear_layers(model)
         native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv_cache)
         self.runner = ModelRunner(model, self.kv_cache, self.kv, native)
+        self.runner.graphs = decode_graphs(self.runner, config, self.max_model_len)
         try:
             self.speculator = self._speculator(config)
             self._check_model_runs()
@@ -115,7 +117,7 @@ class ContinuousBatchGenerator:
         if spec.method == "draft_model":
             if self.lockstep is not None:
                 raise ValueError("speculative_config.method 'draft_model' is not supported on a tensor-parallel engine")
-            draft = DraftModel(spec.model, self.model, self.kv_cache, self.kv, config)
+            draft = DraftModel(spec.model, self.model, self.kv_cache, self.kv, config, self.max_model_len)
         return Speculator(spec, self.max_model_len, draft)
 
     def _check_model_runs(self) -> None:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention import unpadded_mask
 from ..cache import KVCacheManager, PagedKVStorage, PagedMetadata
 from ..native_decoder import NativeDecoder
 from .scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeGraphs
 
 
 Span = tuple[int, int, list[int]]  # a sequence's tokens in a step: (seq_id, position of the first, token ids)
@@ -36,7 +41,8 @@ class ModelRunner:
     The step's block tables and slots reach the attention layers as the forward argument ``paged_metadata``
     (Transformers hands its keyword arguments on to the attention function). Only the last token of sequences that
     finish their pending tokens this step produces logits. Steps of at most ``native.max_tokens`` tokens go through
-    the `NativeDecoder` instead, when the model has one.
+    the `NativeDecoder` instead, when the model has one; on GPU, decode steps replay CUDA graphs (``graphs``, set by
+    `hf_paged.generation.cuda_graphs.decode_graphs`).
     """
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVStorage, kv_manager: KVCacheManager,
@@ -45,6 +51,7 @@ class ModelRunner:
         self.kv = kv
         self.kv_manager = kv_manager
         self.native = native
+        self.graphs: DecodeGraphs | None = None
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -101,6 +108,8 @@ class ModelRunner:
             if self.native.ready():
                 return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows)
             self.native = None
+        if self.graphs is not None and (logits := self.graphs.run(step)) is not None:
+            return logits
         return self.forward(step)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -110,7 +119,7 @@ class ModelRunner:
             position_ids=step.position_ids,
             # Nothing is padding. Without any mask (and no cache) Transformers would read the restarting positions as
             # packed sequences and ask for a mask pattern the kernels already apply through the block tables.
-            attention_mask=torch.ones(1, step.num_tokens, dtype=torch.bool, device=self.device),
+            attention_mask=unpadded_mask(step.num_tokens, self.device),
             use_cache=False,
             paged_metadata=step.metadata,
         )

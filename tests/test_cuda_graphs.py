@@ -1,0 +1,143 @@
+"""CUDA graphs for decode steps (`hf_paged.generation.cuda_graphs`).
+
+Without a GPU the graphs' own machinery still runs: a stand-in capture replays the step function on the graph's
+buffers, over the Triton kernels (interpreted, ``HF_PAGED_KERNELS=triton``), and refuses every read of a tensor's
+value on the host, which is what a CUDA graph cannot hold. So padding to a bucket, the buffers and the forward's
+freedom from host syncs are tested here; the real capture is tested when a GPU is present."""
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoTokenizer
+
+from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged.generation.cuda_graphs import DecodeGraphs, capture_sizes
+from tiny_models import tiny_model
+
+# Prompts of several lengths whose outputs end at different steps, so the batch shrinks through every bucket.
+PROMPTS = [[1, 5 + i, 9, 17 + 3 * i, 40, 3, 8][: 2 + i % 5] for i in range(7)]
+PARAMS = [SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True) for i in range(7)]
+HOST_READS = {torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.item,
+              torch.ops.aten.nonzero, torch.ops.aten.masked_select, torch.ops.aten.equal}
+
+
+class NoHostReads(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in HOST_READS:
+            raise RuntimeError(f"{func} reads a tensor's value on the host")
+        return func(*args, **(kwargs or {}))
+
+
+class ReplayOnCpu:
+    """A capture for CPU tensors: replaying runs the step function again, into the one logits tensor a graph keeps."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def __call__(self, step):
+        with NoHostReads():
+            logits = step()
+
+        def replay():
+            with NoHostReads():
+                logits.copy_(step())
+            self.replays += 1
+            return logits
+
+        return replay
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+_eager: dict[str, list[list[int]]] = {}
+
+
+def eager_tokens(name, tokenizer):
+    """The tiny model's tokens without graphs, through the same (Triton) kernels."""
+    if name not in _eager:
+        _eager[name] = generate(tiny_model(name)[0], tokenizer)[0]
+    return _eager[name]
+
+
+def generate(model, tokenizer, capture=None, params=PARAMS, **options):
+    gen = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, num_blocks=64, block_size=4,
+                                   max_num_seqs=8, **options)
+    if capture is not None:
+        gen.runner.graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(8), 16, capture=capture)
+    outputs = gen.run(PROMPTS, params, use_tqdm=False)
+    return [out.outputs[0].token_ids for out in outputs], gen
+
+
+def test_capture_sizes_are_vllms_buckets():
+    assert capture_sizes(256)[:6] == (1, 2, 4, 8, 16, 24) and capture_sizes(256)[-1] == 256
+    assert capture_sizes(6) == (1, 2, 4, 6)
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(10_000)[-1] == 256
+
+
+def test_the_engine_captures_graphs_on_gpu_only(tokenizer):
+    model, _ = tiny_model("llama")
+    assert ContinuousBatchGenerator(model, tokenizer, num_blocks=16).runner.graphs is None  # on CPU
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3n"])  # plain, sliding window, layers sharing KV
+def test_decode_steps_from_graphs_give_the_eager_tokens(name, tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    eager = eager_tokens(name, tokenizer)
+    capture = ReplayOnCpu()
+    replayed, gen = generate(tiny_model(name)[0], tokenizer, capture)
+    assert replayed == eager
+    graphs = gen.runner.graphs
+    assert graphs.disabled is None and sorted(graphs.replays) == [1, 2, 4, 8]
+    assert capture.replays >= max(p.max_tokens for p in PARAMS) - 2  # every decode step after the prefills
+
+
+def test_speculative_steps_run_eagerly_between_graph_steps(tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
+    params = PARAMS[:-1] + [PARAMS[-1].replace(max_tokens=24)]  # the last one speculates once the others are done
+    model = tiny_model("llama")[0]
+    eager, _ = generate(model, tokenizer, params=params)
+    capture = ReplayOnCpu()
+    replayed, gen = generate(model, tokenizer, capture, params=params, speculative_config=spec)
+    assert replayed == eager
+    assert gen.stats().spec_decode_num_drafts > 0 and capture.replays > 0
+
+
+def test_a_forward_that_reads_tensors_on_the_host_turns_the_graphs_off(tokenizer, monkeypatch, caplog):
+    """A plain all-ones mask makes the paged mask function check it for padding: a host read. The capture fails,
+    the graphs go off with a warning that says why, and every step runs eagerly to the same tokens."""
+    import hf_paged.generation.model_runner as model_runner
+
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    eager = eager_tokens("llama", tokenizer)
+    monkeypatch.setattr(model_runner, "unpadded_mask", lambda n, device: torch.ones(1, n, dtype=torch.bool))
+    capture = ReplayOnCpu()
+    with caplog.at_level(logging.WARNING, logger="hf_paged.generation.cuda_graphs"):
+        replayed, gen = generate(tiny_model("llama")[0], tokenizer, capture)
+    assert replayed == eager
+    assert "is_nonzero" in gen.runner.graphs.disabled and capture.replays == 0
+    assert "CUDA graphs are off" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphs_give_the_eager_tokens_on_gpu(tokenizer):
+    model, _ = tiny_model("llama")
+    model = model.cuda()
+    eager, _ = generate(model, tokenizer)
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4, max_num_seqs=8)
+    assert gen.runner.graphs is not None
+    outputs = gen.run(PROMPTS, PARAMS, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == eager
+    assert gen.runner.graphs.disabled is None and sorted(gen.runner.graphs.replays) == [1, 2, 4, 8]
+    spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4, max_num_seqs=8,
+                                   speculative_config=spec)
+    outputs = gen.run(PROMPTS, PARAMS, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in outputs] == eager
+    assert gen.speculator.draft.runner.graphs.replays  # the draft's one-token steps too
