@@ -25,7 +25,7 @@ Replay = Callable[[], torch.Tensor]  # runs the captured step again; returns its
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """vLLM's buckets, 1, 2, 4 and then every multiple of 8, up to ``max_num_seqs`` (at most 256), which is one."""
+    """vLLM's buckets: 1, 2, 4, the multiples of 8 below ``max_num_seqs``, and ``max_num_seqs`` itself (at most 256)."""
     top = min(max_num_seqs, MAX_CAPTURE_SIZE)
     return tuple(sorted({s for s in (1, 2, 4, *range(8, top, 8)) if s < top} | {top}))
 
