@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoTokenizer
+from transformers import PreTrainedTokenizerFast
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.generation.cuda_graphs import DecodeGraphs, capture_sizes
@@ -50,8 +50,13 @@ class ReplayOnCpu:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path):
-    return AutoTokenizer.from_pretrained(smollm2_path)
+def tokenizer():
+    """A word-level tokenizer of the tiny models' 256 tokens, built here: a GPU machine has no model files."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, 256)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                   unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 _eager: dict[str, list[list[int]]] = {}
