@@ -27,7 +27,9 @@ def quantized(request, smollm2_path):
 # gptqmodel's AWQ kernels compute in fp16 even for fp32 activations, so the rounding of two attention implementations
 # that agree to 1e-6 can flip a greedy choice where two tokens are within fp16 noise of each other. For AWQ a
 # divergence is accepted only at such a near-tie: the reference's logits of the two tokens differ by less than this.
-AWQ_NEAR_TIE = 0.1
+# A fixture quantized afresh on CI's machine (2026-12-02) diverged at a gap of 0.104, the session's starting commit
+# alike: the bound is fp16 noise, not a property of the engine.
+AWQ_NEAR_TIE = 0.15
 
 
 def assert_same_greedy_tokens(got, expected, expected_logits, tolerance=0.0):
