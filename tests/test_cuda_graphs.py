@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (`hf_paged.generation.cuda_graphs`).
+"""CUDA graphs for decode and verifying steps (`hf_paged.generation.cuda_graphs`).
 
 Without a GPU the graphs' own machinery still runs: a stand-in capture replays the step function on the graph's
 buffers, over the Triton kernels (interpreted, ``HF_PAGED_KERNELS=triton``), and refuses every read of a tensor's
@@ -69,11 +69,13 @@ def eager_tokens(name, tokenizer):
     return _eager[name]
 
 
-def generate(model, tokenizer, capture=None, params=PARAMS, **options):
+def generate(model, tokenizer, capture=None, params=PARAMS, speculative_config=None):
     gen = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, num_blocks=64, block_size=4,
-                                   max_num_seqs=8, **options)
+                                   max_num_seqs=8, speculative_config=speculative_config)
     if capture is not None:
-        gen.runner.graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(8), 16, capture=capture)
+        max_query_len = 1 + (speculative_config or {}).get("num_speculative_tokens", 0)
+        gen.runner.graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(8), 16, max_query_len,
+                                         capture=capture)
     outputs = gen.run(PROMPTS, params, use_tqdm=False)
     return [out.outputs[0].token_ids for out in outputs], gen
 
@@ -83,6 +85,25 @@ def test_capture_sizes_are_vllms_buckets():
     assert capture_sizes(6) == (1, 2, 4, 6)
     assert capture_sizes(1) == (1,)
     assert capture_sizes(10_000)[-1] == 256
+
+
+def test_a_graph_takes_steps_whose_sequences_have_equal_new_tokens(tokenizer):
+    model, _ = tiny_model("llama")
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=16, block_size=4)
+    graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(32), 16, max_query_len=4)
+    for seq_id in (0, 1):
+        gen.kv.allocate(seq_id, 0, 16)
+
+    def step(*query_lens):
+        spans = [(seq_id, 8, [3] * n) for seq_id, n in enumerate(query_lens)]
+        return gen.runner.pack(spans, list(range(sum(query_lens))))
+
+    assert graphs.bucket(step(1, 1)) == (2, 1)
+    assert graphs.bucket(step(3)) == (1, 3)
+    assert graphs.bucket(step(4, 4)) == (2, 4)
+    assert graphs.bucket(step(4, 2)) is None  # the sequences' guesses differ in number
+    assert graphs.bucket(step(5)) is None  # more than 1 + num_speculative_tokens
+    assert DecodeGraphs(gen.runner.forward, gen.kv_cache, (1, 2, 4), 16, 4).bucket(step(3, 3)) is None  # > 4 tokens
 
 
 def test_the_engine_captures_graphs_on_gpu_only(tokenizer):
@@ -98,20 +119,29 @@ def test_decode_steps_from_graphs_give_the_eager_tokens(name, tokenizer, monkeyp
     replayed, gen = generate(tiny_model(name)[0], tokenizer, capture)
     assert replayed == eager
     graphs = gen.runner.graphs
-    assert graphs.disabled is None and sorted(graphs.replays) == [1, 2, 4, 8]
+    assert graphs.disabled is None and sorted(graphs.replays) == [(1, 1), (2, 1), (4, 1), (8, 1)]
     assert capture.replays >= max(p.max_tokens for p in PARAMS) - 2  # every decode step after the prefills
 
 
-def test_speculative_steps_run_eagerly_between_graph_steps(tokenizer, monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "gemma3n"])
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+def test_verifying_steps_replay_graphs_of_their_own(name, schedule, tokenizer, monkeypatch):
+    """A step in which every sequence verifies k guesses runs the graph of k + 1 tokens per sequence, and the tokens
+    are those of decoding without speculation."""
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
-    params = PARAMS[:-1] + [PARAMS[-1].replace(max_tokens=24)]  # the last one speculates once the others are done
-    model = tiny_model("llama")[0]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2,
+            "num_speculative_tokens_schedule": schedule}
+    # The last two speculate once the others are done, together (their guesses may differ in number), then alone.
+    params = PARAMS[:-2] + [PARAMS[-2].replace(max_tokens=20), PARAMS[-1].replace(max_tokens=36)]
+    model = tiny_model(name)[0]
     eager, _ = generate(model, tokenizer, params=params)
     capture = ReplayOnCpu()
     replayed, gen = generate(model, tokenizer, capture, params=params, speculative_config=spec)
     assert replayed == eager
-    assert gen.stats().spec_decode_num_drafts > 0 and capture.replays > 0
+    graphs = gen.runner.graphs
+    verifying = {shape for shape in graphs.replays if shape[1] > 1}
+    assert graphs.disabled is None and verifying and gen.stats().spec_decode_num_drafts > 0
+    assert all(size * q <= 8 for size, q in graphs.replays)  # no graph larger than the largest decode graph
 
 
 def test_a_forward_that_reads_tensors_on_the_host_turns_the_graphs_off(tokenizer, monkeypatch, caplog):
@@ -139,10 +169,11 @@ def test_cuda_graphs_give_the_eager_tokens_on_gpu(tokenizer):
     assert gen.runner.graphs is not None
     outputs = gen.run(PROMPTS, PARAMS, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == eager
-    assert gen.runner.graphs.disabled is None and sorted(gen.runner.graphs.replays) == [1, 2, 4, 8]
+    assert gen.runner.graphs.disabled is None and sorted(gen.runner.graphs.replays) == [(1, 1), (2, 1), (4, 1), (8, 1)]
     spec = {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": 8}
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4, max_num_seqs=8,
                                    speculative_config=spec)
     outputs = gen.run(PROMPTS, PARAMS, use_tqdm=False)
     assert [out.outputs[0].token_ids for out in outputs] == eager
+    assert any(q > 1 for _, q in gen.runner.graphs.replays)  # the target's verifying steps, once few sequences remain
     assert gen.speculator.draft.runner.graphs.replays  # the draft's one-token steps too

@@ -85,9 +85,7 @@ class ContinuousBatchGenerator:
             packed = prepack_linear_layers(model)
             if self.lockstep is not None:
                 prepack_sharded_linear_layers(model)
-        native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv_cache)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv, native)
-        self.runner.graphs = decode_graphs(self.runner, config, self.max_model_len)
+        self.runner = self._runner(config)
         try:
             self.speculator = self._speculator(config)
             self._check_model_runs()
@@ -108,6 +106,14 @@ class ContinuousBatchGenerator:
                                  spec=KVCacheSpec.from_model(model))
         storage.allocate(dtype, model.device)
         return storage
+
+    def _runner(self, config: EngineConfig) -> ModelRunner:
+        native = None if config.enforce_eager else NativeDecoder.for_model(self.model, self.kv_cache)
+        runner = ModelRunner(self.model, self.kv_cache, self.kv, native)
+        spec = config.speculative_config  # a verifying step holds 1 + k tokens per sequence
+        runner.graphs = decode_graphs(runner, config, self.max_model_len,
+                                      1 + (spec.num_speculative_tokens if spec else 0))
+        return runner
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         spec = config.speculative_config
