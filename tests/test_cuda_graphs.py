@@ -106,6 +106,23 @@ def test_a_graph_takes_steps_whose_sequences_have_equal_new_tokens(tokenizer):
     assert DecodeGraphs(gen.runner.forward, gen.kv_cache, (1, 2, 4), 16, 4).bucket(step(3, 3)) is None  # > 4 tokens
 
 
+def test_a_verifying_graph_padded_with_empty_sequences_gives_the_eager_logits(tokenizer, monkeypatch):
+    """Three sequences of two new tokens run the graph of four: the fourth attends to nothing and writes nothing."""
+    monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
+    model, _ = tiny_model("llama")
+    gen = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, num_blocks=16, block_size=4)
+    graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(8), 16, max_query_len=2,
+                          capture=ReplayOnCpu())
+    for seq_id in range(3):
+        gen.kv.allocate(seq_id, 0, 10)
+    step = gen.runner.pack([(seq_id, 8, [5 + seq_id, 9]) for seq_id in range(3)], [0, 1, 2, 3, 4, 5])
+    assert graphs.bucket(step) == (4, 2)
+    eager = gen.runner.forward(step)
+    replayed = graphs.run(step)
+    torch.testing.assert_close(replayed, eager)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+
+
 def test_the_engine_captures_graphs_on_gpu_only(tokenizer):
     model, _ = tiny_model("llama")
     assert ContinuousBatchGenerator(model, tokenizer, num_blocks=16).runner.graphs is None  # on CPU
