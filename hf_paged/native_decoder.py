@@ -198,10 +198,11 @@ class NativeDecoder:
     # ---------------------------------------------------------------------------------------------- one step
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: PagedMetadata,
-                sample_rows: torch.Tensor) -> torch.Tensor:
+                sample_rows: torch.Tensor, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[len(sample_rows), vocab]`` of the tokens ``input_ids`` ``[1, T]`` at ``position_ids``, whose keys
-        and values are stored in the slots ``metadata`` names (as the Transformers forward would store them)."""
+        and values are stored in the slots ``metadata`` names (as the Transformers forward would store them).
+        ``prompt_lens`` (int32, per sequence) marks its prompt tokens (`cpu_decoder.prompt_tiles`)."""
         hidden = self.embed(input_ids)[0].contiguous()
         cos, sin = self.rotary(hidden, position_ids)
         return cpu_decoder.decoder_forward(self._struct, hidden, cos[0].contiguous(), sin[0].contiguous(), metadata,
-                                           sample_rows)
+                                           sample_rows, prompt_lens)

@@ -219,6 +219,86 @@ def test_a_spec_decode_step_verifies_guesses_natively(tokenizer):
     assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
 
 
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_path):
+    """SmolLM2 in bf16: its 576- and 1536-long products round differently on tiles, which a tiny model's hide."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16, attn_implementation="paged")
+
+
+def test_bf16_speculation_keeps_the_tokens_of_native_decoding(tokenizer, smollm2_bf16):
+    """Verified guesses are generated tokens: in bf16 they take the vector kernels, as one-token decode steps do, so
+    the guesses kept and the tokens after them are those of decoding without speculation (prompts on tiles both
+    ways). SmolLM2 asked to repeat a text keeps some guesses."""
+    text = "The quick brown fox jumps over the lazy dog, then runs into the forest and hides behind an old oak tree."
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {text}"}],
+                                           add_generation_prompt=True, tokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 8}):
+        gen = ContinuousBatchGenerator(smollm2_bf16, tokenizer, num_blocks=64, block_size=16,
+                                       speculative_config=spec)
+        outs.append(gen.run([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        assert spec is None or gen.stats().spec_decode_num_accepted_tokens > 0
+    assert outs[0] == outs[1]
+
+
+def _bf16_outputs(gen, late: list[int] | None = None, after: int = 0, **params) -> dict[str, tuple]:
+    """Greedy tokens and logprobs of PROMPTS (and of ``late``, added after ``after`` steps: it prefills while the
+    others decode), by request id."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **params)
+    for i, prompt in enumerate(PROMPTS):
+        gen.add_request(prompt, params, request_id=str(i))
+    done, steps = {}, 0
+    while gen.has_unfinished_requests() or (late is not None and "late" not in done):
+        if late is not None and steps == after:
+            gen.add_request(late, params, request_id="late")
+        steps += 1
+        for out in gen.step():
+            if out.finished:
+                o = out.outputs[0]
+                done[out.request_id] = o.token_ids, [list(lp.values()) for lp in (o.logprobs or [])]
+    return done
+
+
+def test_bf16_rows_are_computed_alike_in_every_batch_and_chunking(tokenizer, smollm2_bf16):
+    """bf16 prompt tokens take AMX tiles where the CPU has them, generated tokens the vector kernels: each in any
+    step alike. A prompt prefilled while others decode, or in chunks of 5 tokens (short tiles), gives the same
+    logprobs to the bit as alone in one step, and so do the sequences decoding beside it."""
+    late = tokenizer("Paged attention keeps the keys and values of every sequence in fixed-size blocks, and a block "
+                     "table maps each sequence's positions to the blocks that hold them, as pages do.").input_ids
+    assert len(late) > 2 * 16  # alone, in one step: two whole tiles and a short one
+
+    def engine(**options):
+        return ContinuousBatchGenerator(smollm2_bf16, tokenizer, num_blocks=128, block_size=4, **options)
+
+    together = _bf16_outputs(engine(), late, after=3, logprobs=2)
+    alone = _bf16_outputs(engine(), logprobs=2)
+    alone["late"] = _bf16_outputs(engine(max_num_batched_tokens=32), late, logprobs=2)["late"]
+    chunked = _bf16_outputs(engine(max_num_batched_tokens=5, max_num_seqs=1), late, logprobs=2)
+    assert together == alone
+    assert chunked["late"] == alone["late"]
+
+
+def test_bf16_prompt_tokens_take_tiles_where_the_cpu_has_them(tokenizer, smollm2_bf16):
+    """Without the prompt lengths every row takes the vector kernels. With AMX, SmolLM2's prompt rows, on tiles, sum
+    in another order: the first tokens' logprobs differ by a bf16 rounding of the logits, not more. Without AMX nothing
+    changes."""
+    prompts = [tokenizer(text).input_ids for text in ("The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3,")]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    firsts = []
+    for drop_prompt_lens in (False, True):
+        gen = ContinuousBatchGenerator(smollm2_bf16, tokenizer, num_blocks=16, block_size=16)
+        if drop_prompt_lens:
+            forward = gen.runner.native.forward
+            gen.runner.native.forward = lambda *args: forward(*args[:4])
+        firsts.append([out.outputs[0].logprobs[0] for out in gen.run(prompts, params, use_tqdm=False)])
+    differences = [abs(a[t] - b[t]) for a, b in zip(*firsts) for t in a.keys() & b.keys()]
+    assert len(differences) >= 12 and max(differences) < 0.25  # a logit of 16-32 moves in bf16 steps of 0.125
+    assert (max(differences) > 0) == cpu_decoder.prompt_tiles()
+
+
 @pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(NATIVE)))
 def test_other_architectures_run_the_transformers_forward(arch, tokenizer):
     model, _ = tiny_model(arch)

@@ -22,13 +22,15 @@ Span = tuple[int, int, list[int]]  # a sequence's tokens in a step: (seq_id, pos
 
 @dataclass
 class StepInputs:
-    """One step's tokens, flat: ``input_ids`` and ``position_ids`` ``[1, T]``, the attention metadata, and the token
-    rows whose logits are sampled (``sample_rows``, int64, on the model's device)."""
+    """One step's tokens, flat: ``input_ids`` and ``position_ids`` ``[1, T]``, the attention metadata, the token
+    rows whose logits are sampled (``sample_rows``, int64, on the model's device), and, for the native decoder, each
+    sequence's prompt length (``prompt_lens``, int32: its tokens at lower positions are prompt tokens)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     metadata: PagedMetadata
     sample_rows: torch.Tensor
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +65,7 @@ class ModelRunner:
         spans: list[Span] = []
         sample_rows: list[int] = []
         num_tokens = 0
+        prompt_lens = [seq.request.num_prompt_tokens for seq in out.seqs] if self.native is not None else None
         for seq, n in zip(out.seqs, out.num_tokens):
             start = seq.num_computed_tokens
             guesses = out.spec_token_ids.get(seq.seq_id, [])  # speculative guesses, computed after its last token
@@ -70,11 +73,12 @@ class ModelRunner:
             num_tokens += n
             if start + n >= seq.num_tokens:  # its last token's logits, and each guess's
                 sample_rows += range(num_tokens - 1 - len(guesses), num_tokens)
-        return self.pack(spans, sample_rows)
+        return self.pack(spans, sample_rows, prompt_lens)
 
-    def pack(self, spans: list[Span], sample_rows: list[int]) -> StepInputs:
+    def pack(self, spans: list[Span], sample_rows: list[int], prompt_lens: list[int] | None = None) -> StepInputs:
         """The flat inputs of ``spans``: ``(seq_id, first position, tokens)`` each, the sequences' blocks already
-        allocated through their last token; ``sample_rows`` index the packed tokens."""
+        allocated through their last token; ``sample_rows`` index the packed tokens; ``prompt_lens``, if given, the
+        spans' prompt lengths."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -94,6 +98,7 @@ class ModelRunner:
             position_ids=torch.tensor([positions], device=self.device),
             metadata=PagedMetadata.build(self.kv, tables, seq_lens, query_lens, slots),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            prompt_lens=None if prompt_lens is None else torch.tensor(prompt_lens, dtype=torch.int32),
         )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -106,7 +111,8 @@ class ModelRunner:
         """The logits of ``step``'s sample rows: through the native decoder when it takes the step, else `forward`."""
         if self.native is not None and step.num_tokens <= self.native.max_tokens:
             if self.native.ready():
-                return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows)
+                return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,
+                                           step.prompt_lens)
             self.native = None
         if self.graphs is not None and (logits := self.graphs.run(step)) is not None:
             return logits

@@ -20,6 +20,14 @@
 
 #include <omp.h>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HF_PAGED_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HF_PAGED_AMX 0
+#endif
+
 #include "cpu_kernels.h"
 
 namespace {
@@ -419,32 +427,165 @@ inline void panel_rows_blocked(int rows, const T* x, int64_t xs, const T* panel,
 }
 #endif
 
-// f(m, n, x[m] . w[n]) for the output rows of panels [p0, p1) of a packed weight of N rows and M input rows, M up to
-// kMaxTokens: kMaxRows rows (AVX2: kChunkRows) at a time per panel, so that a panel is read from memory once and from
-// the cache for the further rows. Decode steps of 12 to 64 sequences ran 1.10-1.88x faster this way than through the
-// Transformers forward with oneDNN's packed weights (SmolLM2, fp32 and bf16, benchmarks/decode.py, AVX-512).
+// f(m, n, x[m] . w[n]) for the output rows [n0, n0 + count) of one panel of a packed weight and input rows
+// [m0, m0 + rows): kMaxRows rows (AVX2: kChunkRows) at a time, so that the panel is read from memory once and from the
+// cache for the further rows.
 template <typename T, typename F>
-inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t N, int64_t p0, int64_t p1,
-                           F&& f) {
+inline void vector_rows(int m0, int rows, const T* x, int64_t xs, const T* panel, int64_t K, int64_t n0, int64_t count,
+                        F&& f) {
 #if HF_PAGED_AVX2
     constexpr int chunk = kChunkRows;
 #else
     constexpr int chunk = kMaxRows;
 #endif
     float out[chunk * kPanel];
+    for (int m1 = m0 + rows; m0 < m1; m0 += chunk) {
+        const int n = std::min(chunk, m1 - m0);
+#if HF_PAGED_AVX2
+        panel_rows_blocked(n, x + m0 * xs, xs, panel, K, out);
+#else
+        with_rows(n, [&](auto R) { panel_rows<decltype(R)::value>(x + m0 * xs, xs, panel, K, out); });
+#endif
+        for (int m = 0; m < n; ++m)
+            for (int64_t r = 0; r < count; ++r) f(m0 + m, n0 + r, out[m * kPanel + r]);
+    }
+}
+
+#if HF_PAGED_AMX
+// With AMX (Sapphire Rapids on), bf16 prompt rows are multiplied by tiles of kTileRows rows: per 32 k's, one tile of
+// x, three of the panel (a bf16 panel's 16 pairs of k for 16 outputs are a tile's rows, 192 bytes apart) and three
+// products into the tiles of the panel's 48 sums. AMX sums in another order than vdpbf16ps, so the rows of generated
+// tokens (decode steps, speculative guesses, a preempted sequence's recomputed output) stay on the vector kernels,
+// which sum a row alike whatever its batch: tokens never depend on how the steps were batched or speculated. Prompt
+// rows, computed only ever by tiles, are the same in any step too. Streaming weights for a few rows, tiles were
+// slower (bf16 decode steps of one sequence 0.95x); from 16 rows on they multiply several times faster.
+constexpr int kTileRows = 16;
+constexpr int64_t kTileK = 32;
+
+// Linux hands a process the tile registers only on request (once per process); false where it refuses.
+inline bool amx_granted() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles 0-2: sums (16 rows of 16 fp32); 3: x (16 rows of 32 bf16); 4-6: the panel (16 pairs of k of 16 outputs).
+inline void configure_tiles() {
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+        config.rows[t] = kTileRows;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+// out[m * kPanel + r] = x[m] . (row r of the bf16 panel p) for kTileRows rows of x (stride xs), K % kTileK == 0.
+inline void panel_tiles(const uint16_t* x, int64_t xs, const uint16_t* p, int64_t K, float* out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t k = 0; k < K; k += kTileK) {
+        const uint16_t* w = p + k * kPanel;
+        const char* ahead = reinterpret_cast<const char*>(w) + kPanelAheadBytes;
+#pragma GCC unroll 48
+        for (int j = 0; j < 48; ++j) __builtin_prefetch(ahead + 64 * j, 0, 3);  // the next 32 k's: 48 lines
+        _tile_loadd(3, x + k, xs * 2);
+        _tile_loadd(4, w, 4 * kPanel);
+        _tile_loadd(5, w + 32, 4 * kPanel);
+        _tile_loadd(6, w + 64, 4 * kPanel);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    _tile_stored(0, out, kPanel * 4);
+    _tile_stored(1, out + 16, kPanel * 4);
+    _tile_stored(2, out + 32, kPanel * 4);
+}
+
+// Rows [m0, m0 + rows) of x, all prompt rows (tiles) or none (vector kernels); a tile's rows are x's own, or a copy
+// of the last few rows of a run followed by rows whose sums are never read.
+struct RowBlock {
+    int m0, rows;
+    bool tiled;
+    const uint16_t* x;
+    int64_t xs;
+};
+
+// The blocks of M rows of x whose prompt[m] says which are prompt rows; the copies go to `padded`.
+inline void row_blocks(int M, const uint16_t* x, int64_t xs, int64_t K, const uint8_t* prompt,
+                       std::vector<RowBlock>& blocks, std::vector<uint16_t>& padded) {
+    blocks.clear();
+    int short_runs = 0;
+    for (int m0 = 0, m1; m0 < M; m0 = m1) {
+        for (m1 = m0 + 1; m1 < M && prompt[m1] == prompt[m0];) ++m1;
+        short_runs += prompt[m0] && (m1 - m0) % kTileRows;
+    }
+    if (padded.size() < static_cast<size_t>(short_runs * kTileRows * K)) padded.resize(short_runs * kTileRows * K);
+    uint16_t* copy = padded.data();
+    for (int m0 = 0, m1; m0 < M; m0 = m1) {
+        for (m1 = m0 + 1; m1 < M && prompt[m1] == prompt[m0];) ++m1;
+        if (!prompt[m0]) {
+            blocks.push_back({m0, m1 - m0, false, x + m0 * xs, xs});
+            continue;
+        }
+        int m = m0;
+        for (; m + kTileRows <= m1; m += kTileRows) blocks.push_back({m, kTileRows, true, x + m * xs, xs});
+        if (m == m1) continue;
+        for (int r = m; r < m1; ++r) std::copy(x + r * xs, x + r * xs + K, copy + (r - m) * K);
+        blocks.push_back({m, m1 - m, true, copy, K});
+        copy += kTileRows * K;
+    }
+}
+
+// panel_products (below) for bf16 rows of which some are prompt rows.
+template <typename F>
+void tile_products(int M, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t K, int64_t N, int64_t p0,
+                   int64_t p1, const uint8_t* prompt, F&& f) {
+    if (p0 >= p1) return;
+    thread_local std::vector<RowBlock> blocks;
+    thread_local std::vector<uint16_t> padded;
+    row_blocks(M, x, xs, K, prompt, blocks, padded);
+    alignas(64) float out[kTileRows * kPanel];
+    configure_tiles();
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel, count = std::min<int64_t>(kPanel, N - n0);
-        for (int m0 = 0; m0 < M; m0 += chunk) {
-            const int rows = std::min(chunk, M - m0);
-            const T* panel = w + p * kPanel * K;
-#if HF_PAGED_AVX2
-            panel_rows_blocked(rows, x + m0 * xs, xs, panel, K, out);
-#else
-            with_rows(rows, [&](auto R) { panel_rows<decltype(R)::value>(x + m0 * xs, xs, panel, K, out); });
-#endif
-            for (int m = 0; m < rows; ++m)
-                for (int64_t r = 0; r < count; ++r) f(m0 + m, n0 + r, out[m * kPanel + r]);
+        const uint16_t* panel = w + p * kPanel * K;
+        for (const RowBlock& b : blocks) {
+            if (!b.tiled) {
+                vector_rows(0, b.rows, b.x, b.xs, panel, K, n0, count,
+                            [&](int m, int64_t n, float v) { f(b.m0 + m, n, v); });
+                continue;
+            }
+            panel_tiles(b.x, b.xs, panel, K, out);
+            for (int m = 0; m < b.rows; ++m)
+                for (int64_t r = 0; r < count; ++r) f(b.m0 + m, n0 + r, out[m * kPanel + r]);
         }
+    }
+    _tile_release();
+}
+#endif
+
+// f(m, n, x[m] . w[n]) for the output rows of panels [p0, p1) of a packed weight of N rows and M input rows, M up to
+// kMaxTokens, panel by panel (vector_rows). Decode steps of 12 to 64 sequences ran 1.10-1.88x faster this way than
+// through the Transformers forward with oneDNN's packed weights (SmolLM2, fp32 and bf16, benchmarks/decode.py,
+// AVX-512). ``prompt`` (or null) marks the prompt rows, which AMX multiplies where the CPU has it.
+template <typename T, typename F>
+inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K, int64_t N, int64_t p0, int64_t p1,
+                           F&& f, const uint8_t* prompt = nullptr) {
+#if HF_PAGED_AMX
+    if constexpr (sizeof(T) == 2) {
+        if (prompt && K % kTileK == 0 && amx_granted()) return tile_products(M, x, xs, w, K, N, p0, p1, prompt, f);
+    }
+#endif
+    for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel;
+        vector_rows(0, M, x, xs, w + p * kPanel * K, K, n0, std::min<int64_t>(kPanel, N - n0), f);
     }
 }
 
@@ -594,6 +735,7 @@ struct DecoderStep {
     const int32_t* seq_lens;
     const int64_t* slot_mapping;
     const int64_t* sample_rows;  // [num_samples]: the token rows whose logits are wanted
+    const int32_t* prompt_lens;  // [num_seqs] or null: a sequence's positions below its prompt length are the prompt's
     void* logits;  // [num_samples, vocab]
     int32_t num_tokens, num_seqs, bt_width, num_samples, num_threads;
 };
@@ -606,6 +748,8 @@ struct Forward {
     const DecoderStep& s;
     const int L, H, I, D, Hq, Hkv, width;  // tokens, sizes; width: one token's row of q, k and v
     std::vector<T> xn, qkv, attn, act;
+    std::vector<uint8_t> prompt_rows;  // per token: whether it is a prompt token
+    const uint8_t* prompt = nullptr;  // prompt_rows, where any token is one
 
     Forward(const DecoderModel& model, const DecoderStep& step)
         : m(model), s(step), L(step.num_tokens), H(model.hidden_size), I(model.intermediate_size),
@@ -637,7 +781,7 @@ struct Forward {
             T* out = qkv.data() + offsets[j];
             panel_products(L, xn.data(), H, static_cast<const T*>(weights[j]), H, sizes[j], a - firsts[j],
                            b - firsts[j],
-                           [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); });
+                           [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); }, prompt);
         }
 #pragma omp barrier
 #pragma omp for
@@ -692,7 +836,7 @@ struct Forward {
         T* h = hidden();
         panel_products(L, x, K, static_cast<const T*>(w), K, N, p0, p1, [&](int t, int64_t n, float v) {
             store(h + t * N + n, to_float(h[t * N + n]) + rounded<T>(v + bias_at(bias, n)));
-        });
+        }, prompt);
     }
 
     // After attention: the output projection into the residual stream, then the MLP.
@@ -708,11 +852,11 @@ struct Forward {
         const T *gate = static_cast<const T*>(layer.gate), *up = static_cast<const T*>(layer.up);
         panel_products(L, xn.data(), H, gate, H, I, p0, p1, [&](int t, int64_t n, float v) {
             store(a + t * I + n, v + bias_at(gate_bias, n));  // rounded to T, as the gate projection's output
-        });
+        }, prompt);
         silu_rows(a, L, I, std::min<int64_t>(I, p0 * kPanel), std::min<int64_t>(I, p1 * kPanel));
         panel_products(L, xn.data(), H, up, H, I, p0, p1, [&](int t, int64_t n, float v) {
             store(a + t * I + n, to_float(a[t * I + n]) * rounded<T>(v + bias_at(up_bias, n)));
-        });
+        }, prompt);
 #pragma omp barrier
         add_product(layer.down, layer.down_bias, act.data(), I, H);
     }
@@ -733,8 +877,21 @@ struct Forward {
     }
 
     // One parallel region for the whole step; every layer's attention reads the same indices, checked once.
+    // After check_attention: the step's query_start_loc and seq_lens are in range.
+    void mark_prompt_rows() {
+        if (!s.prompt_lens) return;
+        prompt_rows.assign(L, 0);
+        bool any = false;
+        for (int i = 0; i < s.num_seqs; ++i) {
+            const int q0 = s.query_start_loc[i], q1 = s.query_start_loc[i + 1], first = s.seq_lens[i] - (q1 - q0);
+            for (int t = q0; t < q1; ++t) any |= prompt_rows[t] = first + (t - q0) < s.prompt_lens[i];
+        }
+        prompt = any ? prompt_rows.data() : nullptr;
+    }
+
     int run() {
         if (const int status = check_attention(problem(m.layers[0]))) return status;
+        mark_prompt_rows();
 #pragma omp parallel num_threads(s.num_threads)
         {
             for (int l = 0; l < m.num_layers; ++l) {
@@ -803,6 +960,15 @@ extern "C" int hf_paged_max_rows() { return kMaxRows; }
 extern "C" int hf_paged_linear_rows() { return HF_PAGED_AVX2 ? 2 : kMaxRows; }
 
 extern "C" int hf_paged_decoder_max_tokens() { return kMaxTokens; }
+
+// Whether bf16 prompt rows are multiplied with AMX tiles (tile_products).
+extern "C" int hf_paged_decoder_prompt_tiles() {
+#if HF_PAGED_AMX
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
 
 // The steps (in tokens) up to which the decoder runs faster than the Transformers forward with oneDNN's packed GEMMs,
 // by dtype (0 fp32, 1 bf16). With AVX2 alone, fp32 prompts of SmolLM2 alone in a step ran 1.25x faster natively at 128

@@ -37,7 +37,7 @@ class _Model(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [
         ("hidden", _p), ("cos", _p), ("sin", _p), ("query_start_loc", _p), ("block_tables", _p), ("bt_stride", _i64),
-        ("seq_lens", _p), ("slot_mapping", _p), ("sample_rows", _p), ("logits", _p),
+        ("seq_lens", _p), ("slot_mapping", _p), ("sample_rows", _p), ("prompt_lens", _p), ("logits", _p),
         ("num_tokens", _i32), ("num_seqs", _i32), ("bt_width", _i32), ("num_samples", _i32), ("num_threads", _i32),
     ]
 
@@ -88,6 +88,13 @@ def faster_tokens(dtype: torch.dtype) -> int:
     or 160 for fp32 on CPUs with AVX2 and no AVX-512, where oneDNN's GEMMs are faster on longer prompts (0 without the
     library)."""
     return _library.hf_paged_decoder_faster_tokens(_DTYPES[dtype]) if available() else 0
+
+
+def prompt_tiles() -> bool:
+    """Whether `decoder_forward` multiplies bf16 prompt tokens with AMX tiles: built for a CPU with AMX-BF16 and given
+    the tile registers by the kernel. Prompts then prefill several times faster; generated tokens always take the
+    vector kernels, whose sums do not depend on the batch."""
+    return available() and bool(_library.hf_paged_decoder_prompt_tiles())
 
 
 def linear_rows() -> int:
@@ -162,17 +169,19 @@ class DecoderWeights:
 
 
 def decoder_forward(model: _Model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata,
-                    sample_rows: torch.Tensor) -> torch.Tensor:
+                    sample_rows: torch.Tensor, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Run every layer on ``hidden`` ``[T, hidden_size]`` (the tokens' embeddings, overwritten) with the rotary
     ``cos``/``sin`` ``[T, head_dim]`` and the step's `PagedMetadata`, storing the new keys and values in the cache;
-    returns the logits ``[len(sample_rows), vocab]`` of the rows ``sample_rows`` (int64)."""
+    returns the logits ``[len(sample_rows), vocab]`` of the rows ``sample_rows`` (int64). ``prompt_lens`` (int32, one
+    per sequence) marks the tokens at lower positions as prompt tokens, which bf16 multiplies with AMX tiles where the
+    CPU has them (see `prompt_tiles`)."""
     logits = torch.empty(sample_rows.shape[0], model.vocab_size, dtype=hidden.dtype)
     tables = metadata.block_tables
     step = _Step(
         hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), metadata.query_start_loc.data_ptr(), tables.data_ptr(),
         tables.stride(0), metadata.seq_lens.data_ptr(), metadata.slot_mapping.data_ptr(), sample_rows.data_ptr(),
-        logits.data_ptr(), hidden.shape[0], metadata.seq_lens.shape[0], tables.shape[1], sample_rows.shape[0],
-        torch.get_num_threads(),
+        _ptr(prompt_lens), logits.data_ptr(), hidden.shape[0], metadata.seq_lens.shape[0], tables.shape[1],
+        sample_rows.shape[0], torch.get_num_threads(),
     )
     status = _library.hf_paged_decoder_forward(ctypes.byref(model), ctypes.byref(step))
     if status in cpu_ops.INDEX_ERRORS:
