@@ -973,5 +973,7 @@ extern "C" int hf_paged_decoder_prompt_tiles() {
 // The steps (in tokens) up to which the decoder runs faster than the Transformers forward with oneDNN's packed GEMMs,
 // by dtype (0 fp32, 1 bf16). With AVX2 alone, fp32 prompts of SmolLM2 alone in a step ran 1.25x faster natively at 128
 // tokens, 1.06x at 160, 0.92x at 192 and 0.61x at 512; bf16 (oneDNN widens it on such CPUs) 2.96-4.52x faster
-// natively from 128 to 512. With AVX-512 every size up to kMaxTokens ran faster natively in both dtypes.
+// natively from 128 to 512. With AVX-512 every size up to kMaxTokens ran faster natively in both dtypes; on a CPU with
+// AMX, bf16 prompts did only once their rows took the tiles (one prompt alone: 1.5x oneDNN's speed at 235 tokens,
+// 1.1-1.2x at 480; 0.6x at 235 on the vector kernels).
 extern "C" int hf_paged_decoder_faster_tokens(int dtype) { return HF_PAGED_AVX2 && dtype == 0 ? 160 : kMaxTokens; }
