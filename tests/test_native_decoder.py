@@ -285,7 +285,8 @@ def test_bf16_prompt_tokens_take_tiles_where_the_cpu_has_them(tokenizer, smollm2
     """Without the prompt lengths every row takes the vector kernels. With AMX, SmolLM2's prompt rows, on tiles, sum
     in another order: the first tokens' logprobs differ by a bf16 rounding of the logits, not more. Without AMX nothing
     changes."""
-    prompts = [tokenizer(text).input_ids for text in ("The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3,")]
+    texts = ("The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3,")
+    prompts = [tokenizer(text).input_ids for text in texts]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     firsts = []
     for drop_prompt_lens in (False, True):
@@ -377,6 +378,14 @@ def test_a_bad_block_table_is_refused_not_read(tokenizer):
     metadata = PagedMetadata.build(gen.kv_cache, [[99]], [1], [1], [0])
     with pytest.raises(ValueError, match="block table lists a block outside 0..7"):
         decoder.forward(torch.tensor([[5]]), torch.tensor([[0]]), metadata, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("prompt_lens", [torch.tensor([1, 1], dtype=torch.int32), torch.tensor([1])])
+def test_prompt_lengths_other_than_one_int32_per_sequence_are_refused(tokenizer, prompt_lens):
+    gen = ContinuousBatchGenerator(tiny("llama", torch.bfloat16), tokenizer, num_blocks=8, block_size=4)
+    metadata = PagedMetadata.build(gen.kv_cache, [[0]], [1], [1], [0])
+    with pytest.raises(ValueError, match="prompt_lens must be 1 contiguous int32 values, one per sequence"):
+        gen.runner.native.forward(torch.tensor([[5]]), torch.tensor([[0]]), metadata, torch.tensor([0]), prompt_lens)
 
 
 # ------------------------------------------------------------------------------------ matrix-vector products

@@ -456,8 +456,8 @@ inline void vector_rows(int m0, int rows, const T* x, int64_t xs, const T* panel
 // x, three of the panel (a bf16 panel's 16 pairs of k for 16 outputs are a tile's rows, 192 bytes apart) and three
 // products into the tiles of the panel's 48 sums. AMX sums in another order than vdpbf16ps, so the rows of generated
 // tokens (decode steps, speculative guesses, a preempted sequence's recomputed output) stay on the vector kernels,
-// which sum a row alike whatever its batch: tokens never depend on how the steps were batched or speculated. Prompt
-// rows, computed only ever by tiles, are the same in any step too. Streaming weights for a few rows, tiles were
+// which sum a row alike whatever its batch: tokens do not depend on how the decoder's steps were batched, chunked or
+// speculated. Prompt rows, computed only ever by tiles, are the same in any step too. Streaming weights for a few rows, tiles were
 // slower (bf16 decode steps of one sequence 0.95x); from 16 rows on they multiply several times faster.
 constexpr int kTileRows = 16;
 constexpr int64_t kTileK = 32;
@@ -781,7 +781,8 @@ struct Forward {
             T* out = qkv.data() + offsets[j];
             panel_products(L, xn.data(), H, static_cast<const T*>(weights[j]), H, sizes[j], a - firsts[j],
                            b - firsts[j],
-                           [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); }, prompt);
+                           [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); },
+                           prompt);
         }
 #pragma omp barrier
 #pragma omp for
@@ -876,7 +877,6 @@ struct Forward {
                        [&](int i, int64_t n, float v) { store(out + i * V + n, v + bias_at(bias, n)); });
     }
 
-    // One parallel region for the whole step; every layer's attention reads the same indices, checked once.
     // After check_attention: the step's query_start_loc and seq_lens are in range.
     void mark_prompt_rows() {
         if (!s.prompt_lens) return;
@@ -889,6 +889,7 @@ struct Forward {
         prompt = any ? prompt_rows.data() : nullptr;
     }
 
+    // One parallel region for the whole step; every layer's attention reads the same indices, checked once.
     int run() {
         if (const int status = check_attention(problem(m.layers[0]))) return status;
         mark_prompt_rows();

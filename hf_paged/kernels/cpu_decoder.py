@@ -175,12 +175,16 @@ def decoder_forward(model: _Model, hidden: torch.Tensor, cos: torch.Tensor, sin:
     returns the logits ``[len(sample_rows), vocab]`` of the rows ``sample_rows`` (int64). ``prompt_lens`` (int32, one
     per sequence) marks the tokens at lower positions as prompt tokens, which bf16 multiplies with AMX tiles where the
     CPU has them (see `prompt_tiles`)."""
+    num_seqs = metadata.seq_lens.shape[0]
+    if prompt_lens is not None and (prompt_lens.dtype != torch.int32 or prompt_lens.shape != (num_seqs,)
+                                    or not prompt_lens.is_contiguous()):
+        raise ValueError(f"prompt_lens must be {num_seqs} contiguous int32 values, one per sequence")
     logits = torch.empty(sample_rows.shape[0], model.vocab_size, dtype=hidden.dtype)
     tables = metadata.block_tables
     step = _Step(
         hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), metadata.query_start_loc.data_ptr(), tables.data_ptr(),
         tables.stride(0), metadata.seq_lens.data_ptr(), metadata.slot_mapping.data_ptr(), sample_rows.data_ptr(),
-        _ptr(prompt_lens), logits.data_ptr(), hidden.shape[0], metadata.seq_lens.shape[0], tables.shape[1],
+        _ptr(prompt_lens), logits.data_ptr(), hidden.shape[0], num_seqs, tables.shape[1],
         sample_rows.shape[0], torch.get_num_threads(),
     )
     status = _library.hf_paged_decoder_forward(ctypes.byref(model), ctypes.byref(step))
