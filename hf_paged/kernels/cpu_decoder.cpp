@@ -427,26 +427,25 @@ inline void panel_rows_blocked(int rows, const T* x, int64_t xs, const T* panel,
 }
 #endif
 
-// f(m, n, x[m] . w[n]) for the output rows [n0, n0 + count) of one panel of a packed weight and input rows
-// [m0, m0 + rows): kMaxRows rows (AVX2: kChunkRows) at a time, so that the panel is read from memory once and from the
-// cache for the further rows.
+// f(m, n, x[m] . w[n]) for the output rows [n0, n0 + count) of one panel of a packed weight and input rows [0, M):
+// kMaxRows rows (AVX2: kChunkRows) at a time, so that the panel is read from memory once and from the cache for the
+// further rows.
 template <typename T, typename F>
-inline void vector_rows(int m0, int rows, const T* x, int64_t xs, const T* panel, int64_t K, int64_t n0, int64_t count,
-                        F&& f) {
+inline void vector_rows(int M, const T* x, int64_t xs, const T* panel, int64_t K, int64_t n0, int64_t count, F&& f) {
 #if HF_PAGED_AVX2
     constexpr int chunk = kChunkRows;
 #else
     constexpr int chunk = kMaxRows;
 #endif
     float out[chunk * kPanel];
-    for (int m1 = m0 + rows; m0 < m1; m0 += chunk) {
-        const int n = std::min(chunk, m1 - m0);
+    for (int m0 = 0; m0 < M; m0 += chunk) {
+        const int rows = std::min(chunk, M - m0);
 #if HF_PAGED_AVX2
-        panel_rows_blocked(n, x + m0 * xs, xs, panel, K, out);
+        panel_rows_blocked(rows, x + m0 * xs, xs, panel, K, out);
 #else
-        with_rows(n, [&](auto R) { panel_rows<decltype(R)::value>(x + m0 * xs, xs, panel, K, out); });
+        with_rows(rows, [&](auto R) { panel_rows<decltype(R)::value>(x + m0 * xs, xs, panel, K, out); });
 #endif
-        for (int m = 0; m < n; ++m)
+        for (int m = 0; m < rows; ++m)
             for (int64_t r = 0; r < count; ++r) f(m0 + m, n0 + r, out[m * kPanel + r]);
     }
 }
@@ -558,7 +557,7 @@ void tile_products(int M, const uint16_t* x, int64_t xs, const uint16_t* w, int6
         const uint16_t* panel = w + p * kPanel * K;
         for (const RowBlock& b : blocks) {
             if (!b.tiled) {
-                vector_rows(0, b.rows, b.x, b.xs, panel, K, n0, count,
+                vector_rows(b.rows, b.x, b.xs, panel, K, n0, count,
                             [&](int m, int64_t n, float v) { f(b.m0 + m, n, v); });
                 continue;
             }
@@ -585,7 +584,7 @@ inline void panel_products(int M, const T* x, int64_t xs, const T* w, int64_t K,
 #endif
     for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * kPanel;
-        vector_rows(0, M, x, xs, w + p * kPanel * K, K, n0, std::min<int64_t>(kPanel, N - n0), f);
+        vector_rows(M, x, xs, w + p * kPanel * K, K, n0, std::min<int64_t>(kPanel, N - n0), f);
     }
 }
 
