@@ -229,7 +229,7 @@ void attend(const Problem& p, int s, int h0, int nh, int row, int len, bool pref
     for (int r = 0; r < R; ++r) {
         const T* qr = q + r * p.q_stride_head;
         if constexpr (bf16_dot)
-            std::memcpy(qh + r * D, qr, D * sizeof(uint16_t));
+            std::memcpy(qh + r * kD, qr, kD * sizeof(uint16_t));  // bf16_dot: kD > 0
         else
             for (int d = 0; d < D; ++d) qd[r * D + d] = to_float(qr[d]) * qscale;
     }
