@@ -59,14 +59,16 @@ def tokenizer():
                                    unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-_eager: dict[str, list[list[int]]] = {}
+_eager: dict[tuple[str, str], list[list[int]]] = {}
 
 
-def eager_tokens(name, tokenizer):
-    """The tiny model's tokens without graphs, through the same (Triton) kernels."""
-    if name not in _eager:
-        _eager[name] = generate(tiny_model(name)[0], tokenizer)[0]
-    return _eager[name]
+def eager_tokens(name, tokenizer, params=PARAMS):
+    """The tiny model's tokens without graphs or speculation, through the same (Triton) kernels; computed once per
+    model and parameters (the interpreted kernels are slow)."""
+    key = (name, repr(params))
+    if key not in _eager:
+        _eager[key] = generate(tiny_model(name)[0], tokenizer, params=params)[0]
+    return _eager[key]
 
 
 def generate(model, tokenizer, capture=None, params=PARAMS, speculative_config=None):
@@ -150,10 +152,9 @@ def test_verifying_steps_replay_graphs_of_their_own(name, schedule, tokenizer, m
             "num_speculative_tokens_schedule": schedule}
     # The last two speculate once the others are done, together (their guesses may differ in number), then alone.
     params = PARAMS[:-2] + [PARAMS[-2].replace(max_tokens=20), PARAMS[-1].replace(max_tokens=36)]
-    model = tiny_model(name)[0]
-    eager, _ = generate(model, tokenizer, params=params)
+    eager = eager_tokens(name, tokenizer, params)
     capture = ReplayOnCpu()
-    replayed, gen = generate(model, tokenizer, capture, params=params, speculative_config=spec)
+    replayed, gen = generate(tiny_model(name)[0], tokenizer, capture, params=params, speculative_config=spec)
     assert replayed == eager
     graphs = gen.runner.graphs
     verifying = {shape for shape in graphs.replays if shape[1] > 1}
