@@ -209,10 +209,12 @@ void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, 
 }
 
 // Query row `row` of sequence `s`, kv heads [h0, h0 + nh), seeing keys [lo, len). Block by block, the heads' rows of
-// one block are read together: adjacent in memory when the cache stores a block's heads side by side.
+// one block are read together: adjacent in memory when the cache stores a block's heads side by side; with
+// `prefetch`, each next block is asked for meanwhile.
 template <typename T, int kD>
 void attend(const Problem& p, int s, int h0, int nh, int row, int len, bool prefetch, std::vector<float>& qf,
-            std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& sums, std::vector<uint16_t>& half) {
+            std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& sums,
+            std::vector<uint16_t>& half) {
     constexpr bool bf16_dot = sizeof(T) == 2 && bf16_dot_path(kD);
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, bs = p.block_size, R = nh * G;
     T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(row) * p.num_heads + h0 * G) * D;
