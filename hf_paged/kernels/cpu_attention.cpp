@@ -3,12 +3,14 @@
 //
 // A call first stores the step's new keys and values in their slots (when given), then runs tasks of one sequence and
 // one or all of its kv heads (plan_tasks): for each of the sequence's queries, the query heads score every visible
-// key, softmax in fp32, then accumulate the values, block by block.
+// key, softmax in fp32, then accumulate the values, block by block. bf16 prompt rows marked in the problem take AMX
+// tiles instead where the CPU has them (cpu_tile_attention.cpp).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -167,25 +169,13 @@ inline void accumulate_rows_any(const float* w, int stride, const T* v, int64_t 
         }
 }
 
-// f(L, g) for runs of L <= 4 query heads [g, g + L) covering a group of G (L an std::integral_constant).
-template <typename F>
-inline void for_head_runs(int G, F&& f) {
-    int g = 0;
-    for (; g + 4 <= G; g += 4) f(std::integral_constant<int, 4>{}, g);
-    switch (G - g) {
-        case 3: f(std::integral_constant<int, 3>{}, g); break;
-        case 2: f(std::integral_constant<int, 2>{}, g); break;
-        case 1: f(std::integral_constant<int, 1>{}, g); break;
-    }
-}
-
 // One block's rows for all G query heads of a group (kD = 0: any head_dim).
 template <int kD, typename T>
 void score_block(const float* q, const T* k, int64_t row_stride, int rows, float* scores, int n, int G, int D) {
     if constexpr (kD == 0)
         score_rows_any(q, k, row_stride, rows, scores, n, G, D);
     else
-        for_head_runs(G, [&](auto L, int g) {
+        in_fours(G, [&](auto L, int g) {
             score_rows<decltype(L)::value, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n);
         });
 }
@@ -195,7 +185,7 @@ void accumulate_block(const float* w, int n, const T* v, int64_t row_stride, int
     if constexpr (kD == 0)
         accumulate_rows_any(w, n, v, row_stride, rows, acc, G, D);
     else
-        for_head_runs(G, [&](auto L, int g) {
+        in_fours(G, [&](auto L, int g) {
             accumulate_rows<decltype(L)::value, kD>(w + g * n, n, v, row_stride, rows, acc + g * kD);
         });
 }
@@ -203,7 +193,7 @@ void accumulate_block(const float* w, int n, const T* v, int64_t row_stride, int
 template <int kD>
 void score_block_bf16(const uint16_t* q, const uint16_t* k, int64_t row_stride, int rows, float* scores, int n, int G,
                       float scale) {
-    for_head_runs(G, [&](auto L, int g) {
+    in_fours(G, [&](auto L, int g) {
         score_rows_bf16<decltype(L)::value, kD>(q + g * kD, k, row_stride, rows, scores + g * n, n, scale);
     });
 }
@@ -287,31 +277,50 @@ void attend(const Problem& p, int s, int h0, int nh, int row, int len, bool pref
 
 // One unit of work: the queries of sequence `s` against kv heads [h0, h0 + nh).
 struct Task {
-    int s, h0, nh, j0, dj;  // sequence, kv heads [h0, h0 + nh), its queries j0, j0 + dj, ...
+    int s, h0, nh, j0, j1, dj;  // sequence, kv heads [h0, h0 + nh), its queries j0, j0 + dj, ... below j1
+    bool tiled;  // rows [j0, j1) on AMX tiles (tile_attention)
 };
 
-// Multi-query sequences (prefill chunks, verified guesses) first and split by head, as they cost the most, and each
+// How many of sequence s's first rows are prompt rows (none unless `tiles`).
+int prompt_rows(const Problem& p, int s, bool tiles) {
+    int t = p.query_start_loc[s];
+    if (tiles)
+        while (t < p.query_start_loc[s + 1] && p.prompt_rows[t]) ++t;
+    return t - p.query_start_loc[s];
+}
+
+// With `tiles`, each sequence's prompt rows first, 16 rows and one kv head per task, the last rows (the most keys)
+// first. Then multi-query sequences (prefill chunks, verified guesses) split by head, as they cost the most, and each
 // head's queries dealt out in turn while there are fewer heads than twice the threads (one sequence of 8 queries
 // over 3 kv heads left a thread idle for a third of the time); then the decodes, each with all its heads at once
 // (their blocks are read as one run), or split by head while there are too few to share between the threads.
-std::vector<Task> plan_tasks(const Problem& p) {
+std::vector<Task> plan_tasks(const Problem& p, bool tiles) {
     std::vector<Task> tasks;
-    std::vector<int> decodes;
+    std::vector<std::pair<int, int>> decodes;  // sequence, row
     const int parts = std::max(1, (2 * p.num_threads + p.num_kv_heads - 1) / p.num_kv_heads);
     for (int s = 0; s < p.num_seqs; ++s) {
-        const int queries = p.query_start_loc[s + 1] - p.query_start_loc[s];
-        if (queries > 1) {
-            const int dj = std::min(queries, parts);
+        const int queries = p.query_start_loc[s + 1] - p.query_start_loc[s], tiled = prompt_rows(p, s, tiles);
+        for (int j = (tiled - 1) / 16 * 16; tiled > 0 && j >= 0; j -= 16)
+            for (int h = 0; h < p.num_kv_heads; ++h) tasks.push_back({s, h, 1, j, std::min(j + 16, tiled), 1, true});
+        const int rest = queries - tiled;
+        if (rest > 1) {
+            const int dj = std::min(rest, parts);
             for (int h = 0; h < p.num_kv_heads; ++h)
-                for (int j0 = 0; j0 < dj; ++j0) tasks.push_back({s, h, 1, j0, dj});
-        } else if (queries == 1) {
-            decodes.push_back(s);
+                for (int j0 = 0; j0 < dj; ++j0) tasks.push_back({s, h, 1, tiled + j0, queries, dj, false});
+        } else if (rest == 1) {
+            decodes.push_back({s, queries - 1});
         }
     }
     const int nh = static_cast<int>(decodes.size()) >= 2 * p.num_threads ? p.num_kv_heads : 1;
-    for (const int s : decodes)
-        for (int h = 0; h < p.num_kv_heads; h += nh) tasks.push_back({s, h, nh, 0, 1});
+    for (const auto& [s, j] : decodes)
+        for (int h = 0; h < p.num_kv_heads; h += nh) tasks.push_back({s, h, nh, j, j + 1, 1, false});
     return tasks;
+}
+
+// Whether this problem's prompt rows take tile_attention.
+template <typename T>
+bool takes_tiles(const Problem& p) {
+    return sizeof(T) == 2 && p.prompt_rows && tile_attention_fits(p.head_dim);
 }
 
 // The whole call, run by every thread of an enclosing parallel region (its work-sharing loops are orphaned).
@@ -338,13 +347,17 @@ void run_in_team(const Problem& p, const std::vector<Task>& tasks) {
         std::vector<uint16_t> half(sizeof(T) == 2 ? R * p.head_dim : 0);
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < tasks.size(); ++i) {
-            const auto [s, h0, nh, j0, dj] = tasks[i];
+            const auto [s, h0, nh, j0, j1, dj, tiled] = tasks[i];
+            if (tiled) {
+                tile_attention(p, s, h0, j0, j1);
+                continue;
+            }
             const int seq_len = p.seq_lens[s], first = p.query_start_loc[s];
             const int num_queries = p.query_start_loc[s + 1] - first;
             const size_t need = static_cast<size_t>(R) * std::max(seq_len, 1);
             if (scores.size() < need) scores.resize(need);
             const bool spills = 2 * static_cast<int64_t>(seq_len) * nh * p.head_dim * sizeof(T) > cached_bytes();
-            for (int j = j0; j < num_queries; j += dj) {
+            for (int j = j0; j < j1; j += dj) {
                 const int row = first + j, len = seq_len - num_queries + j + 1;  // causal: keys [.., len)
                 const bool prefetch = j == j0 || spills;
                 switch (p.head_dim) {  // kUnrolledHeadDims get unrolled vector loops
@@ -362,7 +375,7 @@ void run_in_team(const Problem& p, const std::vector<Task>& tasks) {
 
 template <typename T>
 void run(const Problem& p) {
-    const std::vector<Task> tasks = plan_tasks(p);
+    const std::vector<Task> tasks = plan_tasks(p, takes_tiles<T>(p));
 #pragma omp parallel num_threads(p.num_threads)
     run_in_team<T>(p, tasks);
 }
@@ -399,11 +412,10 @@ extern "C" int hf_paged_attention(const Problem* p, int dtype) {
 }
 
 int hf_paged::attention_in_team(const Problem& p, int dtype) {
-    const std::vector<Task> tasks = plan_tasks(p);  // each thread its own copy, all alike
     if (dtype == 0)
-        run_in_team<float>(p, tasks);
+        run_in_team<float>(p, plan_tasks(p, false));
     else
-        run_in_team<uint16_t>(p, tasks);
+        run_in_team<uint16_t>(p, plan_tasks(p, takes_tiles<uint16_t>(p)));  // each thread its own plan, all alike
     return 0;
 }
 
@@ -413,6 +425,9 @@ int hf_paged::check_attention(const Problem& p) {
 }
 
 extern "C" int hf_paged_problem_size() { return static_cast<int>(sizeof(Problem)); }
+
+// Whether bf16 prompt rows of this head size take AMX tiles (tile_attention).
+extern "C" int hf_paged_tile_attention(int head_dim) { return hf_paged::tile_attention_fits(head_dim); }
 
 // Whether bf16 caches of this head size get the AVX512-BF16 score path.
 extern "C" int hf_paged_has_bf16_dot(int head_dim) {

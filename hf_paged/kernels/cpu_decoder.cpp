@@ -20,14 +20,6 @@
 
 #include <omp.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define HF_PAGED_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define HF_PAGED_AMX 0
-#endif
-
 #include "cpu_kernels.h"
 
 namespace {
@@ -461,30 +453,8 @@ inline void vector_rows(int M, const T* x, int64_t xs, const T* panel, int64_t K
 constexpr int kTileRows = 16;
 constexpr int64_t kTileK = 32;
 
-// Linux hands a process the tile registers only on request (once per process); false where it refuses.
-inline bool amx_granted() {
-    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return granted;
-}
-
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// Tiles 0-2: sums (16 rows of 16 fp32); 3: x (16 rows of 32 bf16); 4-6: the panel (16 pairs of k of 16 outputs).
-inline void configure_tiles() {
-    TileConfig config{};
-    config.palette = 1;
-    for (int t = 0; t < 7; ++t) {
-        config.rows[t] = kTileRows;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
-
 // out[m * kPanel + r] = x[m] . (row r of the bf16 panel p) for kTileRows rows of x (stride xs), K % kTileK == 0.
+// Tiles 0-2: the sums; 3: x (16 rows of 32 bf16); 4-6: the panel (16 pairs of k of 16 outputs).
 inline void panel_tiles(const uint16_t* x, int64_t xs, const uint16_t* p, int64_t K, float* out) {
     _tile_zero(0);
     _tile_zero(1);
@@ -825,6 +795,7 @@ struct Forward {
         p.k_stride_token = p.v_stride_token = width;
         p.k_stride_head = p.v_stride_head = D;
         p.slot_mapping = s.slot_mapping;
+        p.prompt_rows = prompt;
         return p;
     }
 

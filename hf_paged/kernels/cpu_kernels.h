@@ -4,9 +4,18 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HF_PAGED_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define HF_PAGED_AMX 0
 #endif
 
 // AVX2 without AVX-512: 16 vector registers of 8 floats, for which some kernels are blocked differently (the vec16
@@ -82,6 +91,43 @@ inline void sum4(vec16 a, vec16 b, vec16 c, vec16 d, float* out) {
     out[3] = z[12];
 }
 
+// f(n, i) for runs of n <= 4 items [i, i + n) covering N (n an std::integral_constant).
+template <typename F>
+inline void in_fours(int N, F&& f) {
+    int i = 0;
+    for (; i + 4 <= N; i += 4) f(std::integral_constant<int, 4>{}, i);
+    switch (N - i) {
+        case 3: f(std::integral_constant<int, 3>{}, i); break;
+        case 2: f(std::integral_constant<int, 2>{}, i); break;
+        case 1: f(std::integral_constant<int, 1>{}, i); break;
+    }
+}
+
+#if HF_PAGED_AMX
+// Linux hands a process the tile registers only on request (once per process); false where it refuses.
+inline bool amx_granted() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// All eight tiles 16 rows of 64 bytes: 16 fp32 sums, 32 bf16 of a row, or 16 pairs of bf16 per row.
+inline void configure_tiles() {
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+
 }  // namespace
 
 struct Problem {
@@ -107,7 +153,17 @@ struct Problem {
     const void* value;
     int64_t k_stride_token, k_stride_head, v_stride_token, v_stride_head;
     const int64_t* slot_mapping;  // [T]
+    // [T] or null: the rows that are prompt tokens, which take tile_attention in bf16 where it fits (the others, and
+    // every row in fp32, the row kernel). A sequence's prompt rows come before its other rows.
+    const uint8_t* prompt_rows;
 };
+
+// Whether bf16 prompt rows of this head size take tile_attention: AMX granted, head_dim a multiple of 32 up to 256.
+bool tile_attention_fits(int head_dim);
+
+// Query rows [j0, j1) of sequence s (at most 16, each a prompt row), all query heads of kv head h, attended on AMX
+// tiles (bf16 caches; tile_attention_fits). A row's output depends on the row alone, not on the others in its call.
+void tile_attention(const Problem& p, int s, int h, int j0, int j1);
 
 // The checks of hf_paged_attention alone: 0, or the status it would return (cpu_ops.py names them).
 int check_attention(const Problem& p);

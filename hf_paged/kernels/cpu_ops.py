@@ -47,13 +47,14 @@ class _Problem(ctypes.Structure):
         ("key", ctypes.c_void_p), ("value", ctypes.c_void_p),
         ("k_stride_token", ctypes.c_int64), ("k_stride_head", ctypes.c_int64),
         ("v_stride_token", ctypes.c_int64), ("v_stride_head", ctypes.c_int64),
-        ("slot_mapping", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p), ("prompt_rows", ctypes.c_void_p),
     ]
 
 
 def _bind(library: ctypes.CDLL) -> None:
     library.hf_paged_attention.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
     library.hf_paged_has_bf16_dot.argtypes = [ctypes.c_int]
+    library.hf_paged_tile_attention.argtypes = [ctypes.c_int]
     if library.hf_paged_problem_size() != ctypes.sizeof(_Problem):
         raise RuntimeError("cpu_attention.cpp and cpu_ops.py disagree on the problem layout")
 
@@ -70,6 +71,12 @@ def max_query_len(dtype: torch.dtype, head_dim: int) -> int:
     if dtype == torch.bfloat16 and available() and _library.hf_paged_has_bf16_dot(head_dim):
         return MAX_NATIVE_QUERY_LEN_BF16_DOT
     return MAX_NATIVE_QUERY_LEN
+
+
+def tile_attention(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prompt rows of this dtype and head size take AMX tiles (``cpu_tile_attention.cpp``): bf16, head_dim a
+    multiple of 32 up to 256, on a CPU with AMX."""
+    return dtype == torch.bfloat16 and available() and bool(_library.hf_paged_tile_attention(head_dim))
 
 
 def _fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -98,7 +105,7 @@ def _int32(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-               new_kv=None):
+               new_kv=None, prompt_rows=None):
     if _library is None and not available():
         raise RuntimeError("the native CPU attention kernel is not available (see the warning above)")
     num_tokens, num_heads, head_dim = query.shape
@@ -143,12 +150,22 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         problem.key, problem.value, problem.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
         problem.k_stride_token, problem.k_stride_head = key.stride(0), key.stride(1)
         problem.v_stride_token, problem.v_stride_head = value.stride(0), value.stride(1)
+    if prompt_rows is not None:
+        prompt_rows = _prompt_rows(prompt_rows, num_tokens)
+        problem.prompt_rows = prompt_rows.data_ptr()
     status = _library.hf_paged_attention(ctypes.byref(problem), _DTYPES[query.dtype])
     if status in INDEX_ERRORS:
         raise ValueError("paged attention: " + INDEX_ERRORS[status].format(last_block=k_cache.shape[0] - 1))
     if status != 0:
         raise RuntimeError(f"native paged attention failed with status {status}")
     return out
+
+
+def _prompt_rows(prompt_rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    if prompt_rows.dtype != torch.bool or prompt_rows.shape != (num_tokens,):
+        raise ValueError(f"paged attention: prompt_rows must be one bool per query row ({num_tokens}), got "
+                         f"{prompt_rows.dtype} {tuple(prompt_rows.shape)}")
+    return prompt_rows.to(torch.uint8).contiguous()
 
 
 def paged_attention(query, key, value, k_cache, v_cache, metadata, scale, sliding_window=None, softcap=None):
@@ -185,7 +202,11 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    prompt_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `torch_ops.paged_prefill_attention`. Each query row is attended on its own (no matrix
-    multiply over a chunk), so the dispatcher sends only chunks up to `max_query_len` here."""
-    return _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap)
+    multiply over a chunk), so the dispatcher sends only chunks up to `max_query_len` here. ``prompt_rows`` (bool, one
+    per query row, or None) marks the prompt rows: each sequence's leading marked rows take AMX tiles in bf16 where
+    `tile_attention` says so."""
+    return _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
+                      prompt_rows=prompt_rows)

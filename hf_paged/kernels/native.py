@@ -1,5 +1,5 @@
-"""The native CPU library: ``cpu_attention.cpp`` and ``cpu_decoder.cpp``, compiled once with the system C++ compiler
-into one shared library and loaded with ctypes (bound by `cpu_ops` and `cpu_decoder`).
+"""The native CPU library: ``cpu_attention.cpp``, ``cpu_tile_attention.cpp`` and ``cpu_decoder.cpp``, compiled once
+with the system C++ compiler into one shared library and loaded with ctypes (bound by `cpu_ops` and `cpu_decoder`).
 
 The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels`` (default ``~/.cache/hf_paged/kernels``),
 keyed by the sources, the flags, the compiler and the CPU, and shares torch's OpenMP runtime. Without a compiler
@@ -28,6 +28,7 @@ _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17"]
 # that its elementwise steps round as torch's do.
 SOURCES = {
     _HERE / "cpu_attention.cpp": [*_COMMON, "-ffast-math"],
+    _HERE / "cpu_tile_attention.cpp": [*_COMMON, "-ffast-math"],
     _HERE / "cpu_decoder.cpp": [*_COMMON, "-ffp-contract=off"],
 }
 # Linked without -ffast-math: linking with it adds GCC's crtfastmath.o, whose constructor turns on flush-to-zero for
