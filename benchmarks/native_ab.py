@@ -2,7 +2,7 @@
 B sequences and the builds take turns step by step, so that the machine's drifting speed falls on all of them alike.
 
 Each variant is a source file of the decoder, optionally followed by ``@`` and compiler flags (``new.cpp@-DX=1``);
-each is compiled with the package's own flags and linked with the package's attention kernel. The report gives each
+each is compiled with the package's own flags and linked with the package's attention kernels. The report gives each
 variant's median time of a B-token decode step and its speed relative to the first variant.
 
 Usage:
@@ -49,25 +49,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_variants(variants: list[str], out_dir: Path) -> list[ctypes.CDLL]:
     """One shared library per variant: its decoder source with the package's flags (and its own), the package's
-    attention source as it is."""
+    attention sources as they are."""
     from hf_paged.kernels import cpu_decoder, native
 
     compiler = native.compiler()
     if compiler is None:
         raise SystemExit("no C++ compiler ($CXX, g++ or c++)")
-    decoder, attention = (next(s for s in native.SOURCES if s.name == name)
-                          for name in ("cpu_decoder.cpp", "cpu_attention.cpp"))
+    decoder = next(s for s in native.SOURCES if s.name == "cpu_decoder.cpp")
     include = f"-I{decoder.parent}"
-    attention_obj = out_dir / "attention.o"
-    subprocess.run([compiler, *native.SOURCES[attention], include, "-c", str(attention), "-o", str(attention_obj)],
-                   check=True)
+    others = []  # the objects of the other sources
+    for source in (s for s in native.SOURCES if s != decoder):
+        others.append(str(out_dir / f"{source.stem}.o"))
+        subprocess.run([compiler, *native.SOURCES[source], include, "-c", str(source), "-o", others[-1]], check=True)
     libraries = []
     for i, variant in enumerate(variants):
         source, _, flags = variant.partition("@")
         obj, lib = out_dir / f"decoder{i}.o", out_dir / f"variant{i}.so"
         subprocess.run([compiler, *native.SOURCES[decoder], *flags.split(), include, "-c", source, "-o", str(obj)],
                        check=True)
-        subprocess.run([compiler, *native.LINK_FLAGS, str(obj), str(attention_obj), "-o", str(lib)], check=True)
+        subprocess.run([compiler, *native.LINK_FLAGS, str(obj), *others, "-o", str(lib)], check=True)
         library = ctypes.CDLL(str(lib))
         cpu_decoder._bind(library)  # the same checks as the package's own build
         libraries.append(library)

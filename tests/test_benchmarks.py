@@ -159,6 +159,20 @@ def test_kernels_smoke_is_correct(tmp_path):
     assert all(row["triton_ms"] > 0 and row["sdpa_ms"] > 0 for row in report["rows"])
 
 
+def test_cpu_attention_smoke_times_every_kernel_and_checks_it(tmp_path):
+    out = tmp_path / "cpu_attention.json"
+    proc = run_script("cpu_attention.py", "--smoke", "--json", str(out), timeout=120)
+    report = json.loads(out.read_text())
+    from hf_paged.kernels import cpu_ops
+
+    assert report["all_correct"] and "all correct" in proc.stdout
+    assert report["tiles"] == cpu_ops.tile_attention(torch.bfloat16, 64)
+    kernels = {"rows", "sdpa"} | ({"tiles"} if report["tiles"] else set())
+    for row in report["rows"]:
+        assert {k[:-3] for k in row if k.endswith("_ms")} == kernels
+        assert all(row[f"{k}_ms"] > 0 and row[f"{k}_err"] < 2e-2 for k in kernels)
+
+
 def test_mix_draws_each_group_in_its_own_ranges():
     throughput = load_benchmark("throughput")
     args = throughput.parse_args(["--mix", "3:8-16:4-8,2:100-120:50-60", "--seed", "5"])

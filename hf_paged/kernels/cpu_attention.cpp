@@ -278,7 +278,7 @@ void attend(const Problem& p, int s, int h0, int nh, int row, int len, bool pref
 // One unit of work: the queries of sequence `s` against kv heads [h0, h0 + nh).
 struct Task {
     int s, h0, nh, j0, j1, dj;  // sequence, kv heads [h0, h0 + nh), its queries j0, j0 + dj, ... below j1
-    bool tiled;  // rows [j0, j1) on AMX tiles (tile_attention)
+    bool tiled;  // then j0, j0 + dj, ... start tiles of 16 rows on AMX (tile_attention)
 };
 
 // How many of sequence s's first rows are prompt rows (none unless `tiles`).
@@ -289,8 +289,8 @@ int prompt_rows(const Problem& p, int s, bool tiles) {
     return t - p.query_start_loc[s];
 }
 
-// With `tiles`, each sequence's prompt rows first, 16 rows and one kv head per task, the last rows (the most keys)
-// first. Then multi-query sequences (prefill chunks, verified guesses) split by head, as they cost the most, and each
+// With `tiles`, each sequence's prompt rows first, in tiles of 16 rows dealt out per kv head as a head's queries are
+// below (each task lays out the keys it reads once for all its tiles, so the tasks are few). Then multi-query sequences (prefill chunks, verified guesses) split by head, as they cost the most, and each
 // head's queries dealt out in turn while there are fewer heads than twice the threads (one sequence of 8 queries
 // over 3 kv heads left a thread idle for a third of the time); then the decodes, each with all its heads at once
 // (their blocks are read as one run), or split by head while there are too few to share between the threads.
@@ -300,8 +300,9 @@ std::vector<Task> plan_tasks(const Problem& p, bool tiles) {
     const int parts = std::max(1, (2 * p.num_threads + p.num_kv_heads - 1) / p.num_kv_heads);
     for (int s = 0; s < p.num_seqs; ++s) {
         const int queries = p.query_start_loc[s + 1] - p.query_start_loc[s], tiled = prompt_rows(p, s, tiles);
-        for (int j = (tiled - 1) / 16 * 16; tiled > 0 && j >= 0; j -= 16)
-            for (int h = 0; h < p.num_kv_heads; ++h) tasks.push_back({s, h, 1, j, std::min(j + 16, tiled), 1, true});
+        const int tile_parts = std::min((tiled + 15) / 16, parts);
+        for (int h = 0; h < p.num_kv_heads; ++h)
+            for (int k = 0; k < tile_parts; ++k) tasks.push_back({s, h, 1, 16 * k, tiled, 16 * tile_parts, true});
         const int rest = queries - tiled;
         if (rest > 1) {
             const int dj = std::min(rest, parts);
@@ -349,7 +350,7 @@ void run_in_team(const Problem& p, const std::vector<Task>& tasks) {
         for (size_t i = 0; i < tasks.size(); ++i) {
             const auto [s, h0, nh, j0, j1, dj, tiled] = tasks[i];
             if (tiled) {
-                tile_attention(p, s, h0, j0, j1);
+                tile_attention(p, s, h0, j0, j1, dj);
                 continue;
             }
             const int seq_len = p.seq_lens[s], first = p.query_start_loc[s];

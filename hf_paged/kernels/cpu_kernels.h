@@ -161,9 +161,10 @@ struct Problem {
 // Whether bf16 prompt rows of this head size take tile_attention: AMX granted, head_dim a multiple of 32 up to 256.
 bool tile_attention_fits(int head_dim);
 
-// Query rows [j0, j1) of sequence s (at most 16, each a prompt row), all query heads of kv head h, attended on AMX
-// tiles (bf16 caches; tile_attention_fits). A row's output depends on the row alone, not on the others in its call.
-void tile_attention(const Problem& p, int s, int h, int j0, int j1);
+// The tiles of 16 query rows of sequence s that start at rows j0, j0 + dj, ... below j1 (dj a multiple of 16; rows
+// below j1 all prompt rows), all query heads of kv head h, attended on AMX tiles (bf16 caches; tile_attention_fits).
+// A row's output depends on the row alone, not on the others in its tile or task.
+void tile_attention(const Problem& p, int s, int h, int j0, int j1, int dj);
 
 // The checks of hf_paged_attention alone: 0, or the status it would return (cpu_ops.py names them).
 int check_attention(const Problem& p);

@@ -204,7 +204,7 @@ float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float s
 // Rows [j0, j1) of sequence s: keys [lo[r], len[r]) for row r.
 struct Rows {
     int count, lo[kRows], len[kRows];
-    int kb, ke, end;  // the keys laid out: [kb, ke) in whole value groups, read below end
+    int kb, ke;  // the keys the tile reads: [kb, ke), in whole value groups
 };
 
 Rows task_rows(const Problem& p, int s, int j0, int j1) {
@@ -221,7 +221,6 @@ Rows task_rows(const Problem& p, int s, int j0, int j1) {
     }
     rows.kb = std::min(lo, hi) / kValueKeys * kValueKeys;
     rows.ke = (hi + kValueKeys - 1) / kValueKeys * kValueKeys;
-    rows.end = hi;
     return rows;
 }
 
@@ -236,14 +235,14 @@ void gather_queries(const Problem& p, int s, int h, int j0, int count, Scratch& 
             std::memcpy(w.q.data() + (g * kRows + r) * D, q + r * p.q_stride_token + g * p.q_stride_head, D * 2);
 }
 
-// Each head's weighted values, divided by the weights' sum, into the output rows.
-void weigh_values(const Problem& p, int s, int h, int j0, const Rows& rows, Scratch& w) {
+// Each head's weighted values (laid out from key rows.kb on), divided by the weights' sum, into the output rows.
+void weigh_values(const Problem& p, int s, int h, int j0, const Rows& rows, const uint16_t* values, Scratch& w) {
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, n = rows.ke - rows.kb;
     uint16_t* out = static_cast<uint16_t*>(p.out) + ((p.query_start_loc[s] + j0) * p.num_heads + h * G) * D;
     for (int g = 0; g < G; ++g) {
         const uint16_t* weights = w.weights.data() + static_cast<int64_t>(g) * kRows * n;
         in_fours(D / 16, [&](auto N, int c0) {
-            value_tiles<decltype(N)::value>(weights, n, w.values.data(), n, D, c0, w.acc.data());
+            value_tiles<decltype(N)::value>(weights, n, values, n, D, c0, w.acc.data());
         });
         for (int r = 0; r < rows.count; ++r) {
             const float sum = w.sums[g * kRows + r];
@@ -253,43 +252,61 @@ void weigh_values(const Problem& p, int s, int h, int j0, const Rows& rows, Scra
     }
 }
 
-}  // namespace
-
-void hf_paged::tile_attention(const Problem& p, int s, int h, int j0, int j1) {
-    thread_local Scratch w;
-    const Rows rows = task_rows(p, s, j0, j1);
+// One tile: rows [j0, j0 + rows.count) of sequence s, the G query heads of kv head h, reading keys and values laid
+// out from key rows.kb on.
+void attend_tile(const Problem& p, int s, int h, int j0, const Rows& rows, const uint16_t* keys,
+                 const uint16_t* values, Scratch& w) {
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads, n = rows.ke - rows.kb;
-    const size_t laid_out = static_cast<size_t>(n) * D, scores = static_cast<size_t>(G) * kRows * n;
-    if (w.keys.size() < laid_out) w.keys.resize(laid_out), w.values.resize(laid_out);
+    const size_t scores = static_cast<size_t>(G) * kRows * n;
     if (w.scores.size() < scores) w.scores.resize(scores), w.weights.resize(scores);
     w.sums.assign(G * kRows, 0.0f);
     w.acc.resize(kRows * D);
     gather_queries(p, s, h, j0, rows.count, w);
-    lay_out_keys(p, s, h, rows.kb, rows.ke, rows.end, w.keys.data());
-    lay_out_values(p, s, h, rows.kb, rows.ke, rows.end, w.values.data());
-    configure_tiles();
     in_fours(G, [&](auto N, int g) {
-        score_tiles<decltype(N)::value>(w.q.data() + g * kRows * D, D, w.keys.data(), n,
-                                        w.scores.data() + g * kRows * n, n);
+        score_tiles<decltype(N)::value>(w.q.data() + g * kRows * D, D, keys, n, w.scores.data() + g * kRows * n, n);
     });
     const float scale = p.softcap > 0 ? p.scale / p.softcap : p.scale;
     for (int g = 0; g < G; ++g)
         for (int r = 0; r < kRows; ++r) {
             const int64_t at = static_cast<int64_t>(g * kRows + r) * n;
-            if (r >= rows.count) {  // rows past the task's: no weights
+            if (r >= rows.count) {  // rows past the tile's: no weights
                 std::fill(w.weights.data() + at, w.weights.data() + at + n, uint16_t{0});
                 continue;
             }
             w.sums[g * kRows + r] = softmax_row(w.scores.data() + at, w.weights.data() + at, rows.kb, n, rows.lo[r],
                                                 rows.len[r], scale, p.softcap);
         }
-    weigh_values(p, s, h, j0, rows, w);
+    weigh_values(p, s, h, j0, rows, values, w);
+}
+
+}  // namespace
+
+// The tiles' windows of keys only move forward, so each key is laid out once per task, when a tile first reads it.
+void hf_paged::tile_attention(const Problem& p, int s, int h, int j0, int j1, int dj) {
+    thread_local Scratch w;
+    const int D = p.head_dim, seq_len = p.seq_lens[s];
+    const int last = j0 + (j1 - 1 - j0) / dj * dj;
+    const int base = task_rows(p, s, j0, std::min(j0 + kRows, j1)).kb;  // keys [base, laid) are laid out
+    const size_t room = static_cast<size_t>(task_rows(p, s, last, std::min(last + kRows, j1)).ke - base) * D;
+    if (w.keys.size() < room) w.keys.resize(room), w.values.resize(room);
+    configure_tiles();
+    for (int j = j0, laid = base; j < j1; j += dj) {
+        const Rows rows = task_rows(p, s, j, std::min(j + kRows, j1));
+        if (rows.ke > laid) {
+            const size_t at = static_cast<size_t>(laid - base) * D;
+            lay_out_keys(p, s, h, laid, rows.ke, seq_len, w.keys.data() + at);
+            lay_out_values(p, s, h, laid, rows.ke, seq_len, w.values.data() + at);
+            laid = rows.ke;
+        }
+        const size_t from = static_cast<size_t>(rows.kb - base) * D;
+        attend_tile(p, s, h, j, rows, w.keys.data() + from, w.values.data() + from, w);
+    }
     _tile_release();
 }
 
 bool hf_paged::tile_attention_fits(int head_dim) { return head_dim % 32 == 0 && head_dim <= 256 && amx_granted(); }
 
 #else
-void hf_paged::tile_attention(const Problem&, int, int, int, int) {}
+void hf_paged::tile_attention(const Problem&, int, int, int, int, int) {}
 bool hf_paged::tile_attention_fits(int) { return false; }
 #endif
