@@ -170,29 +170,30 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // One row's weights over its keys [lo, len) (x and w start at key kb, n keys): exp(score - max) in fp32, rounded to
-// bf16 into w, zero elsewhere; returns their fp32 sum. 16 keys at a time at multiples of 16.
+// bf16 into w, zero elsewhere; returns their fp32 sum. 16 keys at a time at multiples of 16. The scores are scaled
+// as they are read (scaling by a positive factor keeps the maximum where it was), capped first where softcap > 0.
 float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float scale, float softcap) {
-    std::fill(w, w + n, uint16_t{0});
-    if (len <= lo) return 0.0f;
-    const int a = lo / 16 * 16, z = (len + 15) / 16 * 16;
+    const int a = std::max(lo, 0) / 16 * 16, z = len <= lo ? a : (len + 15) / 16 * 16;
+    std::fill(w, w + (a - kb), uint16_t{0});
+    std::fill(w + (z - kb), w + n, uint16_t{0});
+    if (a == z) return 0.0f;
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const auto in_row = [&](int t) {  // the lanes of keys t .. t + 15 that the row sees
         const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(t), lanes);
         return _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(keys, _mm512_set1_epi32(len));
     };
-    __m512 mx = _mm512_set1_ps(-3.0e38f);
-    for (int t = a; t < z; t += 16) {
-        float* v = x + t - kb;
-        if (softcap > 0)
-            for (int i = 0; i < 16; ++i) v[i] = std::tanh(v[i] * scale) * softcap;
-        else
-            _mm512_storeu_ps(v, _mm512_mul_ps(_mm512_loadu_ps(v), _mm512_set1_ps(scale)));
-        mx = _mm512_mask_max_ps(mx, in_row(t), mx, _mm512_loadu_ps(v));
+    __m512 factor = _mm512_set1_ps(scale);
+    if (softcap > 0) {
+        for (int i = a - kb; i < z - kb; ++i) x[i] = std::tanh(x[i] * scale) * softcap;
+        factor = _mm512_set1_ps(1.0f);
     }
-    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 mx = _mm512_set1_ps(-3.0e38f);
+    for (int t = a; t < z; t += 16) mx = _mm512_mask_max_ps(mx, in_row(t), mx, _mm512_loadu_ps(x + t - kb));
+    const __m512 row_max = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), factor);
     __m512 total = _mm512_setzero_ps();
     for (int t = a; t < z; t += 16) {
-        const __m512 e = _mm512_maskz_mov_ps(in_row(t), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + t - kb), row_max)));
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + t - kb), factor);
+        const __m512 e = _mm512_maskz_mov_ps(in_row(t), exp_nonpositive(_mm512_sub_ps(v, row_max)));
         total = _mm512_add_ps(total, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t - kb), (__m256i)_mm512_cvtneps_pbh(e));
     }
