@@ -290,10 +290,11 @@ int prompt_rows(const Problem& p, int s, bool tiles) {
 }
 
 // With `tiles`, each sequence's prompt rows first, in tiles of 16 rows dealt out per kv head as a head's queries are
-// below (each task lays out the keys it reads once for all its tiles, so the tasks are few). Then multi-query sequences (prefill chunks, verified guesses) split by head, as they cost the most, and each
-// head's queries dealt out in turn while there are fewer heads than twice the threads (one sequence of 8 queries
-// over 3 kv heads left a thread idle for a third of the time); then the decodes, each with all its heads at once
-// (their blocks are read as one run), or split by head while there are too few to share between the threads.
+// below (each task lays out the keys it reads once for all its tiles, so the tasks are few). Then multi-query
+// sequences (prefill chunks, verified guesses) split by head, as they cost the most, and each head's queries dealt out
+// in turn while there are fewer heads than twice the threads (one sequence of 8 queries over 3 kv heads left a thread
+// idle for a third of the time); then the decodes, each with all its heads at once (their blocks are read as one run),
+// or split by head while there are too few to share between the threads.
 std::vector<Task> plan_tasks(const Problem& p, bool tiles) {
     std::vector<Task> tasks;
     std::vector<std::pair<int, int>> decodes;  // sequence, row

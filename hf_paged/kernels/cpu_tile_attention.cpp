@@ -1,7 +1,8 @@
-// Prompt rows' attention on AMX tiles (bf16 caches, CPUs with AMX). A task is up to 16 prompt rows of one sequence
+// Prompt rows' attention on AMX tiles (bf16 caches, CPUs with AMX). A tile is up to 16 prompt rows of one sequence
 // with the G query heads of one kv head: their scores against 16 keys at a time are tile products, the softmax runs
 // per row in fp32 as in the row kernel (cpu_attention.cpp), and the weights, rounded to bf16 as torch's SDPA rounds
-// them for bf16, multiply 32 values at a time. The keys and values are first laid out as the tiles take them.
+// them for bf16, multiply 32 values at a time. A task takes several of a sequence's tiles for one kv head, and lays
+// out the keys and values as the tiles take them, each once for all its tiles.
 //
 // AMX sums in another order than the row kernel, so generated tokens (decode steps, verified guesses) stay on the row
 // kernel, as their products do in cpu_decoder.cpp. For a prompt row to come out the same in any step, whatever rows
@@ -20,7 +21,7 @@ namespace {
 
 using namespace hf_paged;
 
-constexpr int kRows = 16;  // query rows of a task: a tile's rows
+constexpr int kRows = 16;  // query rows of a tile
 constexpr int kScoreKeys = 16;  // keys of a score tile
 constexpr int kValueKeys = 32;  // keys of a weight tile: its 32 bf16 per row
 
@@ -180,7 +181,8 @@ float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float s
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const auto in_row = [&](int t) {  // the lanes of keys t .. t + 15 that the row sees
         const __m512i keys = _mm512_add_epi32(_mm512_set1_epi32(t), lanes);
-        return _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo)) & _mm512_cmplt_epi32_mask(keys, _mm512_set1_epi32(len));
+        return _mm512_cmpge_epi32_mask(keys, _mm512_set1_epi32(lo)) &
+               _mm512_cmplt_epi32_mask(keys, _mm512_set1_epi32(len));
     };
     __m512 factor = _mm512_set1_ps(scale);
     if (softcap > 0) {
