@@ -66,28 +66,28 @@ inline void transpose16(const uint32_t* const rows[16], uint32_t* dst) {
     for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * 16, r[i]);
 }
 
-// Key or value row t of sequence s for kv head h, or zeros from `end` on.
-inline const uint16_t* cache_row(const Problem& p, const void* cache, int s, int h, int t, int end) {
-    if (t >= end) return kZeroRow;
+// Key or value row t of sequence s for kv head h, or zeros past the sequence.
+inline const uint16_t* cache_row(const Problem& p, const void* cache, int s, int h, int t) {
+    if (t >= p.seq_lens[s]) return kZeroRow;
     const int32_t* table = p.block_tables + s * p.bt_stride;
     return static_cast<const uint16_t*>(cache) + table[t / p.block_size] * p.c_stride_block +
            (t % p.block_size) * p.c_stride_row + h * p.c_stride_head;
 }
 
 // Keys [kb, ke) as score tiles: for each 16 keys and 32 dims, 16 rows (pairs of dims) of the 16 keys' pairs.
-void lay_out_keys(const Problem& p, int s, int h, int kb, int ke, int end, uint16_t* out) {
+void lay_out_keys(const Problem& p, int s, int h, int kb, int ke, uint16_t* out) {
     const int D = p.head_dim;
     for (int t0 = kb; t0 < ke; t0 += kScoreKeys)
         for (int dc = 0; dc < D / 32; ++dc) {
             const uint32_t* rows[16];
             for (int k = 0; k < 16; ++k)
-                rows[k] = reinterpret_cast<const uint32_t*>(cache_row(p, p.k_cache, s, h, t0 + k, end) + dc * 32);
+                rows[k] = reinterpret_cast<const uint32_t*>(cache_row(p, p.k_cache, s, h, t0 + k) + dc * 32);
             transpose16(rows, reinterpret_cast<uint32_t*>(out + ((t0 - kb) * D / 32 + dc * kScoreKeys) * 32));
         }
 }
 
 // Values [kb, ke) as value tiles: for each 32 keys and 16 dims, 16 rows (pairs of keys) of the 16 dims' pairs.
-void lay_out_values(const Problem& p, int s, int h, int kb, int ke, int end, uint16_t* out) {
+void lay_out_values(const Problem& p, int s, int h, int kb, int ke, uint16_t* out) {
     alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
@@ -97,8 +97,8 @@ void lay_out_values(const Problem& p, int s, int h, int kb, int ke, int end, uin
     for (int t0 = kb; t0 < ke; t0 += kValueKeys) {
         uint16_t* group = out + (t0 - kb) / kValueKeys * chunks * 512;
         for (int i = 0; i < 16; ++i) {
-            const uint16_t* a = cache_row(p, p.v_cache, s, h, t0 + 2 * i, end);
-            const uint16_t* b = cache_row(p, p.v_cache, s, h, t0 + 2 * i + 1, end);
+            const uint16_t* a = cache_row(p, p.v_cache, s, h, t0 + 2 * i);
+            const uint16_t* b = cache_row(p, p.v_cache, s, h, t0 + 2 * i + 1);
             for (int c = 0; c < D / 32; ++c) {
                 const __m512i x = _mm512_loadu_si512(a + c * 32), y = _mm512_loadu_si512(b + c * 32);
                 _mm512_storeu_si512(group + ((2 * c) * 16 + i) * 32, _mm512_permutex2var_epi16(x, low, y));
@@ -204,7 +204,7 @@ float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float s
     return sum16(load16(sums));
 }
 
-// Rows [j0, j1) of sequence s: keys [lo[r], len[r]) for row r.
+// The tile of rows [j0, j1) of sequence s: keys [lo[r], len[r]) for row r.
 struct Rows {
     int count, lo[kRows], len[kRows];
     int kb, ke;  // the keys the tile reads: [kb, ke), in whole value groups
@@ -222,12 +222,12 @@ Rows task_rows(const Problem& p, int s, int j0, int j1) {
         lo = std::min(lo, rows.lo[r]);
         hi = std::max(hi, len);
     }
-    rows.kb = std::min(lo, hi) / kValueKeys * kValueKeys;
+    rows.kb = lo / kValueKeys * kValueKeys;
     rows.ke = (hi + kValueKeys - 1) / kValueKeys * kValueKeys;
     return rows;
 }
 
-// The G heads' query rows into w.q ([G][16][D]), zero past the task's rows.
+// The G heads' query rows into w.q ([G][16][D]), zero past the tile's rows.
 void gather_queries(const Problem& p, int s, int h, int j0, int count, Scratch& w) {
     const int D = p.head_dim, G = p.num_heads / p.num_kv_heads;
     w.q.assign(static_cast<size_t>(G) * kRows * D, 0);
@@ -287,7 +287,7 @@ void attend_tile(const Problem& p, int s, int h, int j0, const Rows& rows, const
 // The tiles' windows of keys only move forward, so each key is laid out once per task, when a tile first reads it.
 void hf_paged::tile_attention(const Problem& p, int s, int h, int j0, int j1, int dj) {
     thread_local Scratch w;
-    const int D = p.head_dim, seq_len = p.seq_lens[s];
+    const int D = p.head_dim;
     const int last = j0 + (j1 - 1 - j0) / dj * dj;
     const int base = task_rows(p, s, j0, std::min(j0 + kRows, j1)).kb;  // keys [base, laid) are laid out
     const size_t room = static_cast<size_t>(task_rows(p, s, last, std::min(last + kRows, j1)).ke - base) * D;
@@ -297,8 +297,8 @@ void hf_paged::tile_attention(const Problem& p, int s, int h, int j0, int j1, in
         const Rows rows = task_rows(p, s, j, std::min(j + kRows, j1));
         if (rows.ke > laid) {
             const size_t at = static_cast<size_t>(laid - base) * D;
-            lay_out_keys(p, s, h, laid, rows.ke, seq_len, w.keys.data() + at);
-            lay_out_values(p, s, h, laid, rows.ke, seq_len, w.values.data() + at);
+            lay_out_keys(p, s, h, laid, rows.ke, w.keys.data() + at);
+            lay_out_values(p, s, h, laid, rows.ke, w.values.data() + at);
             laid = rows.ke;
         }
         const size_t from = static_cast<size_t>(rows.kb - base) * D;
