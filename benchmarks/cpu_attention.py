@@ -92,12 +92,14 @@ def main(argv=None) -> int:
     tiles = "tiles_ms" in rows[0]
     print(f"dtype {str(args.dtype)[6:]}, heads {args.heads}, head_dim {args.head_dim}, block {args.block_size}, "
           f"{torch.get_num_threads()} threads; AMX tiles for prompt rows: {'yes' if tiles else 'no'}")
-    print(f"{'chunk':>6}{'earlier':>9}{'rows ms':>10}{'tiles ms':>10}{'sdpa ms':>10}{'tiles/rows':>12}"
-          f"{'tiles/sdpa':>12}")
+    print(f"{'chunk':>6}{'earlier':>9}{'rows ms':>10}{'tiles ms':>10}{'sdpa ms':>10}{'rows/sdpa':>11}"
+          f"{'tiles/rows':>12}{'tiles/sdpa':>12}")
     for r in rows:
         t = r.get("tiles_ms")
-        print(f"{r['chunk']:>6}{r['earlier']:>9}{r['rows_ms']:>10.2f}{t or float('nan'):>10.2f}{r['sdpa_ms']:>10.2f}"
-              f"{(r['rows_ms'] / t if t else float('nan')):>11.2f}x{(r['sdpa_ms'] / t if t else float('nan')):>11.2f}x")
+        cells = (f"{t:>10.2f}", f"{r['rows_ms'] / t:>11.2f}x", f"{r['sdpa_ms'] / t:>11.2f}x") if t else (
+            f"{'-':>10}", f"{'-':>12}", f"{'-':>12}")
+        print(f"{r['chunk']:>6}{r['earlier']:>9}{r['rows_ms']:>10.2f}{cells[0]}{r['sdpa_ms']:>10.2f}"
+              f"{r['sdpa_ms'] / r['rows_ms']:>10.2f}x{cells[1]}{cells[2]}")
     errors = [v for r in rows for k, v in r.items() if k.endswith("_err") and v is not None]
     correct = all(e < TOLERANCE[args.dtype] for e in errors)
     print(f"{len(errors)} outputs checked against float64 attention: {'all correct' if correct else 'NOT correct'}")
