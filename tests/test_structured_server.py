@@ -129,6 +129,17 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
     assert error["param"] == param and words in error["message"], error
 
 
+@pytest.mark.parametrize("tool_calls", ["x", ["x"], [1], {"a": 1}, [{"id": "1", "type": "function", "function": "f"}],
+                                        [{"type": "function", "function": {"arguments": "{}"}}],
+                                        [{"type": "other", "function": {"name": "f"}}]])
+def test_malformed_earlier_tool_calls_are_400s(server, tool_calls):
+    messages = [{"role": "assistant", "content": "", "tool_calls": tool_calls}, *QUESTION]
+    response = httpx.post(f"{server.base}/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": messages, "max_tokens": 3})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages"
+
+
 def test_tools_are_refused_on_completions(server):
     response = httpx.post(f"{server.base}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "hi", "tools": [WEATHER], "tool_choice": "required"})

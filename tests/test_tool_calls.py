@@ -127,6 +127,28 @@ def test_calls_in_another_key_order_arrive_whole_at_the_end():
     assert accumulate(deltas)[0]["name"] == "get_weather"
 
 
+@pytest.mark.parametrize("step", [1, 5])
+def test_a_stream_and_a_whole_answer_read_the_same_calls_and_content(step):
+    """Whatever the blocks hold, streamed and whole answers agree: a block that is no call stays content beside the
+    calls, and arguments written as a JSON string arrive as the JSON text it holds, not quoted again."""
+    texts = [
+        f"{CALL} and <tool_call>not json</tool_call>",
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>',
+        f"<tool_call>[1, 2]</tool_call> then {CALL}",
+        '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+    ]
+    for text in texts:
+        whole_content, whole_calls = ToolCallParser("auto").parse(text)
+        content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
+        streamed = [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)]
+        assert streamed == [(c.name, json.loads(c.arguments)) for c in whole_calls], text
+        assert called == bool(whole_calls) and content.strip() == (whole_content or "").strip(), text
+    content, calls = ToolCallParser("auto").parse(texts[0])
+    assert content == "and <tool_call>not json</tool_call>" and [c.name for c in calls] == ["get_weather"]
+    _, [call] = ToolCallParser("auto").parse(texts[1])
+    assert json.loads(call.arguments) == {"city": "Paris"}
+
+
 def test_a_tokenizer_response_template_parses_calls(tokenizer, monkeypatch):
     monkeypatch.setattr(tokenizer, "response_template", HERMES_TEMPLATE, raising=False)
     parser = ToolCallParser("auto", tokenizer, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", [WEATHER])

@@ -256,12 +256,30 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    """The function of an earlier tool call in the conversation; ``arguments`` is JSON text, as OpenAI sends it (an
+    object is taken too)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    """An earlier tool call in an assistant message."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """A chat message; fields beyond ``role`` and ``content`` are passed on to the chat template."""
+    """A chat message; fields beyond ``role``, ``content`` and ``tool_calls`` are passed on to the chat template."""
 
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallMessage] | None = None
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as the chat template expects it, with text parts joined into one string."""
@@ -322,7 +340,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def needs_tool_prompt(self) -> bool:
         """Whether the prompt holds tools or earlier tool calls, so it is rendered by `tool_calls.render_prompt`."""
-        return bool(self.tools) or any((m.model_extra or {}).get("tool_calls") for m in self.messages)
+        return bool(self.tools) or any(m.tool_calls for m in self.messages)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -138,15 +138,8 @@ class ToolCallParser:
             return self._parse_json(text)
         if self.response_template is not None:
             return self._parse_with_template(text)
-        calls, content = [], text
-        for match in _HERMES_CALL.finditer(text):
-            try:
-                call = json.loads(match.group(1))
-                calls.append(ToolCall.of(call["name"], call.get("arguments", {})))
-            except (ValueError, KeyError, TypeError):
-                return text, []  # a block that is not a call: leave the text as it is
-            content = content.replace(match.group(0), "", 1)
-        return (content.strip() or None) if calls else text, calls
+        calls = [call for match in _HERMES_CALL.finditer(text) if (call := _hermes_block_call(match.group(1)))]
+        return (_without_calls(text).strip() or None) if calls else text, calls
 
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
@@ -209,19 +202,24 @@ class ToolCallStream:
                 match = self.header.search(self.text, self.scan)
                 if match is None:
                     return list(entries.values())
-                call = ToolCall.of(json.loads(f'"{match.group(1)}"'), "")
+                name = _json_string(match.group(1))
+                if name is None:  # not a name JSON can hold: no call starts here
+                    self.scan = match.end()
+                    continue
+                call = ToolCall.of(name, "")
                 self.calls.append(call)
                 entries[len(self.calls) - 1] = call.to_dict(len(self.calls) - 1)
                 self.args_start = self.args_sent = match.end()
             try:
-                end = _DECODER.raw_decode(self.text, self.args_start)[1]
+                value, end = _DECODER.raw_decode(self.text, self.args_start)
             except ValueError:
-                end = None  # the arguments are still being written: all of the text so far is theirs
+                value, end = None, None  # the arguments are still being written: all of the text so far is theirs
+            quoted = self.text.startswith('"', self.args_start)  # JSON text in a string, sent decoded once it ends
             upto = len(self.text) if end is None else end
-            if upto > self.args_sent:
+            if upto > self.args_sent and (end is not None or not quoted):
                 entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
                                                                  "function": {"arguments": ""}})
-                entry["function"]["arguments"] += self.text[self.args_sent:upto]
+                entry["function"]["arguments"] += value if quoted else self.text[self.args_sent:upto]
                 self.args_sent = upto
             if end is None:
                 return list(entries.values())
@@ -239,7 +237,7 @@ class ToolCallStream:
 
     def _rest(self) -> str:
         """The content written since a call began: hermes text around the blocks (none in a JSON array of calls)."""
-        return "" if self.parser.mode == "json" else _HERMES_CALL.sub("", self.text[self.sent:]).strip()
+        return "" if self.parser.mode == "json" else _without_calls(self.text[self.sent:]).strip()
 
 
 _DECODER = json.JSONDecoder()
@@ -247,6 +245,41 @@ _DECODER = json.JSONDecoder()
 _NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)'
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
+
+
+def _hermes_block_call(block: str) -> ToolCall | None:
+    """The call a hermes block's text holds, or None: the text read whole as ``{"name": ..., "arguments": ...}``, or
+    read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as JSON."""
+    try:
+        call = json.loads(block)
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            return ToolCall.of(call["name"], call.get("arguments", {}))
+    except ValueError:
+        pass
+    header = _JSON_HEADER.match(block)
+    name = _json_string(header.group(1)) if header else None
+    try:
+        return None if name is None else ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])
+    except ValueError:
+        return None
+
+
+def _without_calls(text: str) -> str:
+    """``text`` without its hermes blocks that are calls, or that a stream announced as calls (their name was out);
+    a block that is neither stays in the content."""
+    def drop(match: re.Match) -> str:
+        is_call = _JSON_HEADER.match(match.group(1)) or _hermes_block_call(match.group(1))
+        return "" if is_call else match.group(0)
+
+    return _HERMES_CALL.sub(drop, text)
+
+
+def _json_string(body: str) -> str | None:
+    """The JSON string literal ``"body"`` decoded, or None if it is not one."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None
 
 
 def _partial_tag(text: str) -> int:
