@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams
 from hf_paged.cache import KVCacheSpec
 from hf_paged.generation.model_runner import ModelRunner
 from hf_paged.generation.sequence import SequenceStatus
@@ -228,6 +228,68 @@ def test_stop_strings_cut_exactly(smollm2, chat_prompts):
     assert_no_leak(gen)
 
 
+def test_a_stop_tokens_text_is_cut_and_its_id_kept(smollm2, chat_prompts):
+    """As in vLLM: the text of the token that stopped a sequence (a stop_token_id, or EOS with special tokens shown)
+    is not in the output unless include_stop_str_in_output; its id is."""
+    gen = make_generator(smollm2)
+    tokenizer = smollm2[1]
+    free = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    stop_at = next(i for i, t in enumerate(free.token_ids) if i >= 2 and t not in free.token_ids[:i]
+                   and tokenizer.decode([t]).strip())
+    stop_id = free.token_ids[stop_at]
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=include)
+        out = gen.run([chat_prompts[1]], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free.token_ids[: stop_at + 1]
+        assert out.finish_reason == "stop" and out.stop_reason == stop_id
+        assert out.text == tokenizer.decode(free.token_ids[: stop_at + include])
+    shown = SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False)
+    out = gen.run([chat_prompts[0]], shown, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.eos_token not in out.text and out.text == tokenizer.decode(out.token_ids[:-1])
+    assert_no_leak(gen)
+
+
+def test_a_stream_given_up_aborts_its_requests(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for _ in gen.stream(chat_prompts[:2], long):
+        break  # the generator is closed here, as a caller that stops reading closes it
+    short = gen.run([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert short[0].outputs[0].finish_reason == "length" and gen.stats().generation_tokens < 20
+    assert_no_leak(gen)
+
+
+def test_run_hands_other_requests_outputs_to_the_next_step(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    other = gen.add_request(chat_prompts[0], SamplingParams(temperature=0, max_tokens=3))
+    [mine] = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert mine.finished and len(mine.outputs[0].token_ids) == 12
+    held = gen.step()
+    assert [o.request_id for o in held if o.finished] == [other]
+    assert len(held[-1].outputs[0].token_ids) == 3
+    assert_no_leak(gen)
+
+
+def test_a_prompt_that_raises_withdraws_the_prompts_before_it(smollm2, chat_prompts, monkeypatch):
+    gen = make_generator(smollm2)
+    add = gen.add_request
+    calls = []
+
+    def failing_second(prompt, params=None, request_id=None):
+        calls.append(prompt)
+        if len(calls) == 2:
+            raise RuntimeError("tokenizer crashed")
+        return add(prompt, params, request_id)
+
+    monkeypatch.setattr(gen, "add_request", failing_second)
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        gen.run(chat_prompts[:3], SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)
+    assert gen.step() == [] and gen.stats().generation_tokens == 0
+    assert_no_leak(gen)
+
+
 def test_n_samples_share_prompt_blocks(smollm2, chat_prompts):
     gen = make_generator(smollm2, block_size=8)
     rid = gen.add_request(chat_prompts[6], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12))
@@ -347,9 +409,16 @@ def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
         (dict(engine_params=SamplingParams(stop_token_ids=[10**6], min_tokens=2)), "stop_token_ids"),
         (dict(engine_params=SamplingParams(logprobs=10**6)), "logprobs"),
         (dict(engine_params=SamplingParams(n=1000)), "max_num_seqs"),
+        (dict(params=lambda: SamplingParams(stop_token_ids=5)), "stop_token_ids must be a list of integers"),
+        (dict(params=lambda: SamplingParams(logit_bias=[1, 2])), "logit_bias must be a map"),
+        (dict(params=lambda: StructuredOutputsParams(json={"enum": {1, 2}})), "json is not valid JSON"),
+        (dict(prompt=[{"role": "user"}]), "cannot be rendered by the tokenizer's chat template"),
+        (dict(prompt=[{"role": "user", "content": 5}]), "cannot be rendered by the tokenizer's chat template"),
+        (dict(engine_params={"temperature": 0}), "sampling_params must be SamplingParams or GenerationConfig"),
     ],
     ids=["empty", "temperature", "top_p", "max_tokens", "seed", "n-float", "nan", "too-long", "stop-token-id",
-         "logprobs", "n-too-many"],
+         "logprobs", "n-too-many", "stop-token-ids-int", "logit-bias-list", "schema-not-json", "chat-no-content",
+         "chat-int-content", "params-dict"],
 )
 def test_bad_input_fails_alone(smollm2, chat_prompts, bad, message):
     gen = make_generator(smollm2, max_model_len=2048)

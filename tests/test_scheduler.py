@@ -201,10 +201,11 @@ def test_delta_outputs_carry_only_the_step_and_hold_back_a_possible_stop_string(
 @pytest.mark.parametrize(
     "token, produced, total, params, expected",
     [
-        (EOS, 1, 10, dict(), Stop("stop")),
+        (EOS, 1, 10, dict(), Stop("stop", None, len("Paris"))),  # the stop token's text (" end") is cut
         (EOS, 1, 10, dict(min_tokens=2), None),
         (EOS, 3, 10, dict(ignore_eos=True), None),
-        (7, 1, 10, dict(stop_token_ids=[7]), Stop("stop", 7)),
+        (7, 1, 10, dict(stop_token_ids=[7]), Stop("stop", 7, len("Paris"))),
+        (7, 1, 10, dict(stop_token_ids=[7], include_stop_str_in_output=True), Stop("stop", 7)),
         (8, 4, 10, dict(max_tokens=4), Stop("length")),
         (8, 1, 32, dict(max_tokens=None), Stop("length")),  # the context is full
     ],
@@ -212,4 +213,4 @@ def test_delta_outputs_carry_only_the_step_and_hold_back_a_possible_stop_string(
 def test_check_stop_is_a_pure_function_of_its_inputs(token, produced, total, params, expected):
     params = SamplingParams(**params)
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {EOS})
-    assert check_stop(token, produced, total, "", 0, params, stop_ids, max_model_len=32) == expected
+    assert check_stop(token, produced, total, "Paris end", len(" end"), params, stop_ids, max_model_len=32) == expected

@@ -186,6 +186,7 @@ def test_a_request_waits_for_its_grammar_without_stalling_the_batch(generator, m
     while free not in finished:
         finished += [o.request_id for o in generator.step() if o.finished]
     assert slow not in finished and generator.scheduler.compiling  # the free request ran to its end meanwhile
+    assert (generator.stats().num_waiting, generator.stats().num_running) == (1, 0)  # it waits, for its grammar
     release.set()
     while slow not in finished:
         for output in generator.step():

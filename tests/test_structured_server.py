@@ -120,6 +120,9 @@ def test_response_format_and_structured_outputs_on_both_endpoints(client):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools", "tools is invalid"),
     ({"tool_choice": "sometimes"}, "tool_choice", ""),
+    ({"tools": [{"type": "function"}]}, "tools", "each tool must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tool_choice": "none"}, "tools",
+     "must be a JSON schema object"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
     response = httpx.post(f"{server.base}/v1/chat/completions", timeout=30,

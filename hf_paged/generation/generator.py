@@ -77,6 +77,8 @@ class ContinuousBatchGenerator:
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
         self._ids_lock = threading.Lock()
         self._prompt_tokens = 0
+        self._held: list[RequestOutput] = []  # other requests' outputs seen by `run` or `stream`, for `step`
+        self._unread: set[str] = set()  # requests `run` or `stream` gave up on: their outputs are dropped
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
         self._workers_stopped = False
@@ -212,12 +214,18 @@ class ContinuousBatchGenerator:
                 self.scheduler.rollback(out)
                 raise
             changed += self.scheduler.update(out, sampled)
-        outputs = []
+        return self._outputs(changed)
+
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
+        """The outputs held for `step`, then those of the requests a step changed; finished requests retire."""
+        outputs, self._held = self._held, []
         for request in changed:
+            unread = request.request_id in self._unread
             if request.is_finished or request.error is not None:
                 self._retire(request.request_id)
+                self._unread.discard(request.request_id)
             output = request.output()
-            if output is not None:
+            if output is not None and not unread:
                 outputs.append(output)
         return outputs
 
@@ -266,15 +274,21 @@ class ContinuousBatchGenerator:
 
     # ------------------------------------------------------------------------------------- batch interfaces
     def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
+        """Add every prompt; one refused (a ``ValueError``) gets a failed output. Any other error withdraws the
+        prompts added before it and is raised."""
         prompts, per_prompt = one_params_per_prompt(prompts, sampling_params)
         submitted = []
-        for prompt, params in zip(prompts, per_prompt):
-            try:
-                submitted.append((self.add_request(prompt, params), None))
-            except ValueError as err:
-                failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [], True,
-                                       RequestMetrics(time.monotonic()), error=str(err))
-                submitted.append((None, failed))
+        try:
+            for prompt, params in zip(prompts, per_prompt):
+                try:
+                    submitted.append((self.add_request(prompt, params), None))
+                except ValueError as err:
+                    failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [],
+                                           True, RequestMetrics(time.monotonic()), error=str(err))
+                    submitted.append((None, failed))
+        except BaseException:
+            self._withdraw({rid for rid, _ in submitted if rid is not None})
+            raise
         return submitted
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
@@ -306,20 +320,35 @@ class ContinuousBatchGenerator:
         return [failed if rid is None else results[rid] for rid, failed in submitted]
 
     def _until_finished(self, request_ids: set[str], final_only: bool) -> Iterator[RequestOutput]:
-        """Step until the given requests finish, yielding their outputs (with ``final_only``, the finished ones)."""
+        """Step until the given requests finish, yielding their outputs (with ``final_only``, the finished ones).
+        Other requests' outputs are kept for the next `step`; requests left unfinished (the caller stopped reading,
+        or an error) are aborted."""
         pending = set(request_ids)
-        while pending:
-            for output in self.step():
-                if output.request_id in pending and (output.finished or not final_only):
-                    if output.finished:
-                        pending.discard(output.request_id)
-                    yield output
+        try:
+            while pending:
+                held = []
+                for output in self.step():
+                    if output.request_id not in pending:
+                        held.append(output)
+                    elif output.finished or not final_only:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+                self._held += held
+        finally:
+            self._withdraw(pending)
+
+    def _withdraw(self, request_ids: set[str]) -> None:
+        """Abort ``request_ids``, whose outputs nobody reads: `step` drops them."""
+        self._unread |= request_ids
+        for request_id in request_ids:
+            self.abort_request(request_id)
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.compiling),
             kv_cache_usage=pool.num_used_blocks / pool.num_blocks,
             num_used_blocks=pool.num_used_blocks,
             num_blocks=pool.num_blocks,

@@ -18,7 +18,11 @@ def tokenize_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # noqa: BLE001 - the template's own error, whatever its type, names the problem
+            raise ValueError(f"the chat messages cannot be rendered by the tokenizer's chat template: "
+                             f"{type(err).__name__}: {err}") from err
         return text, tokenizer(text, add_special_tokens=False).input_ids
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt)
@@ -58,7 +62,7 @@ class InputProcessor:
         if isinstance(params, GenerationConfig):
             return SamplingParams.from_generation_config(params)
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams or GenerationConfig, got {type(params)}")
+            raise ValueError(f"sampling_params must be SamplingParams or GenerationConfig, got {type(params)}")
         return params
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

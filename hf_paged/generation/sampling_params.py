@@ -51,6 +51,10 @@ class StructuredOutputsParams:
                 except ValueError as err:
                     raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
             self._require(isinstance(schema, dict), "json", "a JSON schema (an object)")
+            try:
+                json.dumps(schema)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
             object.__setattr__(self, "json", schema)
         self._require(self.regex is None or isinstance(self.regex, str), "regex", "a string")
         self._require(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()), "grammar",
@@ -97,8 +101,9 @@ class SamplingParams:
     ``temperature=0`` (or any temperature below 1e-5) is greedy. Penalties follow vLLM: ``repetition_penalty`` (> 1
     discourages every token seen in the prompt or output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's,
     on output tokens). ``seed`` makes a request's samples reproducible whatever else is in the batch. ``stop`` strings
-    are matched on the detokenized text and cut out unless ``include_stop_str_in_output``. ``logprobs=k`` returns the
-    ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
+    are matched on the detokenized text and cut out unless ``include_stop_str_in_output``, and so is the text of the
+    token that stopped the sequence (one of ``stop_token_ids``, or EOS; its id stays in the output). ``logprobs=k``
+    returns the ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
     distribution. ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
     ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
@@ -130,6 +135,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check(isinstance(self.stop, (list, tuple, type(None))), "stop", self.stop, "a string or a list of strings")
+        self._check(isinstance(self.stop_token_ids, (list, tuple, type(None))), "stop_token_ids", self.stop_token_ids,
+                    "a list of integers")
+        self._check(isinstance(self.logit_bias, (dict, type(None))), "logit_bias", self.logit_bias,
+                    "a map of token ids to numbers in [-100, 100]")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})

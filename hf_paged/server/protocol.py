@@ -325,12 +325,12 @@ class ChatCompletionRequest(GenerationRequest):
     def constraints(self) -> list[Constraint]:
         asked = super().constraints()
         choice = self.tool_choice_name()
-        if choice in ("none", "auto"):
-            return asked
-        try:
-            functions = tool_functions(self.tools)
+        try:  # checked whatever the choice: the tools go into the prompt
+            functions = tool_functions(self.tools or [])
         except ValueError as err:
             raise RequestFieldError("tools", str(err)) from None
+        if choice in ("none", "auto"):
+            return asked
         if choice != "required" and choice not in functions:
             raise RequestFieldError("tool_choice", f"tool_choice names {choice!r}, which is not among the tools")
         schema = calls_schema(functions, None if choice == "required" else choice)
