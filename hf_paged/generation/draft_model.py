@@ -23,6 +23,7 @@ from ..native_decoder import NativeDecoder
 from .config import EngineConfig
 from .cuda_graphs import decode_graphs
 from .model_runner import ModelRunner, Span
+from .sampler import greedy_tokens
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
 
@@ -88,7 +89,7 @@ class DraftModel:
                 rows.append(end - 1)
                 speculating.append(seq)
         logits = self.runner.run(self.runner.pack(spans, rows))
-        guesses = [[token] for token in logits.argmax(dim=-1).tolist()]
+        guesses = [[token] for token in greedy_tokens(logits).tolist()]
         wanted = [len(out.spec_token_ids[seq.seq_id]) for seq in speculating]
         for j in range(1, max(wanted, default=0)):  # guess j + 1 from guess j, at the position after the last token + j
             active = [i for i, k in enumerate(wanted) if k > j]
@@ -101,4 +102,4 @@ class DraftModel:
 
     def _greedy(self, spans: list[Span]) -> list[int]:
         """The draft's most likely next token after each one-token span."""
-        return self.runner.run(self.runner.pack(spans, list(range(len(spans))))).argmax(dim=-1).tolist()
+        return greedy_tokens(self.runner.run(self.runner.pack(spans, list(range(len(spans)))))).tolist()
