@@ -122,6 +122,10 @@ def test_streaming_sends_deltas_that_add_up(server, client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == server.chat_ref.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(server.chat_ref.token_ids)
+    raw = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4, "stream": True,
+                                                "stream_options": {"include_usage": True}})
+    events = [json.loads(line[len("data: "):]) for line in raw.text.splitlines() if line.startswith("data: {")]
+    assert all(event["usage"] is None for event in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 4
 
     pieces = [c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS, stream=True)]

@@ -63,7 +63,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.compiling: dict[str, Request] = {}  # constrained requests whose grammar is not compiled yet, by id
         self.num_preemptions = 0
-        self.num_partial_prefills = 0  # steps in which a prompt was computed only in part (chunked prefill)
+        self.num_partial_prefills = 0  # prompt chunks that left the rest of their prompt for later steps
         self.num_generated_tokens = 0
 
     def add(self, request: Request) -> None:

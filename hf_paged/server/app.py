@@ -268,7 +268,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
 
     The engine's deltas never hold a partial stop string; tokens that brought no text yet (an incomplete character)
     wait, with their logprobs, for the chunk that carries their text."""
-    chunk = {**header, "object": fmt.chunk_object}
+    chunk = {**header, "object": fmt.chunk_object, **({"usage": None} if include_usage else {})}  # as OpenAI's
 
     def event(choices: list[dict], **extra) -> str:
         return f"data: {json.dumps({**chunk, 'choices': choices, **extra}, separators=(',', ':'))}\n\n"
