@@ -252,10 +252,10 @@ def _hermes_block_call(block: str) -> ToolCall | None:
     read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as JSON."""
     try:
         call = json.loads(block)
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            return ToolCall.of(call["name"], call.get("arguments", {}))
     except ValueError:
-        pass
+        call = None
+    if isinstance(call, dict) and isinstance(call.get("name"), str):
+        return ToolCall.of(call["name"], call.get("arguments", {}))
     header = _JSON_HEADER.match(block)
     name = _json_string(header.group(1)) if header else None
     try:
