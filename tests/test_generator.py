@@ -133,6 +133,7 @@ def test_failed_step_leaves_no_prefix_behind(smollm2, chat_prompts, monkeypatch)
         gen.abort_request(request_id)
     out = gen.run([chat_prompts[3]], params, use_tqdm=False)[0]
     assert out.num_cached_tokens == 0 and out.error is None
+    assert [o.outputs[0].finish_reason for o in gen.step()] == ["abort"]  # the aborted request's, held by run
     assert_no_leak(gen)
 
 
@@ -266,9 +267,43 @@ def test_run_hands_other_requests_outputs_to_the_next_step(smollm2, chat_prompts
     other = gen.add_request(chat_prompts[0], SamplingParams(temperature=0, max_tokens=3))
     [mine] = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert mine.finished and len(mine.outputs[0].token_ids) == 12
-    held = gen.step()
+    held = []
+    while gen.has_unfinished_requests():  # the usual loop: held outputs count as unfinished work
+        held += gen.step()
     assert [o.request_id for o in held if o.finished] == [other]
     assert len(held[-1].outputs[0].token_ids) == 3
+    assert_no_leak(gen)
+
+
+def test_a_stream_closed_while_another_is_read_keeps_the_others_outputs(smollm2, chat_prompts, monkeypatch):
+    gen = make_generator(smollm2)
+    step, steps = gen.step, []
+
+    def bounded_step():  # losing the short request's last output would leave its stream stepping forever
+        steps.append(1)
+        assert len(steps) < 100, "the short stream never saw its request finish"
+        return step()
+
+    monkeypatch.setattr(gen, "step", bounded_step)
+    short = gen.stream([chat_prompts[0]], SamplingParams(temperature=0, max_tokens=3))
+    next(short)
+    long = gen.stream([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    for _ in range(6):  # steps taken for the long stream finish the short one's request
+        next(long)
+    long.close()
+    rest = list(short)
+    assert rest and rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 3
+    assert_no_leak(gen)
+
+
+def test_a_stream_given_up_at_a_refused_prompt_aborts_the_others(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    stream = gen.stream(["", chat_prompts[0]], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    assert "prompt is empty" in next(stream).error
+    stream.close()
+    while gen.has_unfinished_requests():
+        assert gen.step() == []  # the withdrawn request's outputs are nobody's
+    assert gen.stats().generation_tokens < 5
     assert_no_leak(gen)
 
 

@@ -136,6 +136,9 @@ def test_a_stream_and_a_whole_answer_read_the_same_calls_and_content(step):
         '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>',
         f"<tool_call>[1, 2]</tool_call> then {CALL}",
         '<tool_call>{"name": 5, "arguments": {}}</tool_call>',
+        f'{CALL} <tool_call>{{"arguments": {{"y": 2}}, "name": "get_time"}}</tool_call>',  # followed, then read whole
+        f'{CALL} <tool_call>{{"name": "get_time"}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": 12}</tool_call>',  # a number is not cut where a delta ends
     ]
     for text in texts:
         whole_content, whole_calls = ToolCallParser("auto").parse(text)

@@ -166,7 +166,8 @@ class ContinuousBatchGenerator:
         self._inbox.put(("abort", request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or not self._inbox.empty()
+        """Whether `step` has requests to run or outputs still to hand back."""
+        return bool(self.requests) or bool(self._held) or not self._inbox.empty()
 
     def _drain_inbox(self) -> list[Request]:
         """Admit queued requests to the scheduler and abort the ones asked; returns the aborted."""
@@ -295,10 +296,8 @@ class ContinuousBatchGenerator:
         """Yield each request's outputs as its ``output_kind`` asks (by default cumulative, every time it grows);
         refused prompts come first with ``error`` set."""
         submitted = self._submit(prompts, sampling_params)
-        for _, failed in submitted:
-            if failed is not None:
-                yield failed
-        yield from self._until_finished({rid for rid, _ in submitted if rid is not None}, final_only=False)
+        yield from self._until_finished({rid for rid, _ in submitted if rid is not None}, final_only=False,
+                                        first=[failed for _, failed in submitted if failed is not None])
 
     def run(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for all ``prompts`` together; outputs come back complete, in input order.
@@ -319,29 +318,32 @@ class ContinuousBatchGenerator:
                 bar.update(1)
         return [failed if rid is None else results[rid] for rid, failed in submitted]
 
-    def _until_finished(self, request_ids: set[str], final_only: bool) -> Iterator[RequestOutput]:
-        """Step until the given requests finish, yielding their outputs (with ``final_only``, the finished ones).
-        Other requests' outputs are kept for the next `step`; requests left unfinished (the caller stopped reading,
-        or an error) are aborted."""
+    def _until_finished(self, request_ids: set[str], final_only: bool,
+                        first: list[RequestOutput] = ()) -> Iterator[RequestOutput]:
+        """Yield ``first``, then step until the given requests finish, yielding their outputs (with ``final_only``,
+        the finished ones). Other requests' outputs are kept for the next `step`; requests left unfinished (the
+        caller stopped reading, or an error) are aborted."""
         pending = set(request_ids)
         try:
+            yield from first
             while pending:
-                held = []
-                for output in self.step():
-                    if output.request_id not in pending:
-                        held.append(output)
-                    elif output.finished or not final_only:
-                        if output.finished:
-                            pending.discard(output.request_id)
+                outputs = self.step()
+                self._held += [output for output in outputs if output.request_id not in pending]
+                for output in [output for output in outputs if output.request_id in pending]:
+                    if output.finished:
+                        pending.discard(output.request_id)
+                    if output.finished or not final_only:
                         yield output
-                self._held += held
         finally:
             self._withdraw(pending)
 
     def _withdraw(self, request_ids: set[str]) -> None:
         """Abort ``request_ids``, whose outputs nobody reads: `step` drops them."""
-        self._unread |= request_ids
-        for request_id in request_ids:
+        with self._ids_lock:
+            live = request_ids & self._live_ids
+        self._unread |= live
+        self._held = [output for output in self._held if output.request_id not in request_ids]
+        for request_id in live:
             self.abort_request(request_id)
 
     def stats(self) -> EngineStats:

@@ -139,7 +139,7 @@ class ToolCallParser:
         if self.response_template is not None:
             return self._parse_with_template(text)
         calls = [call for match in _HERMES_CALL.finditer(text) if (call := _hermes_block_call(match.group(1)))]
-        return (_without_calls(text).strip() or None) if calls else text, calls
+        return (_without_calls(text, announced=False).strip() or None) if calls else text, calls
 
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
@@ -214,6 +214,8 @@ class ToolCallStream:
                 value, end = _DECODER.raw_decode(self.text, self.args_start)
             except ValueError:
                 value, end = None, None  # the arguments are still being written: all of the text so far is theirs
+            if end == len(self.text) and self.text[self.args_start] not in '{["':
+                value, end = None, None  # a number or literal that ends the text so far may go on
             quoted = self.text.startswith('"', self.args_start)  # JSON text in a string, sent decoded once it ends
             upto = len(self.text) if end is None else end
             if upto > self.args_sent and (end is not None or not quoted):
@@ -228,8 +230,11 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict], bool]:
         """Once the choice has finished: the content not sent yet, the last ``delta.tool_calls`` entries, and
         whether it called tools at all."""
-        if self.calls:  # followed as they came
-            return self._rest(), self._call_deltas(), True
+        if self.calls:  # followed as they came; blocks after them that could not be are read whole
+            deltas = self._call_deltas()
+            later = [] if self.args_start is not None else self.parser.parse(self.text[self.scan:])[1]
+            deltas += [call.to_dict(len(self.calls) + i) for i, call in enumerate(later)]
+            return self._rest(), deltas, True
         content, calls = self.parser.parse(self.text)
         if not calls:
             return self.text[self.sent:], [], False
@@ -237,7 +242,7 @@ class ToolCallStream:
 
     def _rest(self) -> str:
         """The content written since a call began: hermes text around the blocks (none in a JSON array of calls)."""
-        return "" if self.parser.mode == "json" else _without_calls(self.text[self.sent:]).strip()
+        return "" if self.parser.mode == "json" else _without_calls(self.text[self.sent:], announced=True).strip()
 
 
 _DECODER = json.JSONDecoder()
@@ -264,11 +269,11 @@ def _hermes_block_call(block: str) -> ToolCall | None:
         return None
 
 
-def _without_calls(text: str) -> str:
-    """``text`` without its hermes blocks that are calls, or that a stream announced as calls (their name was out);
-    a block that is neither stays in the content."""
+def _without_calls(text: str, announced: bool) -> str:
+    """``text`` without its hermes blocks that are calls (and with ``announced``, those a stream announced as calls:
+    their name was out, and their text went out as arguments); other blocks stay in the content."""
     def drop(match: re.Match) -> str:
-        is_call = _JSON_HEADER.match(match.group(1)) or _hermes_block_call(match.group(1))
+        is_call = (announced and _JSON_HEADER.match(match.group(1))) or _hermes_block_call(match.group(1))
         return "" if is_call else match.group(0)
 
     return _HERMES_CALL.sub(drop, text)
