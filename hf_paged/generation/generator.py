@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -319,7 +319,7 @@ class ContinuousBatchGenerator:
         return [failed if rid is None else results[rid] for rid, failed in submitted]
 
     def _until_finished(self, request_ids: set[str], final_only: bool,
-                        first: list[RequestOutput] = ()) -> Iterator[RequestOutput]:
+                        first: Iterable[RequestOutput] = ()) -> Iterator[RequestOutput]:
         """Yield ``first``, then step until the given requests finish, yielding their outputs (with ``final_only``,
         the finished ones). Other requests' outputs are kept for the next `step`; requests left unfinished (the
         caller stopped reading, or an error) are aborted."""
