@@ -148,8 +148,8 @@ def test_verifying_steps_replay_graphs_of_their_own(name, schedule, tokenizer, m
     """A step in which every sequence verifies k guesses runs the graph of k + 1 tokens per sequence, and the tokens
     are those of decoding without speculation."""
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2,
-            "num_speculative_tokens_schedule": schedule}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+            "disable_by_batch_size": 2, "num_speculative_tokens_schedule": schedule}
     # The last two speculate once the others are done, together (their guesses may differ in number), then alone.
     params = PARAMS[:-2] + [PARAMS[-2].replace(max_tokens=20), PARAMS[-1].replace(max_tokens=36)]
     eager = eager_tokens(name, tokenizer, params)

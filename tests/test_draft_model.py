@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.generation import EngineConfig
@@ -132,6 +132,21 @@ def test_draft_model_settings_are_checked(tokenizer):
         with pytest.raises(ValueError, match=field):
             EngineConfig(speculative_config=bad)
     target = llama(tokenizer, seed=0)
-    with pytest.raises(ValueError, match="more than the target's"):
-        ContinuousBatchGenerator(target, tokenizer, num_blocks=64,
-                                 speculative_config={"model": llama(tokenizer, seed=1, vocab=len(tokenizer) + 8)})
+    for vocab in (len(tokenizer) + 8, 1000):  # a smaller one could not read the target's tokens
+        with pytest.raises(ValueError, match=f"has {vocab} output tokens, the target {len(tokenizer)}"):
+            ContinuousBatchGenerator(target, tokenizer, num_blocks=64,
+                                     speculative_config={"model": llama(tokenizer, seed=1, vocab=vocab)})
+    headless = AutoModel.from_config(llama(tokenizer, seed=1).config, attn_implementation="paged")
+    with pytest.raises(ValueError, match="no language-model head"):
+        ContinuousBatchGenerator(target, tokenizer, num_blocks=64, speculative_config={"model": headless})
+
+
+def test_a_draft_with_a_shorter_context_guesses_only_within_it(tokenizer):
+    """GPT-2's learned positions end at 32: the draft computes and guesses up to there, the target goes on alone."""
+    draft = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=64,
+                                                        n_layer=1, n_head=4), attn_implementation="paged").eval()
+    target = llama(tokenizer, seed=0)
+    prompts = [PROMPTS[0], list(range(5, 45))]  # the second is past the draft's positions from the start
+    plain, _ = run(target, tokenizer, prompts=prompts)
+    fast, gen = run(target, tokenizer, draft=draft, prompts=prompts)
+    assert fast == plain and gen.stats().spec_decode_num_drafts > 0

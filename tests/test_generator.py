@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams
+from hf_paged import ContinuousBatchGenerator, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hf_paged.cache import KVCacheSpec
 from hf_paged.generation.model_runner import ModelRunner
 from hf_paged.generation.sequence import SequenceStatus
@@ -275,16 +275,37 @@ def test_run_hands_other_requests_outputs_to_the_next_step(smollm2, chat_prompts
     assert_no_leak(gen)
 
 
+def test_run_holds_one_output_per_other_request(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    long = dict(temperature=0, max_tokens=20, ignore_eos=True)
+    cumulative = gen.add_request(chat_prompts[0], SamplingParams(**long))
+    delta = gen.add_request(chat_prompts[0], SamplingParams(**long, output_kind=RequestOutputKind.DELTA))
+    gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    first = gen.step()  # what `run` held (one output each, not one per step), then this step's
+    assert sorted(o.request_id for o in first) == sorted([cumulative, delta] * 2)
+    outputs = list(first)
+    while gen.has_unfinished_requests():
+        outputs += gen.step()
+    deltas = [o for o in outputs if o.request_id == delta]
+    merged = deltas[0]
+    for output in deltas[1:]:
+        merged.add(output)
+    finals = {o.request_id: o for o in outputs}
+    assert merged.finished and merged.outputs[0].token_ids == finals[cumulative].outputs[0].token_ids
+    assert len(merged.outputs[0].token_ids) == 20
+    assert_no_leak(gen)
+
+
 def test_a_stream_closed_while_another_is_read_keeps_the_others_outputs(smollm2, chat_prompts, monkeypatch):
     gen = make_generator(smollm2)
-    step, steps = gen.step, []
+    step, steps = gen._step, []
 
-    def bounded_step():  # losing the short request's last output would leave its stream stepping forever
+    def bounded_step(only):  # losing the short request's last output would leave its stream stepping forever
         steps.append(1)
         assert len(steps) < 100, "the short stream never saw its request finish"
-        return step()
+        return step(only)
 
-    monkeypatch.setattr(gen, "step", bounded_step)
+    monkeypatch.setattr(gen, "_step", bounded_step)
     short = gen.stream([chat_prompts[0]], SamplingParams(temperature=0, max_tokens=3))
     next(short)
     long = gen.stream([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))

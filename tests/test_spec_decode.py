@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams
+from hf_paged import ContinuousBatchGenerator, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hf_paged.generation import EngineConfig
 from hf_paged.generation.config import SpeculativeConfig
 from hf_paged.generation.sampler import SamplerOutput, SamplingBatch, sample
@@ -85,6 +85,9 @@ def test_config_is_validated_and_parsed():
     config = EngineConfig(speculative_config='{"num_speculative_tokens": 3, "prompt_lookup_max": 3}')
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
     assert EngineConfig(speculative_config={"method": "ngram"}).speculative_config == SpeculativeConfig()
+    defaults, alone = SpeculativeConfig(), SpeculativeConfig(prompt_lookup_max=1)  # one bound alone is both, as in vLLM
+    assert (defaults.prompt_lookup_min, defaults.prompt_lookup_max, alone.prompt_lookup_min) == (2, 4, 1)
+    assert SpeculativeConfig(prompt_lookup_min=6).prompt_lookup_max == 6
     assert EngineConfig().speculative_config is None
     for bad, field in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
@@ -122,6 +125,20 @@ def test_rejected_guesses_give_back_their_kv_and_are_never_indexed():
     assert out.num_tokens == [1] and not out.spec_token_ids
     scheduler.update(out, SamplerOutput([21]))
     assert seq.num_computed_tokens == 10 and len(scheduler.kv._hashes[seq.seq_id]) == 2
+
+
+def test_guesses_are_dropped_before_anyone_is_preempted():
+    scheduler = make_scheduler(num_blocks=5, block_size=4)
+    a, b = make_request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=20), make_request("b", [11] * 8, max_tokens=20)
+    scheduler.add(a)
+    scheduler.add(b)
+    out = scheduler.schedule()
+    scheduler.update(out, SamplerOutput([8] * len(out.draws)))  # a: 8 tokens in 2 blocks, b: 9 tokens in 2 of 3
+    a.seqs[0].spec_token_ids = [9, 10]  # would take the last free block, which b needs for its next token
+    out = scheduler.schedule()
+    assert scheduler.num_preemptions == 0 and out.seqs == [a.seqs[0], b.seqs[0]] and out.num_tokens == [1, 1]
+    assert not out.spec_token_ids and not a.seqs[0].spec_token_ids
+    assert [len(scheduler.kv.block_table(s.seq_id)) for s in out.seqs] == [2, 3]
 
 
 def test_a_stop_inside_the_kept_guesses_ends_the_sequence_there():
@@ -254,12 +271,15 @@ def test_metrics_report_acceptance(smollm2, grounded_prompts):
     model, tokenizer = smollm2
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=256, speculative_config=dict())
     metrics = ServerMetrics()
-    gen.add_request(grounded_prompts[0], SamplingParams(temperature=0, max_tokens=32))
+    gen.add_request(grounded_prompts[0], SamplingParams(temperature=0, max_tokens=32,
+                                                        output_kind=RequestOutputKind.DELTA))
     while gen.has_unfinished_requests():
         metrics.observe_step(gen.stats(), gen.step())
     metrics.observe_step(gen.stats(), [])
     stats = gen.stats()
     text = generate_latest(metrics.registry).decode()
+    steps = float(text.split("hf_paged:num_running_per_step_count ")[1].split()[0])
+    assert f"hf_paged:num_running_per_step_sum {steps}" in text  # one sequence a step, however many tokens it kept
     assert f"hf_paged:spec_decode_num_drafts_total {float(stats.spec_decode_num_drafts)}" in text
     assert f"hf_paged:spec_decode_num_accepted_tokens_total {float(stats.spec_decode_num_accepted_tokens)}" in text
     assert f"hf_paged:spec_decode_acceptance_rate {stats.spec_decode_acceptance_rate}" in text

@@ -35,7 +35,8 @@ SPECULATION_SCHEDULES = ("constant", "heuristic")
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` fields. Invalid values raise ``ValueError`` naming the field.
 
-    ``method``: ``"ngram"`` (prompt lookup: ``prompt_lookup_min`` / ``prompt_lookup_max``) or ``"draft_model"``
+    ``method``: ``"ngram"`` (prompt lookup of the last ``prompt_lookup_min`` to ``prompt_lookup_max`` tokens; 2 to 4
+    when neither is given, and one given alone stands for both, as in vLLM) or ``"draft_model"``
     (``model``: a smaller model with the same tokenizer, a local directory or, from Python, a loaded model; given
     alone it implies this method, as in vLLM). ``num_speculative_tokens``: guesses per step.
 
@@ -56,12 +57,17 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
     num_speculative_tokens_schedule: str = "constant"
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     model: object = None
     disable_by_batch_size: int = 4
 
     def __post_init__(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low, high = 2, 4
+        object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
+        object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")

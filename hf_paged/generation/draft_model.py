@@ -35,13 +35,18 @@ class DraftModel:
     def __init__(self, model: torch.nn.Module | str | os.PathLike, target: torch.nn.Module, target_kv: PagedKVStorage,
                  kv_manager: KVCacheManager, config: EngineConfig, max_model_len: int):
         model = self._load(model, target)
+        if model.get_output_embeddings() is None:
+            raise ValueError(f"speculative_config.model: {type(model).__name__} has no language-model head; a draft "
+                             "must be a causal LM")
         vocab, target_vocab = (m.get_output_embeddings().weight.shape[0] for m in (model, target))
-        if vocab > target_vocab:
-            raise ValueError(f"speculative_config.model has {vocab} output tokens, more than the target's "
-                             f"{target_vocab}: a draft model must share the target's tokenizer")
+        if vocab != target_vocab:
+            raise ValueError(f"speculative_config.model has {vocab} output tokens, the target {target_vocab}: a "
+                             "draft model must share the target's tokenizer")
         if model.device != target.device:
             raise ValueError(f"speculative_config.model is on {model.device}, the target on {target.device}")
         self.model = model
+        positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.max_positions = min(positions or max_model_len, max_model_len)  # no guesses past the draft's context
         self.kv = PagedKVStorage(model.config, num_blocks=target_kv.num_blocks, block_size=target_kv.block_size,
                                  dtype=config.kv_dtype(model.dtype), device=model.device,
                                  spec=KVCacheSpec.from_model(model))
@@ -81,13 +86,16 @@ class DraftModel:
             start = seq.num_computed_tokens
             # An unseen sequence starts where the target does: blocks it shares were computed by the draft as well.
             first = min(self.computed.get(seq.seq_id, start), start)
-            last = min(start + n, seq.num_tokens)  # its known tokens; the guesses follow
-            spans.append((seq.seq_id, first, seq.token_ids[first:last]))
-            self.computed[seq.seq_id] = last
-            end += last - first
+            last = min(start + n, seq.num_tokens, self.max_positions)  # its known tokens; the guesses follow
+            if last > first:
+                spans.append((seq.seq_id, first, seq.token_ids[first:last]))
+                self.computed[seq.seq_id] = last
+                end += last - first
             if seq.seq_id in out.spec_token_ids:
                 rows.append(end - 1)
                 speculating.append(seq)
+        if not spans:
+            return
         logits = self.runner.run(self.runner.pack(spans, rows))
         guesses = [[token] for token in greedy_tokens(logits).tolist()]
         wanted = [len(out.spec_token_ids[seq.seq_id]) for seq in speculating]

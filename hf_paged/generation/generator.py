@@ -24,7 +24,7 @@ from .detokenizer import Detokenizer
 from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
-from .outputs import RequestMetrics, RequestOutput
+from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from .sampler import build_sampling_batch, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -77,7 +77,7 @@ class ContinuousBatchGenerator:
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
         self._ids_lock = threading.Lock()
         self._prompt_tokens = 0
-        self._held: list[RequestOutput] = []  # other requests' outputs seen by `run` or `stream`, for `step`
+        self._held: dict[str, RequestOutput] = {}  # other requests' outputs seen by `run` or `stream`, for `step`
         self._unread: set[str] = set()  # requests `run` or `stream` gave up on: their outputs are dropped
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
@@ -195,6 +195,9 @@ class ContinuousBatchGenerator:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that changed (new tokens, finished, aborted), as
         each request's ``output_kind`` asks."""
+        return self._step(only=None)
+
+    def _step(self, only: set[str] | None) -> list[RequestOutput]:
         changed = self._drain_inbox()
         if self.scheduler.compiling:
             changed += self.scheduler.admit_compiled()
@@ -215,20 +218,36 @@ class ContinuousBatchGenerator:
                 self.scheduler.rollback(out)
                 raise
             changed += self.scheduler.update(out, sampled)
-        return self._outputs(changed)
+        return self._outputs(changed, only)
 
-    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
-        """The outputs held for `step`, then those of the requests a step changed; finished requests retire."""
-        outputs, self._held = self._held, []
+    def _outputs(self, changed: list[Request], only: set[str] | None) -> list[RequestOutput]:
+        """The outputs held for `step`, then those of the requests a step changed; with ``only``, just those of the
+        requests in it, the others' held. Finished requests retire."""
+        if only is None:
+            outputs, self._held = list(self._held.values()), {}
+        else:
+            outputs = [self._held.pop(rid) for rid in only if rid in self._held]
         for request in changed:
             unread = request.request_id in self._unread
             if request.is_finished or request.error is not None:
                 self._retire(request.request_id)
                 self._unread.discard(request.request_id)
             output = request.output()
-            if output is not None and not unread:
+            if output is None or unread:
+                continue
+            if only is None or request.request_id in only:
                 outputs.append(output)
+            else:
+                self._hold(output, request.params.output_kind)
         return outputs
+
+    def _hold(self, output: RequestOutput, kind: RequestOutputKind) -> None:
+        """Keep one output per request for `step`: a later delta merged into the held one, else the latest."""
+        held = self._held.get(output.request_id)
+        if held is not None and kind is RequestOutputKind.DELTA:
+            held.add(output)
+        else:
+            self._held[output.request_id] = output
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
         if not out.draws:
@@ -327,9 +346,7 @@ class ContinuousBatchGenerator:
         try:
             yield from first
             while pending:
-                outputs = self.step()
-                self._held += [output for output in outputs if output.request_id not in pending]
-                for output in [output for output in outputs if output.request_id in pending]:
+                for output in self._step(only=pending):
                     if output.finished:
                         pending.discard(output.request_id)
                     if output.finished or not final_only:
@@ -342,7 +359,7 @@ class ContinuousBatchGenerator:
         with self._ids_lock:
             live = request_ids & self._live_ids
         self._unread |= live
-        self._held = [output for output in self._held if output.request_id not in request_ids]
+        self._held = {rid: output for rid, output in self._held.items() if rid not in request_ids}
         for request_id in live:
             self.abort_request(request_id)
 

@@ -117,8 +117,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            if copies is None and seq.spec_token_ids:  # speculative guesses never cost anyone a preemption
+            if copies is None and (seq.spec_token_ids or out.spec_token_ids):  # guesses never cost a preemption
                 seq.spec_token_ids = []
+                budget += self._drop_guesses(out)
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             while copies is None and seq.status is SequenceStatus.RUNNING:
@@ -129,6 +130,18 @@ class Scheduler:
                 self._take(out, seq, n, copies)
                 budget -= n
         return budget
+
+    def _drop_guesses(self, out: SchedulerOutput) -> int:
+        """Take the guesses out of the sequences scheduled so far, with the blocks they took; returns their count."""
+        dropped = 0
+        for i, seq in enumerate(out.seqs):
+            guesses = out.spec_token_ids.pop(seq.seq_id, [])
+            if guesses:
+                out.num_tokens[i] -= len(guesses)
+                dropped += len(guesses)
+                seq.spec_token_ids = []
+                self.kv.truncate(seq.seq_id, seq.num_tokens)
+        return dropped
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         seats = sum(seq.num_samples for seq in self.running)  # n > 1 forks after the prompt

@@ -76,7 +76,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None):
         self.config = config
-        self.max_model_len = max_model_len
+        self.max_len = min(max_model_len, draft.max_positions) if draft is not None else max_model_len
         self.draft = draft
         self.num_drafts = 0  # verifications of at least one guess
         self.num_draft_tokens = 0
@@ -92,7 +92,7 @@ class Speculator:
                 or params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
                 or seq.num_output_tokens < params.min_tokens):
             return 0
-        room = self.max_model_len - seq.num_tokens - 1
+        room = self.max_len - seq.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         heuristic = self.config.num_speculative_tokens_schedule == "heuristic"

@@ -53,26 +53,28 @@ class ServerMetrics:
         self.e2e = Histogram(_PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
                              buckets=_E2E_BUCKETS, registry=r)
         self.batch_size = Histogram(_PREFIX + "num_running_per_step",
-                                    "Sequences that produced a token in one step (the decode batch size).",
+                                    "Sequences that produced tokens in one step (the decode batch size).",
                                     buckets=_BATCH_BUCKETS, registry=r)
         self._last = dict.fromkeys(_COUNTERS, 0)
 
     def observe_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
-        """Record one engine step: ``stats`` taken after it, ``outputs`` what it returned."""
+        """Record one engine step: ``stats`` taken after it, ``outputs`` what it returned (``DELTA`` outputs, as the
+        server asks for)."""
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         if stats.spec_decode_num_drafts:
             self.spec_acceptance.set(stats.spec_decode_acceptance_rate)
             self.spec_length.set(stats.spec_decode_mean_accepted_length)
-        generated = stats.generation_tokens - self._last["generation_tokens"]
         for name in _COUNTERS:
             value = getattr(stats, name)
             if value > self._last[name]:
                 self.counters[name].inc(value - self._last[name])
             self._last[name] = value
-        if generated > 0:
-            self.batch_size.observe(generated)
+        # A sequence that kept speculative guesses gains several tokens in a step and counts once.
+        sequences = sum(1 for output in outputs for sample in output.outputs if sample.token_ids)
+        if sequences:
+            self.batch_size.observe(sequences)
         for output in outputs:
             if output.finished:
                 self._observe_finished(output)
