@@ -53,11 +53,17 @@ def _parallel_options() -> argparse.ArgumentParser:
     return parser
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
+
+
 def _http_options() -> argparse.ArgumentParser:
     """Options of the commands that serve over HTTP."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else no "
@@ -120,7 +126,9 @@ _LIMITS = {
                             "tokenized (default: 32)"),
     "stream_write_timeout": ("--stream-write-timeout", int,
                              "seconds a client may read nothing while its outputs wait; then its requests are "
-                             "aborted and their KV blocks freed (default: 60)"),
+                             "aborted, their KV blocks freed and its connection closed (default: 60)"),
+    "body_read_timeout": ("--body-read-timeout", int,
+                          "seconds a request body may take to arrive; a slower one gets a 408 (default: 30)"),
     "tokenizer_workers": ("--tokenizer-workers", int,
                           "threads that tokenize prompts, each with its own tokenizer copy (default: 2)"),
 }

@@ -12,6 +12,7 @@ import asyncio
 import http.client
 import json
 import os
+import socket
 import stat
 import threading
 import time
@@ -181,14 +182,19 @@ def test_limits_are_serve_options(capsys):
     from hf_paged.cli import build_parser, server_limits
 
     parser = build_parser()
-    args = parser.parse_args(["serve", "--max-n", "3", "--max-body-size", "1MiB", "--max-num-waiting", "7"])
+    args = parser.parse_args(["serve", "--max-n", "3", "--max-body-size", "1MiB", "--max-num-waiting", "7",
+                              "--body-read-timeout", "5"])
     limits = server_limits(args.command_parser, args)
-    assert (limits.max_n, limits.max_body_bytes, limits.max_num_waiting) == (3, 1 << 20, 7)
+    assert (limits.max_n, limits.max_body_bytes, limits.max_num_waiting, limits.body_read_timeout) == (3, 1 << 20, 7, 5)
     assert limits.max_stop_sequences == 4  # the default
     args = parser.parse_args(["serve", "--max-n", "0"])
     with pytest.raises(SystemExit) as exit_info:
         server_limits(args.command_parser, args)
     assert exit_info.value.code == 2 and "--max-n" in capsys.readouterr().err
+    for port in ("70000", "-1"):  # uvicorn would wrap 70000 round to 4464
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--port", port])
+        assert "is not a TCP port" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------- 3 and 6: bounds
@@ -276,6 +282,41 @@ def test_concurrent_calls_beyond_the_limit_answer_503_before_the_body(served):
     finally:
         close_all(streams)
     wait_until_idle(served.generator)
+
+
+def test_clients_that_stop_reading_or_never_send_their_body_give_their_seat_back(smollm2_path):
+    """One call at a time: a body that never comes does not hold the seat and gets a 408; a stream whose client reads
+    nothing holds it until the write timeout, then its connection is closed."""
+    generator = tiny_generator(smollm2_path, max_num_seqs=8, max_model_len=1024)
+    limits = ServerLimits(max_concurrent_requests=1, stream_write_timeout=1, body_read_timeout=2)
+    small = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    with live_server(create_app(generator, MODEL, limits=limits)) as live:
+        host, port = live.base.removeprefix("http://").split(":")
+        slow_body = socket.create_connection((host, int(port)), timeout=20)
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{")
+        assert httpx.post(f"{live.base}/v1/completions", json=small, timeout=20).status_code == 200
+        assert slow_body.recv(4096).startswith(b"HTTP/1.1 408")
+        slow_body.close()
+
+        body = json.dumps({"model": MODEL, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "n": 4,
+                           "logprobs": 20, "stream": True}).encode()
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its buffers fill after a few chunks
+        stalled.connect((host, int(port)))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        statuses, deadline = [], time.monotonic() + 60
+        while not statuses or statuses[-1] != 200:
+            assert time.monotonic() < deadline, f"the stalled stream kept its seat: {statuses[-5:]}"
+            statuses.append(httpx.post(f"{live.base}/v1/completions", json=small, timeout=20).status_code)
+            time.sleep(0.2)
+        assert 503 in statuses, "the stream had finished before its buffers filled: the test proves nothing"
+        stalled.settimeout(20)
+        while stalled.recv(1 << 16):  # what was sent before the timeout, then the end: the server closed it
+            pass
+        stalled.close()
+        wait_until_idle(generator)
 
 
 def test_a_request_with_many_samples_leaves_room_for_later_ones(served):

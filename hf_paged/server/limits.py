@@ -30,7 +30,8 @@ class ServerLimits:
     max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens of one call
     max_chars_per_token: int = 32  # prompts longer than max_model_len x this are refused before tokenizing
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
-    stream_write_timeout: int = 60  # seconds a client may read nothing while its outputs wait, then it is aborted
+    stream_write_timeout: int = 60  # seconds a client may read nothing while its outputs wait, then it is cut off
+    body_read_timeout: int = 30  # seconds a request body may take to arrive, then it is a 408
 
     def __post_init__(self) -> None:
         for field in fields(self):

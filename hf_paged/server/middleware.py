@@ -1,20 +1,29 @@
 """`Gatekeeper`: pure ASGI middleware that refuses a call from its headers, before its body is read.
 
 An unauthenticated or oversized POST is answered 401 / 413 without reading (or parsing) a byte of its body; a body
-sent without ``Content-Length`` (chunked) is read up to the limit and no further. Generation calls beyond
-``max_concurrent_requests`` get a 503 with ``Retry-After``. ``/health`` and ``/metrics`` need no key.
+sent without ``Content-Length`` (chunked) is read up to the limit and no further, and one that has not arrived within
+``body_read_timeout`` seconds gets a 408. Generation calls beyond ``max_concurrent_requests`` get a 503 with
+``Retry-After``; a call counts from when its body has arrived until its answer is out, and a client that takes in none
+of its answer for ``stream_write_timeout`` seconds is cut off. ``/health`` and ``/metrics`` need no key.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 
 from .limits import ServerLimits
 from .protocol import APIError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_S = 1
+logger = logging.getLogger(__name__)
+
+
+class ClientStalled(Exception):
+    """The client took in nothing of its answer for ``stream_write_timeout`` seconds."""
 
 
 def overloaded(what: str) -> APIError:
@@ -38,17 +47,40 @@ class Gatekeeper:
         if error is not None:
             return await _answer(send, error)
         generation = scope["path"] in GENERATION_PATHS
-        if generation and self.in_flight >= self.limits.max_concurrent_requests:
-            return await _answer(send, overloaded(f"{self.in_flight} calls in progress, --max-concurrent-requests"))
+        if generation and (busy := self._full()):  # before the body is read, and again once it has arrived
+            return await _answer(send, busy)
+        body = await self._read_body(receive)
+        if generation and body is not None and not isinstance(body, APIError):
+            body = self._full() or body
+        if isinstance(body, APIError):
+            return await _answer(send, body)
+        if body is None:
+            return
         self.in_flight += generation
         try:
-            body = await self._read_body(receive)
-            if isinstance(body, APIError):
-                return await _answer(send, body)
-            if body is not None:
-                await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, _replay(body, receive), self._bounded(send))
+        except ClientStalled:  # the connection is closed: uvicorn sees an answer that never completed
+            logger.warning("%s %s: the client read nothing for %d s; its call was cut off (--stream-write-timeout)",
+                           scope.get("method"), scope["path"], self.limits.stream_write_timeout)
         finally:
             self.in_flight -= generation
+
+    def _full(self) -> APIError | None:
+        if self.in_flight >= self.limits.max_concurrent_requests:
+            return overloaded(f"{self.in_flight} calls in progress, --max-concurrent-requests")
+        return None
+
+    def _bounded(self, send):
+        """``send`` that gives up (`ClientStalled`) when one message cannot be written for ``stream_write_timeout``
+        seconds: the client stopped reading and the socket's buffers are full."""
+        async def bounded(message) -> None:
+            try:
+                async with asyncio.timeout(self.limits.stream_write_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise ClientStalled from None
+
+        return bounded
 
     def _refusal(self, scope) -> APIError | None:
         headers = dict(scope["headers"])
@@ -69,7 +101,16 @@ class Gatekeeper:
                              "bytes, --max-body-size)", code="request_too_large")
 
     async def _read_body(self, receive) -> bytes | APIError | None:
-        """The whole body, a 413 once it passes the limit, or None if the client left while sending it."""
+        """The whole body; a 413 once it passes the limit, a 408 if it has not arrived in time, or None if the client
+        left while sending it."""
+        try:
+            async with asyncio.timeout(self.limits.body_read_timeout):
+                return await self._body(receive)
+        except TimeoutError:
+            return APIError(408, f"the request body did not arrive within {self.limits.body_read_timeout} s "
+                                 "(--body-read-timeout)", code="request_timeout")
+
+    async def _body(self, receive) -> bytes | APIError | None:
         chunks, size = [], 0
         while True:
             message = await receive()
