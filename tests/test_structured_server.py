@@ -132,6 +132,23 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param, words):
     assert error["param"] == param and words in error["message"], error
 
 
+def test_schemas_nested_too_deep_are_400s(server):
+    """960 levels: Python's own JSON writer would exceed its recursion limit on them (a 500 before)."""
+    deep = '{"type":"array","items":' * 960 + "{}" + "}" * 960
+    question = json.dumps(QUESTION)
+    for param, body in [
+        ("guided_json", f'{{"messages":{question},"max_tokens":1,"guided_json":{deep}}}'),
+        ("response_format", f'{{"messages":{question},"max_tokens":1,"response_format":{{"type":"json_schema",'
+                            f'"json_schema":{{"name":"x","schema":{deep}}}}}}}'),
+        ("tools", f'{{"messages":{question},"max_tokens":1,"tools":[{{"type":"function","function":{{"name":"f",'
+                  f'"parameters":{deep}}}}}]}}'),
+    ]:
+        response = httpx.post(f"{server.base}/v1/chat/completions", content=body, timeout=30,
+                              headers={"Content-Type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert "levels" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("tool_calls", ["x", ["x"], [1], {"a": 1}, [{"id": "1", "type": "function", "function": "f"}],
                                         [{"type": "function", "function": {"arguments": "{}"}}],
                                         [{"type": "other", "function": {"name": "f"}}]])
@@ -195,6 +212,17 @@ def test_a_tool_round_trip(client, stream):
         content, calls, finish = reply.choices[0].message.content, reply.choices[0].message.tool_calls, \
             reply.choices[0].finish_reason
     assert content and not calls and finish in ("stop", "length")
+
+
+def test_a_call_whose_json_escapes_a_lone_surrogate_is_answered(server):
+    """``"\\ud800"`` reads as a character UTF-8 cannot hold: the answer escapes it instead of failing (a 500)."""
+    written = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>'
+    body = {"model": MODEL, "messages": QUESTION, "tools": [WEATHER], "tool_choice": "auto", "max_tokens": 60,
+            "temperature": 0, "structured_outputs": {"choice": [written]}}
+    response = httpx.post(f"{server.base}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    (call,) = response.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "\ud800"}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -14,6 +14,22 @@ FLOAT32_MAX = 3.4028234663852886e38  # sampling runs in float32
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy, as in vLLM: dividing by them overflows float32
 
 
+MAX_JSON_DEPTH = 100  # nesting of a JSON schema (or tool parameters): deeper ones exhaust Python's recursion
+
+
+def json_too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` levels deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
+        if children is not None:
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -48,9 +64,10 @@ class StructuredOutputsParams:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as err:
+                except (ValueError, RecursionError) as err:
                     raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
             self._require(isinstance(schema, dict), "json", "a JSON schema (an object)")
+            self._require(not json_too_deep(schema), "json", f"a JSON schema nested at most {MAX_JSON_DEPTH} levels")
             try:
                 json.dumps(schema)
             except (TypeError, ValueError) as err:

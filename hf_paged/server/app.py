@@ -259,7 +259,11 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
             completion_tokens += len(choice.token_ids)
             choices.append(fmt.choice(i * n + choice.index, choice))
     body = {**header, "object": fmt.object, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-    return Response(json.dumps(body, ensure_ascii=False, separators=(",", ":")), media_type="application/json")
+    try:
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate, from a "\ud800" escape in tool-call JSON the model wrote
+        content = json.dumps(body, separators=(",", ":")).encode()
+    return Response(content, media_type="application/json")
 
 
 async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int,

@@ -18,7 +18,10 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
+
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+_NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 _HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE_TAG) + r"|$)", re.S)
 
 
@@ -51,6 +54,8 @@ def tool_functions(tools: list[dict]) -> dict[str, dict]:
             raise ValueError("each tool's function needs a name")
         if parameters is not None and not isinstance(parameters, dict):
             raise ValueError(f"the parameters of tool {name!r} must be a JSON schema object")
+        if json_too_deep(parameters):
+            raise ValueError(f"the parameters of tool {name!r} nest more than {MAX_JSON_DEPTH} levels")
         functions[name] = parameters if parameters is not None else {"type": "object"}
     return functions
 
@@ -75,7 +80,7 @@ def _hermes_call(call: dict) -> str:
     arguments = function.get("arguments", {})
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except _NOT_JSON:
         pass
     return f"{OPEN_TAG}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n{CLOSE_TAG}"
 
@@ -92,7 +97,7 @@ def _for_template(message: dict, native: bool) -> dict:
             function = dict(call.get("function", {}))
             try:
                 function["arguments"] = json.loads(function.get("arguments") or "{}")
-            except (TypeError, ValueError):
+            except (TypeError, *_NOT_JSON):
                 pass
             converted.append({**call, "function": function})
         return {**message, "tool_calls": converted}
@@ -144,7 +149,7 @@ class ToolCallParser:
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
             return None, [ToolCall.of(call["name"], call["arguments"]) for call in json.loads(text)]
-        except (ValueError, KeyError, TypeError):
+        except (KeyError, TypeError, *_NOT_JSON):
             return text, []  # cut short by max_tokens
 
     def _parse_with_template(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -212,7 +217,7 @@ class ToolCallStream:
                 self.args_start = self.args_sent = match.end()
             try:
                 value, end = _DECODER.raw_decode(self.text, self.args_start)
-            except ValueError:
+            except _NOT_JSON:
                 value, end = None, None  # the arguments are still being written: all of the text so far is theirs
             if end == len(self.text) and self.text[self.args_start] not in '{["':
                 value, end = None, None  # a number or literal that ends the text so far may go on
@@ -257,7 +262,7 @@ def _hermes_block_call(block: str) -> ToolCall | None:
     read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as JSON."""
     try:
         call = json.loads(block)
-    except ValueError:
+    except _NOT_JSON:
         call = None
     if isinstance(call, dict) and isinstance(call.get("name"), str):
         return ToolCall.of(call["name"], call.get("arguments", {}))
@@ -265,7 +270,7 @@ def _hermes_block_call(block: str) -> ToolCall | None:
     name = _json_string(header.group(1)) if header else None
     try:
         return None if name is None else ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])
-    except ValueError:
+    except _NOT_JSON:
         return None
 
 
