@@ -92,6 +92,17 @@ def test_huge_prompts_do_not_freeze_health_or_streams(served):
     wait_until_idle(served.generator)
 
 
+def test_many_messages_and_long_earlier_tool_calls_are_refused_from_their_characters(served):
+    """Each message counts a token's characters for its template, and a prompt holding tools or earlier tool calls
+    is checked before it is rendered (both were tokenized whole before they were refused)."""
+    empty = [{"role": "user", "content": ""}] * 2000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": "y " * 20000})}}
+    with_calls = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    for messages in (empty, with_calls):
+        refused = post(served, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1})
+        assert "characters" in assert_openai_error(refused, 400, "messages")["message"]
+
+
 def test_tokenization_runs_off_the_event_loop(smollm2_path):
     """A prompt that takes a second to tokenize (the character pre-check loosened) leaves /health answering."""
     generator = tiny_generator(smollm2_path, max_model_len=1024)

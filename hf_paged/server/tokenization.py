@@ -2,8 +2,9 @@
 
 Each worker thread has its own copy of the tokenizer: a fast tokenizer object used from two threads at once can raise
 "Already borrowed" (Rust's borrow check), and the engine thread keeps using the generator's own one to detokenize.
-A prompt that could not fit the context even at ``max_chars_per_token`` characters per token is refused before it
-is tokenized, so a huge prompt costs a length check, not seconds of tokenization.
+A prompt that could not fit the context even at ``max_chars_per_token`` characters per token (and one token per chat
+message, for its template) is refused before it is tokenized, so a huge prompt costs a length check, not seconds of
+tokenization.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class PromptEncoder:
     def __init__(self, inputs: InputProcessor, max_chars_per_token: int, workers: int):
         self.inputs = inputs
         self.max_model_len = inputs.max_model_len
+        self.chars_per_token = max_chars_per_token
         self.max_chars = self.max_model_len * max_chars_per_token
         self._master = copy.deepcopy(inputs.tokenizer)  # copied from only under _copy_lock
         self._copy_lock = threading.Lock()
@@ -50,11 +52,18 @@ class PromptEncoder:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             self._check_tokens(len(prompt), param)
             return prompt
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(str(v)) for m in prompt for v in m.values())
-        if chars > self.max_chars:
-            raise APIError(400, f"the prompt is {chars} characters long, more than could fit this engine's context "
-                                f"(max_model_len) of {self.max_model_len} tokens", param=param)
+        self.check_length(prompt, param)
         return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param)
+
+    def check_length(self, prompt: str | list[dict], param: str, extra_chars: int = 0) -> None:
+        """Refuse (a 400) a prompt of more characters than the context could hold; each chat message counts as
+        ``max_chars_per_token`` characters more than its fields, since its template takes a token at least."""
+        chars = extra_chars + (len(prompt) if isinstance(prompt, str) else
+                               sum(len(str(v)) for m in prompt for v in m.values()) + len(prompt) * self.chars_per_token)
+        if chars > self.max_chars:
+            raise APIError(400, f"the prompt is {chars} characters long (a chat message counts "
+                                f"{self.chars_per_token} more), more than could fit this engine's context "
+                                f"(max_model_len) of {self.max_model_len} tokens", param=param)
 
     def _encode(self, prompt: str | list[dict], param: str) -> list[int]:
         try:
