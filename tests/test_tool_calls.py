@@ -6,6 +6,8 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from hf_paged.server.tool_calls import ToolCallParser, calls_schema, render_prompt, tool_functions
@@ -99,7 +101,7 @@ def accumulate(deltas: list[dict]) -> list[dict]:
 def test_a_stream_holds_back_what_may_begin_a_call_and_streams_the_arguments(step):
     text = f"Sure <tool! Checking.\n{CALL}\n{CALL.replace('Paris', 'Rome')}"
     content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
-    assert content == "Sure <tool! Checking.\n" and called  # as it came, before the call began
+    assert content == "Sure <tool! Checking." and called  # as it came, but the whitespace before the call
     calls = accumulate(deltas)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
                                                                          ("get_weather", {"city": "Rome"})]
@@ -107,7 +109,7 @@ def test_a_stream_holds_back_what_may_begin_a_call_and_streams_the_arguments(ste
     # Each call is announced once, with its id and name; then its arguments arrive piece by piece.
     assert sum("id" in d for d in deltas) == 2 and sum("arguments" in d["function"] for d in deltas) > 2
     plain = ToolCallParser("auto").stream()
-    assert plain.feed("a <tool_") == ("a ", []) and plain.finish() == ("<tool_", [], False)
+    assert plain.feed("a <tool_") == ("a", []) and plain.finish() == (" <tool_", [], False)
 
 
 def test_a_constrained_array_of_calls_streams_as_it_is_written():
@@ -139,17 +141,47 @@ def test_a_stream_and_a_whole_answer_read_the_same_calls_and_content(step):
         f'{CALL} <tool_call>{{"arguments": {{"y": 2}}, "name": "get_time"}}</tool_call>',  # followed, then read whole
         f'{CALL} <tool_call>{{"name": "get_time"}}</tool_call>',
         '<tool_call>{"name": "get_weather", "arguments": 12}</tool_call>',  # a number is not cut where a delta ends
+        f"Sure.  \n{CALL}\n Done.",  # the whitespace before a call goes with it
+        '<tool_call>{"name": "get_weather", "arguments": {"city": [1, ',  # cut short: the arguments as written
+        '<tool_call>{"name": "get_weather", "arguments": {oops}}</tool_call> after',
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city',  # a JSON string, cut short
     ]
     for text in texts:
         whole_content, whole_calls = ToolCallParser("auto").parse(text)
         content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
-        streamed = [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)]
-        assert streamed == [(c.name, json.loads(c.arguments)) for c in whole_calls], text
-        assert called == bool(whole_calls) and content.strip() == (whole_content or "").strip(), text
+        streamed = [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)]
+        assert streamed == [(c.name, as_json(c.arguments)) for c in whole_calls], text
+        assert called == bool(whole_calls) and content == (whole_content or ""), text
     content, calls = ToolCallParser("auto").parse(texts[0])
     assert content == "and <tool_call>not json</tool_call>" and [c.name for c in calls] == ["get_weather"]
     _, [call] = ToolCallParser("auto").parse(texts[1])
     assert json.loads(call.arguments) == {"city": "Paris"}
+    assert ToolCallParser("auto").parse(texts[7])[0] == "Sure.\n Done."
+    assert [c.arguments for c in ToolCallParser("auto").parse(texts[8])[1]] == ['{"city": [1,']
+    assert ToolCallParser("auto").parse(texts[9])[0] == "after"
+
+
+PIECES = ["Sure.", " ", "\n", "ok", CALL, "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": ', '{"a": 1}',
+          "{oops}", '"{\\"x', "}", "<tool", "[1, ", "12", '"s"', '{"arguments": {}, "name": "g"}']
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=8), st.integers(1, 9))
+def test_any_text_streams_as_its_whole_answer_reads(pieces, step):
+    text = "".join(pieces)
+    whole_content, whole_calls = ToolCallParser("auto").parse(text)
+    content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
+    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
+        [(c.name, as_json(c.arguments)) for c in whole_calls]
+    assert called == bool(whole_calls) and content == (whole_content or "")
+
+
+def as_json(arguments: str):
+    """Arguments as the JSON they read as, or as written where they do not (cut short or malformed)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def test_a_tokenizer_response_template_parses_calls(tokenizer, monkeypatch):

@@ -22,7 +22,10 @@ from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
-_HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE_TAG) + r"|$)", re.S)
+# A block ends at its closing tag, where the next block opens, or where the text ends.
+_HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*((?:(?!" + re.escape(OPEN_TAG) + r").)*?)\s*(?:"
+                          + re.escape(CLOSE_TAG) + r"|(?=" + re.escape(OPEN_TAG) + r")|$)", re.S)
+_SPACED_CALL = re.compile(r"\s*" + _HERMES_CALL.pattern, re.S)
 
 
 @dataclass
@@ -144,7 +147,7 @@ class ToolCallParser:
         if self.response_template is not None:
             return self._parse_with_template(text)
         calls = [call for match in _HERMES_CALL.finditer(text) if (call := _hermes_block_call(match.group(1)))]
-        return (_without_calls(text, announced=False).strip() or None) if calls else text, calls
+        return (_content_beside(text) or None) if calls else text, calls
 
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
@@ -171,8 +174,9 @@ class ToolCallStream:
     as they are written.
 
     Calls are followed as they come when written ``{"name": ..., "arguments": ...}`` (the constrained JSON array, or
-    hermes blocks in that key order); otherwise, and with a tokenizer's response template, they are read whole when
-    the choice finishes.
+    hermes blocks in that key order); a hermes block written otherwise is read whole once it ends, and with a
+    tokenizer's response template the calls are read whole when the choice finishes. What a stream sends adds up to
+    the whole answer (`ToolCallParser.parse`) of the same text.
     """
 
     def __init__(self, parser: ToolCallParser):
@@ -183,7 +187,7 @@ class ToolCallStream:
         self.follow = parser.response_template is None  # follow calls as they are written
         self.header = _JSON_HEADER if parser.mode == "json" else _HERMES_HEADER
         self.calls: list[ToolCall] = []  # announced so far
-        self.scan = 0  # where the next call's header may start
+        self.scan = 0  # where the next call may start
         self.args_start: int | None = None  # where the arguments of the last announced call start, while unfinished
         self.args_sent = 0
 
@@ -192,37 +196,32 @@ class ToolCallStream:
         self.text += delta
         content = ""
         if not self.holding:
-            # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``.
+            # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``; nor is whitespace
+            # that a call may follow (a whole answer's content ends before it).
             start = self.text.find(OPEN_TAG, self.sent)
             self.holding = start >= 0
             end = start if self.holding else len(self.text) - _partial_tag(self.text)
-            content, self.sent = self.text[self.sent:end], max(self.sent, end)
+            end = max(self.sent, len(self.text[:end].rstrip()))
+            content, self.sent = self.text[self.sent:end], end
             self.scan = max(self.scan, self.sent)
         return content, self._call_deltas() if self.holding and self.follow else []
 
-    def _call_deltas(self) -> list[dict]:
+    def _call_deltas(self, final: bool = False) -> list[dict]:
+        """The calls and arguments written since the last time; with ``final``, the text is all there is."""
         entries: dict[int, dict] = {}
         while True:
             if self.args_start is None:
-                match = self.header.search(self.text, self.scan)
-                if match is None:
+                if not self._next_call(entries, final):
                     return list(entries.values())
-                name = _json_string(match.group(1))
-                if name is None:  # not a name JSON can hold: no call starts here
-                    self.scan = match.end()
+                if self.args_start is None:
                     continue
-                call = ToolCall.of(name, "")
-                self.calls.append(call)
-                entries[len(self.calls) - 1] = call.to_dict(len(self.calls) - 1)
-                self.args_start = self.args_sent = match.end()
-            try:
-                value, end = _DECODER.raw_decode(self.text, self.args_start)
-            except _NOT_JSON:
-                value, end = None, None  # the arguments are still being written: all of the text so far is theirs
-            if end == len(self.text) and self.text[self.args_start] not in '{["':
-                value, end = None, None  # a number or literal that ends the text so far may go on
-            quoted = self.text.startswith('"', self.args_start)  # JSON text in a string, sent decoded once it ends
-            upto = len(self.text) if end is None else end
+            value, end, written = self._arguments(final)
+            # JSON text in a string is sent decoded, once it ends.
+            quoted = not written and self.text.startswith('"', self.args_start)
+            upto = end
+            if end is None:  # what may yet begin the block's end, or whitespace before it, waits
+                held = max(_partial_tag(self.text, CLOSE_TAG), _partial_tag(self.text, OPEN_TAG))
+                upto = len(self.text[:len(self.text) - held].rstrip())
             if upto > self.args_sent and (end is not None or not quoted):
                 entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
                                                                  "function": {"arguments": ""}})
@@ -232,14 +231,65 @@ class ToolCallStream:
                 return list(entries.values())
             self.args_start, self.scan = None, end
 
+    def _next_call(self, entries: dict[int, dict], final: bool) -> bool:
+        """Go past the next call's start: announce a call to follow (``args_start`` set), or read a hermes block whole
+        once it has ended. False when nothing can be decided yet."""
+        if self.parser.mode == "json":
+            match = self.header.search(self.text, self.scan)
+        else:
+            start = self.text.find(OPEN_TAG, self.scan)
+            if start < 0:
+                return False
+            match = self.header.match(self.text, start)
+        name = _json_string(match.group(1)) if match else None
+        if name is None and self.parser.mode == "json":
+            self.scan = match.end() if match else self.scan  # not a name JSON can hold: no call starts here
+            return match is not None
+        if name is None:
+            return self._read_block(start, entries, final)
+        self._announce(ToolCall.of(name, ""), entries)
+        self.args_start = self.args_sent = match.end()
+        return True
+
+    def _read_block(self, start: int, entries: dict[int, dict], final: bool) -> bool:
+        """Read the hermes block at ``start`` whole, once it has ended (it is a call or content)."""
+        if _block_end(self.text, start + len(OPEN_TAG)) < 0 and not final:
+            return False  # it may yet turn out to be a call to follow
+        block = _HERMES_CALL.match(self.text, start)
+        call = _hermes_block_call(block.group(1))
+        if call is not None:
+            self._announce(call, entries)
+        self.scan = block.end()
+        return True
+
+    def _announce(self, call: ToolCall, entries: dict[int, dict]) -> None:
+        self.calls.append(call)
+        entries[len(self.calls) - 1] = call.to_dict(len(self.calls) - 1)
+
+    def _arguments(self, final: bool) -> tuple[object, int | None, bool]:
+        """The last announced call's arguments: ``(value, end, written)``. ``end`` is None while they are still being
+        written; arguments that do not read as JSON by the end of their block (or of the text, when ``final``) are
+        the text written there (``written``), as a whole answer reads them."""
+        close = _block_end(self.text, self.args_start) if self.parser.mode == "auto" else -1
+        limit = close if close >= 0 else len(self.text)
+        try:
+            value, end = _DECODER.raw_decode(self.text[:limit], self.args_start)
+        except _NOT_JSON:
+            value, end = None, None
+        if end == len(self.text) and not final and self.text[self.args_start] not in '{["':
+            value, end = None, None  # a number or literal that ends the text so far may go on
+        if end is None and (close >= 0 or final):
+            return None, max(self.args_sent, len(self.text[:limit].rstrip())), True
+        return value, end, False
+
     def finish(self) -> tuple[str, list[dict], bool]:
         """Once the choice has finished: the content not sent yet, the last ``delta.tool_calls`` entries, and
         whether it called tools at all."""
-        if self.calls:  # followed as they came; blocks after them that could not be are read whole
-            deltas = self._call_deltas()
-            later = [] if self.args_start is not None else self.parser.parse(self.text[self.scan:])[1]
-            deltas += [call.to_dict(len(self.calls) + i) for i, call in enumerate(later)]
-            return self._rest(), deltas, True
+        if self.follow:
+            deltas = self._call_deltas(final=True)
+            if self.calls:
+                return self._rest(), deltas, True
+            return self.text[self.sent:], [], False
         content, calls = self.parser.parse(self.text)
         if not calls:
             return self.text[self.sent:], [], False
@@ -247,12 +297,13 @@ class ToolCallStream:
 
     def _rest(self) -> str:
         """The content written since a call began: hermes text around the blocks (none in a JSON array of calls)."""
-        return "" if self.parser.mode == "json" else _without_calls(self.text[self.sent:], announced=True).strip()
+        return "" if self.parser.mode == "json" else _content_beside(self.text[self.sent:], after=self.sent > 0)
 
 
 _DECODER = json.JSONDecoder()
-# Ends where the arguments' value starts (so not until it has begun: whitespace may still be coming).
-_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)'
+# Ends where the arguments' value starts (so not until it has begun: whitespace may still be coming); a value that
+# starts with "<" (where a tag may be) is none.
+_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
 
@@ -268,20 +319,26 @@ def _hermes_block_call(block: str) -> ToolCall | None:
         return ToolCall.of(call["name"], call.get("arguments", {}))
     header = _JSON_HEADER.match(block)
     name = _json_string(header.group(1)) if header else None
-    try:
-        return None if name is None else ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])
-    except _NOT_JSON:
+    if name is None:
         return None
+    try:
+        return ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])
+    except _NOT_JSON:  # cut short or malformed: passed on as written, as OpenAI passes on what its model wrote
+        return ToolCall.of(name, block[header.end():])
 
 
-def _without_calls(text: str, announced: bool) -> str:
-    """``text`` without its hermes blocks that are calls (and with ``announced``, those a stream announced as calls:
-    their name was out, and their text went out as arguments); other blocks stay in the content."""
-    def drop(match: re.Match) -> str:
-        is_call = (announced and _JSON_HEADER.match(match.group(1))) or _hermes_block_call(match.group(1))
-        return "" if is_call else match.group(0)
+def _content_beside(text: str, after: bool = False) -> str:
+    """The content of an answer with calls, as a stream sends it: ``text`` without its hermes blocks that are calls,
+    each with the whitespace before it (other blocks stay), and without whitespace at its end, nor at its start when
+    nothing comes before the first block (or, ``after``, when this text follows content already sent)."""
+    content = _SPACED_CALL.sub(lambda m: "" if _hermes_block_call(m.group(1)) else m.group(0), text).rstrip()
+    return content if after or text[:text.find(OPEN_TAG)].strip() else content.lstrip()
 
-    return _HERMES_CALL.sub(drop, text)
+
+def _block_end(text: str, start: int) -> int:
+    """Where the hermes block around ``start`` ends (its closing tag, or the next block's opening), or -1."""
+    ends = [i for i in (text.find(CLOSE_TAG, start), text.find(OPEN_TAG, start)) if i >= 0]
+    return min(ends, default=-1)
 
 
 def _json_string(body: str) -> str | None:
@@ -292,9 +349,9 @@ def _json_string(body: str) -> str | None:
         return None
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of ``text`` that begins ``<tool_call>``, held back until it is decided."""
-    for size in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-size:]):
+def _partial_tag(text: str, tag: str = OPEN_TAG) -> int:
+    """Length of the longest end of ``text`` that begins ``tag``, held back until it is decided."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0
