@@ -124,6 +124,9 @@ _LIMITS = {
     "max_chars_per_token": ("--max-chars-per-token", int,
                             "a prompt longer than max_model_len x this many characters is refused before it is "
                             "tokenized (default: 32)"),
+    "max_constraint_size": ("--max-constraint-size", int,
+                            "most characters in a structured-output constraint (a JSON schema as compact JSON, a "
+                            "regex, a grammar; tools with tool_choice required) (default: 131072)"),
     "stream_write_timeout": ("--stream-write-timeout", int,
                              "seconds a client may read nothing while its outputs wait; then its requests are "
                              "aborted, their KV blocks freed and its connection closed (default: 60)"),

@@ -224,8 +224,12 @@ CHAT = [{"role": "user", "content": "Hi"}]
     ("/v1/completions", {"prompt": ["hi"] * 33}, "prompt"),
     # 4 samples x 21 logprobs x 1000 tokens x 20 prompts: 1.7M log-probabilities in one answer
     ("/v1/completions", {"prompt": ["hi"] * 20, "n": 4, "logprobs": 20, "max_tokens": 1000}, "logprobs"),
+    ("/v1/completions", {"guided_regex": "(ab|cd)" * 20000}, "guided_regex"),  # 160,000 characters
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(6000)}}}}},
+     "response_format"),
 ], ids=["stop-count", "stop-length", "stop_token_ids", "stop_token_ids-body", "logit_bias", "n", "logprobs",
-        "top_logprobs", "prompts", "logprob-entries"])
+        "top_logprobs", "prompts", "logprob-entries", "regex-size", "schema-size"])
 def test_limits_are_400s_naming_the_field(served, path, extra, param):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions" else \
         {"model": MODEL, "messages": CHAT, "max_tokens": 2}
@@ -235,6 +239,23 @@ def test_limits_are_400s_naming_the_field(served, path, extra, param):
     else:
         assert_openai_error(response, 400, param)
     wait_until_idle(served.generator)
+
+
+def test_odd_bodies_are_400s_naming_their_field(served):
+    headers = {"Content-Type": "application/json", **AUTH}
+    chat = {"model": MODEL, "messages": CHAT}
+    for path, body, param, words in [
+        ("/v1/completions", {"model": MODEL, "prompt": [True, False]}, "prompt", ""),  # not token ids 1, 0
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": ', None, "not valid JSON"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 1}', "prompt", "surrogate"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+         "messages", "surrogate"),
+    ]:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = httpx.post(f"{served.base}{path}", content=content, headers=headers, timeout=30)
+        assert words in assert_openai_error(response, 400, param)["message"], response.text
+        assert response.json()["error"]["param"] == param
 
 
 def test_large_responses_are_built_off_the_event_loop(served, monkeypatch):

@@ -147,6 +147,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
         """Compile the request's structured-output grammar (off the loop) so that an invalid one is a 400."""
         constraint = body.constraint()
         if constraint is not None:
+            limits.check_constraint(constraint.param, constraint.spec.key[1])
             try:
                 await asyncio.wrap_future(generator.grammars.compile(constraint.spec))
             except ValueError as err:
@@ -324,6 +325,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems, param = [], None
+        invalid_json = [error for error in exc.errors() if error.get("type") == "json_invalid"]
+        if invalid_json:
+            message = f"the request body is not valid JSON: {invalid_json[0].get('msg', '')}"
+            return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
         for error in exc.errors():
             location = [str(part) for part in error.get("loc", ()) if part != "body"]
             param = param or (location[0] if location else None)

@@ -29,6 +29,7 @@ class ServerLimits:
     max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's max_logprobs)
     max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens of one call
     max_chars_per_token: int = 32  # prompts longer than max_model_len x this are refused before tokenizing
+    max_constraint_size: int = 128 << 10  # characters of a structured-output constraint (its grammar compiles first)
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
     stream_write_timeout: int = 60  # seconds a client may read nothing while its outputs wait, then it is cut off
     body_read_timeout: int = 30  # seconds a request body may take to arrive, then it is a 408
@@ -61,6 +62,11 @@ class ServerLimits:
                  "--max-logit-bias")
         param, logprobs = body.logprobs_param()
         _at_most(param, logprobs or 0, self.max_logprobs, f"{param}", "--max-logprobs")
+
+    def check_constraint(self, param: str, text: str) -> None:
+        """A constraint's canonical text (a schema's JSON, a regex, a grammar): its compile time grows faster than its
+        size, and constrained calls wait for one another's."""
+        _at_most(param, len(text), self.max_constraint_size, f"characters in {param}", "--max-constraint-size")
 
     def check_prompt_count(self, num_prompts: int) -> None:
         _at_most("prompt", num_prompts, self.max_client_batch_size, "prompts in one call", "--max-client-batch-size")

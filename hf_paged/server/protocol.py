@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..generation import CompletionOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .tool_calls import ToolCallParser, calls_schema, tool_functions
@@ -220,7 +220,7 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # not true/false as token ids
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
     suffix: str | None = None
@@ -345,8 +345,14 @@ class ChatCompletionRequest(GenerationRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("SamplingParams.logprobs must be true when top_logprobs is given")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        if self.max_completion_tokens is None:
+            return self.sampling_params(self.max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        try:
+            return self.sampling_params(self.max_completion_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        except ValueError as err:
+            if not str(err).startswith("SamplingParams.max_tokens "):
+                raise
+            raise RequestFieldError("max_completion_tokens", "max_completion_tokens" + str(err)[25:]) from None
 
 
     def logprobs_param(self) -> tuple[str, int | None]:

@@ -53,6 +53,7 @@ class PromptEncoder:
             self._check_tokens(len(prompt), param)
             return prompt
         self.check_length(prompt, param)
+        _check_text(prompt, param)
         return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param)
 
     def check_length(self, prompt: str | list[dict], param: str, extra_chars: int = 0) -> None:
@@ -104,3 +105,14 @@ class PromptEncoder:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_text(prompt: str | list[dict], param: str) -> None:
+    """Refuse text that UTF-8 cannot hold (a lone surrogate, from a ``"\\ud800"`` escape in the request's JSON)."""
+    texts = [prompt] if isinstance(prompt, str) else [v for m in prompt for v in m.values() if isinstance(v, str)]
+    for text in texts:
+        try:
+            text.encode()
+        except UnicodeEncodeError as err:
+            raise APIError(400, f"the prompt holds {text[err.start]!r}, a lone surrogate: not text", param=param) \
+                from None
