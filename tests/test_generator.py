@@ -582,6 +582,21 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     out = gen.run([chat_prompts[0]], GenerationConfig(max_new_tokens=5, do_sample=False), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
+    # The model's own config, and defaults written out, are no options; an unset top_k is generate's 50.
+    model, _ = smollm2
+    own = SamplingParams.from_generation_config(model.generation_config)
+    assert own.max_tokens == 16 and own.n == 1
+    written = GenerationConfig(num_beams=1, output_scores=False, output_attentions=False, do_sample=True)
+    assert SamplingParams.from_generation_config(written).top_k == 50
+
+
+def test_sample_i_of_n_draws_as_a_request_seeded_seed_plus_i(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    (together,) = gen.run([chat_prompts[2]], params.replace(n=3, seed=100), use_tqdm=False)
+    alone = gen.run([chat_prompts[2]] * 3, [params.replace(seed=100 + i) for i in range(3)], use_tqdm=False)
+    assert [o.token_ids for o in together.outputs] == [out.outputs[0].token_ids for out in alone]
+    assert len({tuple(o.token_ids) for o in together.outputs}) == 3
 
 
 def test_a_refused_model_is_left_unpacked(smollm2, monkeypatch):

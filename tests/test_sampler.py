@@ -107,3 +107,28 @@ def test_logit_bias_adds_to_its_rows_only():
     draws = sample(logits[:1].expand(200, 3), batch_for(200, logit_bias=(torch.zeros(1, dtype=torch.long),
                                                                       torch.tensor([0]), torch.tensor([-100.0]))))
     assert draws.token_ids[0] != 0 and 0 in draws.token_ids[1:]
+
+
+def test_every_bit_of_the_seed_counts():
+    seeds = torch.tensor([5, 5 + 2**62, 5 - 2**63, -1, 2**63 - 1, 2**62 - 1])
+    u = uniform_from_counter(seeds, torch.zeros(6, dtype=torch.long))
+    assert len(set(u.tolist())) == 6
+
+
+def test_top_p_drops_a_token_once_those_before_it_reach_top_p():
+    logits = torch.tensor([0.5, 0.5]).log().expand(400, 2)
+    assert set(sample(logits, batch_for(400, top_p=0.5, seeds=list(range(400)))).token_ids) == {0}  # as vLLM
+
+
+def test_min_p_filters_before_top_p_and_bias_comes_before_penalties():
+    """vLLM's order: [.3, .3, .3, .1] with min_p .5 keeps three tokens, then top_p .65 two of them (the other order
+    would keep all three). A +3 bias on a seen token with logit -2 and repetition penalty 2 scores (-2 + 3) / 2."""
+    logits = torch.tensor([0.3, 0.3, 0.3, 0.1]).log().expand(2000, 4)
+    drawn = set(sample(logits, batch_for(2000, top_p=0.65, min_p=0.5, seeds=list(range(2000)))).token_ids)
+    assert drawn == {0, 1}
+    logits = torch.tensor([[0.0, 0.0, 0.0, -2.0, 0.0, 0.1]])
+    batch = batch_for(1, temperature=0.0, repetition_penalty=torch.tensor([2.0]), presence_penalty=torch.tensor([0.0]),
+                      frequency_penalty=torch.tensor([0.0]), prompt_tokens=torch.tensor([[3]]),
+                      output_tokens=torch.tensor([[-1]]),
+                      logit_bias=(torch.tensor([0]), torch.tensor([3]), torch.tensor([3.0])))
+    assert sample(logits, batch).token_ids == [3]

@@ -70,6 +70,39 @@ def test_compile_errors_name_the_field_and_the_cache_reuses_grammars(smollm2):
     compiler.shutdown()
 
 
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"const": 1}}, "contains"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "object", "properties": {"s": {"not": {"const": "x"}}}}, "not"),
+    ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "minLength/maxLength beside a pattern"),
+    ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+    ({"allOf": [{"minimum": 5}, {"maximum": 3}]}, "allOf of several"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, "required properties it does not declare"),
+    ({"$defs": {"x": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/x"}, "uniqueItems"),
+])
+def test_schema_keywords_the_grammar_would_ignore_are_refused(smollm2, schema, keyword):
+    """xgrammar compiles these but does not enforce the keyword: outputs would break the schema and end "stop"."""
+    _, tokenizer = smollm2
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    with pytest.raises(ValueError, match=rf"structured_outputs\.json uses .*{re.escape(keyword)}.*cannot enforce"):
+        compiler.compile(StructuredOutputsParams(json=schema)).result()
+    ok = {"type": "object", "properties": {"not": {"type": "string", "format": "email"}, "if": {"enum": [1]}},
+          "required": ["not"]}  # keywords as property names, a format it enforces
+    compiler.compile(StructuredOutputsParams(json=ok)).result()
+    compiler.shutdown()
+
+
+def test_the_text_of_the_end_token_a_grammar_ends_with_is_cut(generator):
+    """With skip_special_tokens=False, as for EOS and stop tokens: also when min_tokens or ignore_eos kept the stop
+    check from seeing it."""
+    for extra in ({}, {"min_tokens": 3}, {"ignore_eos": True}):
+        params = constrained(0, max_tokens=10, choice=["yes", "no"]).replace(skip_special_tokens=False, **extra)
+        (out,) = generator.run([PROMPT], params, use_tqdm=False)
+        assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop", extra
+
+
 def test_json_schemas_regexes_choices_and_grammars_always_hold(generator):
     """Temperature 1, several seeds, every constraint kind in one `run`: 100% of outputs valid, none cut short."""
     assert len(SCHEMAS) >= 30

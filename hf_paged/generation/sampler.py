@@ -29,7 +29,7 @@ def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor, stream: in
     other requests share the batch, and needs no per-request generator object or Python loop. Another ``stream``
     gives other numbers for the same (seed, counter) (speculative decoding's accept tests).
     """
-    h = _mix((seeds & _MASK31) ^ _mix((seeds >> 31) & _MASK31))
+    h = _mix((seeds & _MASK31) ^ _mix(((seeds >> 31) & _MASK31) ^ _mix((seeds >> 62) & 3)))  # all 64 bits
     h = _mix(h ^ (counters & _MASK31))
     h = _mix(h ^ (0x2545F491 + stream))
     return (h.double() + 0.5) / float(1 << 31)
@@ -56,8 +56,8 @@ class SamplingBatch:
     top_k: torch.Tensor | None = None  # [R] long, 0 = off
     top_p: torch.Tensor | None = None  # [R] float
     min_p: torch.Tensor | None = None  # [R] float
-    seeds: torch.Tensor | None = None  # [R] long
-    counters: torch.Tensor | None = None  # [R] long: distinct for every draw of a request
+    seeds: torch.Tensor | None = None  # [R] long: the request's seed, plus i for its sample i
+    counters: torch.Tensor | None = None  # [R] long: the output position each row decides
     # Penalties (None when no row uses any).
     repetition_penalty: torch.Tensor | None = None  # [R]
     presence_penalty: torch.Tensor | None = None  # [R]
@@ -137,10 +137,13 @@ def _add_draw_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], d
     batch.top_k = column([p.top_k for p in params], torch.long)
     batch.top_p = column([p.top_p for p in params], torch.float32)
     batch.min_p = column([p.min_p for p in params], torch.float32)
-    batch.seeds = column([seq.request.seed for seq, _ in draws], torch.long)
-    # Distinct for every draw of a request: sample k of n at output position t.
-    batch.counters = column([(seq.num_output_tokens + j) * p.n + seq.index + k
-                             for (seq, k), p, j in zip(draws, params, offsets)], torch.long)
+    # Sample i of n draws as a request of seed + i would (vLLM's rule), at its output position.
+    batch.seeds = column([_wrap64(seq.request.seed + seq.index + k) for seq, k in draws], torch.long)
+    batch.counters = column([seq.num_output_tokens + j for (seq, _), j in zip(draws, offsets)], torch.long)
+
+
+def _wrap64(value: int) -> int:
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def _add_penalty_tensors(batch: SamplingBatch, draws: list[tuple[Sequence, int]], device) -> None:
@@ -174,26 +177,30 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The logits after the grammar's bitmask, penalties, biases and bans: what greedy rows take the argmax of."""
+    """The logits after the grammar's bitmask, biases, bans and penalties (vLLM's order): what greedy rows take the
+    argmax of."""
     if batch.token_bitmask is not None:  # first: penalties, temperature and top-k/p only see allowed tokens
         logits = logits.clone() if batch.max_logprobs else logits  # logprobs are the model's own distribution
         apply_bitmask(logits, *batch.token_bitmask)
-    if batch.repetition_penalty is not None:
-        logits = apply_penalties(logits, batch)
     if batch.logit_bias is not None:
         rows, ids, bias = batch.logit_bias
         logits = logits.index_put((rows, ids), bias, accumulate=True)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+    if batch.repetition_penalty is not None:
+        logits = apply_penalties(logits, batch)
     return logits
 
 
 def _draw_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The distribution each sampled row draws from: temperature, top-k/top-p, min-p. Rows in ``batch.sort_rows``
-    come in descending order, ``order`` (also returned) mapping them back to token ids."""
+    """The distribution each sampled row draws from: temperature, then min-p, then top-k/top-p (vLLM's order). Rows
+    in ``batch.sort_rows`` come in descending order, ``order`` (also returned) mapping them back to token ids."""
     temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     scaled = (logits / temperature.unsqueeze(1)).clamp_(max=FLOAT32_MAX)  # a small temperature overflows
     probs = scaled.softmax(dim=-1)
+    if batch.needs_min_p:
+        below = probs < batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        scaled, probs = scaled.masked_fill(below, float("-inf")), probs.masked_fill(below, 0.0)
     rows, order = batch.sort_rows, None
     if rows is not None:  # these rows' probabilities are replaced by their top-k / top-p ones, in sorted order
         top, order = scaled[rows].sort(dim=-1, descending=True)
@@ -201,11 +208,9 @@ def _draw_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tenso
         k = torch.where(k > 0, k, torch.full_like(k, top.shape[1]))
         positions = torch.arange(top.shape[1], device=top.device)
         top = top.masked_fill(positions >= k.unsqueeze(1), float("-inf")).softmax(dim=-1)
-        before = top.cumsum(dim=-1) - top
-        probs = probs.index_copy(0, rows, top.masked_fill(before > batch.top_p[rows].unsqueeze(1), 0.0))
-    if batch.needs_min_p:
-        top = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < batch.min_p.unsqueeze(1) * top, 0.0)
+        before = top.cumsum(dim=-1) - top  # a token is dropped once those before it reach top_p (as vLLM)
+        top_p = batch.top_p[rows].unsqueeze(1)
+        probs = probs.index_copy(0, rows, top.masked_fill((before >= top_p) & (top_p < 1), 0.0))
     return probs, order
 
 

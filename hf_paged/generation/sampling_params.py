@@ -214,26 +214,29 @@ class SamplingParams:
     def from_generation_config(cls, config: GenerationConfig) -> "SamplingParams":
         """Map a Transformers `GenerationConfig` onto `SamplingParams`; anything that cannot be mapped is an error."""
         defaults = GenerationConfig()
+        # What `generate` takes where a config leaves a field unset (Transformers 5 keeps None in the config).
+        fallback = getattr(GenerationConfig, "_get_default_generation_params", dict)()
         supported = {
             "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
             "min_new_tokens", "num_return_sequences", "stop_strings", "eos_token_id", "pad_token_id", "bos_token_id",
-            "use_cache", "output_logits", "return_dict_in_generate", "max_length", "cache_implementation",
-            "transformers_version", "_from_model_config",
+            "use_cache", "output_logits", "output_scores", "output_attentions", "output_hidden_states",
+            "return_dict_in_generate", "max_length", "cache_implementation", "transformers_version",
+            "_from_model_config",
         }
         unmapped = [
             key for key, value in config.to_diff_dict().items()
-            if key not in supported and value != getattr(defaults, key, None)
+            if key not in supported and value not in (getattr(defaults, key, None), fallback.get(key))
         ]
         if unmapped:
             raise ValueError(f"GenerationConfig options with no SamplingParams equivalent: {sorted(unmapped)}")
-        if config.max_new_tokens is None and config.max_length != defaults.max_length:
+        if config.max_new_tokens is None and config.max_length not in (defaults.max_length, fallback.get("max_length")):
             raise ValueError("GenerationConfig.max_length cannot be mapped (prompts differ in length): use max_new_tokens")
         sample = bool(config.do_sample)
         return cls(
             n=config.num_return_sequences or 1,
             temperature=(config.temperature if config.temperature is not None else 1.0) if sample else 0.0,
             top_p=(config.top_p if config.top_p is not None else 1.0) if sample else 1.0,
-            top_k=(config.top_k or 0) if sample else 0,
+            top_k=(config.top_k if config.top_k is not None else fallback.get("top_k", 0)) if sample else 0,
             min_p=(config.min_p or 0.0) if sample else 0.0,
             repetition_penalty=config.repetition_penalty or 1.0,
             max_tokens=config.max_new_tokens if config.max_new_tokens is not None else 16,

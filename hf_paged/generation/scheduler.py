@@ -265,7 +265,8 @@ class Scheduler:
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
                           seq.request.stop_ids, self.max_model_len)
         if seq.matcher is not None and not seq.matcher.advance(token) and stop is None:
-            stop = Stop("stop")  # the grammar is complete: its end token came (min_tokens cannot hold it back)
+            # The grammar is complete: its end token came (min_tokens cannot hold it back); its text goes, as EOS's.
+            stop = Stop("stop", None, None if params.include_stop_str_in_output else len(seq.text) - len(new_text))
         if stop is not None:
             if stop.text_end is not None:
                 seq.text = seq.text[: stop.text_end]

@@ -93,6 +93,9 @@ class GrammarCompiler:
                                                            stop_token_ids=self.end_token_ids)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         compiler = self._compiler
+        if spec.json is not None and (unsupported := unenforced_schema_keywords(spec.json)):
+            raise ValueError(f"SamplingParams.structured_outputs.json uses {', '.join(unsupported)}, which the grammar "
+                             "backend cannot enforce (outputs could break the schema)")
         try:
             if spec.json is not None:
                 return compiler.compile_json_schema(spec.json, any_whitespace=False)
@@ -112,6 +115,42 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# JSON schema keywords xgrammar ignores (vLLM refuses schemas with most of them for this backend too).
+_UNENFORCED = ("multipleOf", "contains", "minContains", "maxContains", "patternProperties", "propertyNames",
+               "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else")
+_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+            "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SUBSCHEMAS = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def unenforced_schema_keywords(schema: dict) -> list[str]:
+    """The keywords of ``schema`` (and its subschemas) the grammar would silently not enforce, sorted."""
+    found, stack = set(), [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        found.update(key for key in _UNENFORCED if key in node)
+        if node.get("format", "email") not in _FORMATS:
+            found.add(f"format {node['format']!r}")
+        if node.get("uniqueItems") is True:
+            found.add("uniqueItems")
+        if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            found.add("minLength/maxLength beside a pattern or format")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            found.add("allOf of several schemas")
+        declared, required = node.get("properties"), node.get("required")
+        if isinstance(required, list) and any(name not in (declared or {}) for name in required):
+            found.add("required properties it does not declare")
+        stack += [child for key in _SUBSCHEMA_MAPS if isinstance(node.get(key), dict) for child in node[key].values()]
+        stack += [node[key] for key in _SUBSCHEMAS if key in node]
+    return sorted(found)
 
 
 def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int) -> torch.Tensor:
