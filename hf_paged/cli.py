@@ -10,9 +10,12 @@ MODEL is a local model directory; omitted, it is the embedded SmolLM2-135M-Instr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from .generation.config import EngineConfig, parse_memory  # noqa: F401  (parse_memory: part of the CLI's API)
@@ -201,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                           help="apply the chat template (default: when the tokenizer has one)")
-    serve.set_defaults(run=run_serve, command_parser=serve)
-    generate.set_defaults(run=run_generate, command_parser=generate)
+    serve.set_defaults(run=run_serve, check=_serve_settings, command_parser=serve)
+    generate.set_defaults(run=run_generate, check=_generate_params, command_parser=generate)
     return parser
 
 
@@ -234,10 +237,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .default_model import DEFAULT_MODEL_NAME
     from .server import create_app
 
-    if not args.shutdown_timeout >= 0:
-        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    key, limits = api_key(parser, args), server_limits(parser, args)
+    key, limits = _serve_settings(parser, args)
     generator = load_generator(parser, args)
     if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 serves HTTP
         generator.run_worker()
@@ -251,6 +252,13 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return serve_until_stopped(uvicorn.Server(config), app)
 
 
+def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """``serve``'s options that need no model: the API key and the limits (a bad value exits with code 2)."""
+    if not args.shutdown_timeout >= 0:
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    return api_key(parser, args), server_limits(parser, args)
+
+
 def serve_until_stopped(server, app) -> int:
     """Run a uvicorn ``server`` of ``app``; 1 if it stopped because the engine died (so a supervisor restarts it)."""
     engine = app.state.engine
@@ -261,14 +269,37 @@ def serve_until_stopped(server, app) -> int:
 
     engine.on_fatal.append(stop)
     try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl+C it shut down for
+        with _sigterm_raises():
+            server.run()
+    except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal it shut down for
         pass
     finally:
         engine.generator.stop_workers()  # the other tensor-parallel ranks, if any
     if engine.fatal is not None:
         return 1
     return 0 if server.started else 3  # 3: uvicorn's code for a server that could not start
+
+
+class _Terminated(Exception):
+    """SIGTERM, once uvicorn has shut down for it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises `_Terminated` while the block runs (in the main thread), rather than ending the process where
+    uvicorn re-raises it: the other tensor-parallel ranks are still to be stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -297,13 +328,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged generate``: stream one completion to stdout."""
-    from . import RequestOutputKind, SamplingParams
-
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, output_kind=RequestOutputKind.DELTA)
-    except ValueError as err:
-        parser.error(str(err))
+    params = _generate_params(parser, args)
     generator = load_generator(parser, args)
     if not generator.is_driver:
         generator.run_worker()
@@ -312,6 +337,17 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         return _stream_one(generator, args, params)
     finally:
         generator.stop_workers()
+
+
+def _generate_params(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """``generate``'s sampling options (a bad value exits with code 2)."""
+    from . import RequestOutputKind, SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed, output_kind=RequestOutputKind.DELTA)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params) -> int:
@@ -337,7 +373,7 @@ def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, a
     if not hasattr(args, "tensor_parallel_size"):  # serve-ray: one process per replica
         return None
     ranks = int(os.environ.get("WORLD_SIZE", 1))
-    size = args.tensor_parallel_size or ranks
+    size = args.tensor_parallel_size if args.tensor_parallel_size is not None else ranks
     if size < 1:
         parser.error(f"--tensor-parallel-size must be >= 1, got {size}")
     if not args.distributed_timeout > 0:
@@ -346,12 +382,29 @@ def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, a
         os.environ[distributed.CPU_BIND_ENV] = args.cpu_bind
     args.tensor_parallel_size = size
     if size > 1 and "WORLD_SIZE" not in os.environ:
+        _check_before_launch(parser, args, size)
         return distributed.launch(["-m", "hf_paged.cli", *argv], size)
     if size != ranks:
         parser.error(f"--tensor-parallel-size {size} under a torchrun of {ranks} ranks: one rank per shard")
     if size > 1:
         distributed.init_process_group(args.distributed_timeout)
     return None
+
+
+def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespace, size: int) -> None:
+    """Refuse here, once, what every rank would refuse alike: the command's options, the engine's, and a model whose
+    heads ``size`` ranks cannot split (a bad value exits with code 2)."""
+    from transformers import AutoConfig
+
+    from .default_model import resolve_model
+    from .distributed import kv_heads_need_replication
+
+    args.check(parser, args)
+    try:
+        EngineConfig.from_cli_args(args)
+        kv_heads_need_replication(AutoConfig.from_pretrained(resolve_model(args.model)), size)
+    except Exception as err:  # noqa: BLE001 - whatever the ranks would fail on is the user's to read
+        parser.error(str(err))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -70,15 +71,49 @@ def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     _timeout_s = timeout_s
 
 
+def smallest_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest ``value`` any rank has (a collective: every rank calls it)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def launch(args: list[str], nproc: int) -> int:
     """Run ``python ARGS`` as ``nproc`` local ranks under torchrun (standalone rendezvous on a free port) and return
     its exit code. torchrun ends every rank as soon as one fails. On CPU each rank gets ``cores // nproc`` threads
-    unless ``OMP_NUM_THREADS`` says otherwise."""
+    unless ``OMP_NUM_THREADS`` says otherwise.
+
+    Ctrl+C and SIGTERM sent to this process go to the ranks, once (torchrun runs in a session of its own, out of the
+    terminal's reach): rank 0 finishes as a single process would and stops the others, which ignore them, so
+    torchrun ends cleanly. Where the ranks cannot be found (no ``/proc``) torchrun gets the signal and ends them."""
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.call(command, env=env)
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def forward(signum, _frame) -> None:
+        for pid in _children(process.pid) or [process.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux's ``/proc``; empty elsewhere)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        return [int(c) for task in tasks for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    except OSError:
+        return []
 
 
 # ------------------------------------------------------------------------------------------------ loading

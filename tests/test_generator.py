@@ -572,6 +572,25 @@ def test_a_skipped_special_token_keeps_the_next_tokens_space():
     assert seq.text == "hello world again"
 
 
+def test_a_failed_forward_ends_a_tensor_parallel_group(smollm2, chat_prompts, monkeypatch):
+    """Its collectives may have failed, or run on some ranks only: the group cannot go on as after a failed step."""
+    from hf_paged.distributed import DistributedError
+
+    class GroupOfOne:  # a lockstep whose broadcast hands back what rank 0 sent
+        def exchange(self, actions):
+            return actions
+
+    def broken(out):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+
+    gen = make_generator(smollm2)
+    gen.add_request(chat_prompts[0], SamplingParams(max_tokens=4))
+    monkeypatch.setattr(gen, "lockstep", GroupOfOne())
+    monkeypatch.setattr(gen.runner, "execute", broken)
+    with pytest.raises(DistributedError, match="a tensor-parallel step failed on this rank: RuntimeError"):
+        gen.step()
+
+
 def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     from transformers import GenerationConfig
 

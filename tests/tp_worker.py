@@ -33,9 +33,11 @@ def run_model(path: str, tensor_parallel_size: int) -> dict:
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     result = {"generate": out[:, width:].tolist()}
-    # A small step budget, so the 40-token prompt is prefilled in chunks beside the others' decodes.
-    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, max_num_batched_tokens=24)
-    result["kv_heads"] = generator.kv_cache.spec.num_kv_heads
+    # A small step budget, so the 40-token prompt is prefilled in chunks beside the others' decodes. Odd ranks ask
+    # for fewer blocks (as GPUs with less free memory would): every rank gets the fewest.
+    blocks = 48 if int(os.environ.get("RANK", 0)) % 2 else 64
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=blocks, max_num_batched_tokens=24)
+    result["kv_heads"], result["num_blocks"] = generator.kv_cache.spec.num_kv_heads, generator.kv_cache.num_blocks
     if not generator.is_driver:
         generator.run_worker()
         result["digest"] = generator.lockstep.digest

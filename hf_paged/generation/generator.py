@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -14,7 +16,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
-from ..distributed import DistributedError, Lockstep, is_tensor_parallel, prepack_sharded_linear_layers
+from ..distributed import (DistributedError, Lockstep, is_tensor_parallel, prepack_sharded_linear_layers,
+                           smallest_over_ranks)
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
@@ -103,9 +106,13 @@ class ContinuousBatchGenerator:
         if config.num_blocks is None and memory is None:
             memory = torch.cuda.mem_get_info(model.device)[0] // 2 if model.device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
         dtype = config.kv_dtype(model.dtype)
-        storage = PagedKVStorage(model.config, num_blocks=config.num_blocks, block_size=config.block_size,
-                                 memory_budget=memory, dtype=dtype, device=model.device,
-                                 spec=KVCacheSpec.from_model(model))
+        make = lambda blocks, budget: PagedKVStorage(  # noqa: E731
+            model.config, num_blocks=blocks, block_size=config.block_size, memory_budget=budget, dtype=dtype,
+            device=model.device, spec=KVCacheSpec.from_model(model))
+        storage = make(config.num_blocks, memory)
+        if is_tensor_parallel(model):  # every rank schedules alike only over as many blocks (each GPU's free memory)
+            fewest = smallest_over_ranks(storage.num_blocks, model.device)
+            storage = storage if fewest == storage.num_blocks else make(fewest, None)
         storage.allocate(dtype, model.device)
         return storage
 
@@ -214,8 +221,11 @@ class ContinuousBatchGenerator:
                 sampled = self._sample(out, self.runner.execute(out))
                 if sampled is not None and self.lockstep is not None:
                     self.lockstep.check_tokens(sampled.token_ids)
-            except BaseException:
+            except BaseException as err:
                 self.scheduler.rollback(out)
+                if self.lockstep is not None and isinstance(err, Exception) and not isinstance(err, DistributedError):
+                    # Its collectives may have failed, or run on some ranks only: the ranks cannot be known to agree.
+                    raise DistributedError(f"a tensor-parallel step failed on this rank: {err!r}") from err
                 raise
             changed += self.scheduler.update(out, sampled)
         return self._outputs(changed, only)
@@ -272,13 +282,14 @@ class ContinuousBatchGenerator:
         """
         if self.is_driver:
             raise RuntimeError("run_worker is for the tensor-parallel ranks other than 0; rank 0 takes requests")
-        while not self._workers_stopped:
-            try:
-                self.step()
-            except DistributedError:
-                raise
-            except Exception:
-                logger.exception("engine step failed on this rank, as on rank 0; going on")
+        with _signals_ignored():  # Ctrl+C / SIGTERM reach every rank: rank 0 finishes its requests, then stops us
+            while not self._workers_stopped:
+                try:
+                    self.step()
+                except DistributedError:
+                    raise
+                except Exception:
+                    logger.exception("engine step failed on this rank, as on rank 0; going on")
 
     def stop_workers(self) -> None:
         """On rank 0 of a tensor-parallel model: end the other ranks' `run_worker` (no step may follow)."""
@@ -386,3 +397,17 @@ class ContinuousBatchGenerator:
             return {}
         return dict(spec_decode_num_drafts=s.num_drafts, spec_decode_num_draft_tokens=s.num_draft_tokens,
                     spec_decode_num_accepted_tokens=s.num_accepted_tokens)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    """SIGINT and SIGTERM ignored while the block runs (in the main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ..distributed import HEARTBEAT_S, DistributedError
@@ -120,6 +121,7 @@ class EngineDead(EngineError):
     """The engine thread has stopped for good (an unrecoverable error): nothing more can be served."""
 
 
+GROUP_FAILED_GRACE_S = 1.0  # after a tensor-parallel group fails, before the process ends
 FATAL_CONSECUTIVE_FAILURES = 3  # failed steps with no token generated in between: the engine itself is broken
 
 
@@ -293,6 +295,7 @@ class EngineLoop:
         ends the other ranks)."""
         self._fail_in_flight(EngineError(f"the tensor-parallel group failed: {error}"), abort_unrouted=False)
         logger.critical("%s; the server exits", error)
+        time.sleep(GROUP_FAILED_GRACE_S)  # the event loop writes those errors out to the clients meanwhile
         logging.shutdown()
         os._exit(1)
 
