@@ -109,6 +109,25 @@ def test_affinity_table_prefers_the_longest_prefix_of_a_live_replica():
     assert table.best(hashes, {"b"}) == ("b", 5) and table.best(hashes[:3], {"b"}) == (None, 0)
 
 
+def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_check():
+    from types import SimpleNamespace
+
+    from hf_paged.serve_ray.metrics import merged_metrics
+    from hf_paged.serve_ray.replica import EngineReplica
+
+    texts = {name: f"# TYPE hf_paged:spec_decode_acceptance_rate gauge\nhf_paged:spec_decode_acceptance_rate {rate}\n"
+                   f"# TYPE hf_paged:num_requests_running gauge\nhf_paged:num_requests_running 2.0\n"
+             for name, rate in (("a", 0.6), ("b", 0.4))}
+    merged = merged_metrics(texts, None).decode()
+    assert 'hf_paged:spec_decode_acceptance_rate{replica="all"} 0.5' in merged
+    assert 'hf_paged:num_requests_running{replica="all"} 4.0' in merged
+    replica = lambda healthy: SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(  # noqa: E731
+        engine=SimpleNamespace(healthy=healthy))))
+    EngineReplica.func_or_class.check_health(replica(True))
+    with pytest.raises(RuntimeError, match="unrecoverable"):  # Serve then replaces the replica
+        EngineReplica.func_or_class.check_health(replica(False))
+
+
 def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypatch, capsys):
     import hf_paged.serve_ray
     from hf_paged.cli import main
@@ -125,6 +144,14 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypa
     with pytest.raises(SystemExit):
         main(["serve-ray", smollm2_path, "--num-replicas", "5", "--min-replicas", "1", "--max-replicas", "4"])
     assert "num_replicas (5) must lie between" in capsys.readouterr().err
+
+
+def test_the_ingress_refuses_an_oversized_body_before_reading_it(base):
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 40000000\r\n\r\n{")  # 40 MB announced, one byte sent
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
 
 
 def test_openai_client_streams_and_greedy_answers_equal_a_single_server(base, client, smollm2):

@@ -9,6 +9,7 @@ hop: the ingress is light (a tokenizer, no model) and the router runs in its pro
 import asyncio
 import json
 import logging
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,7 +18,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from ..generation.inputs import Prompt, tokenize_prompt
-from ..server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from ..server.limits import ServerLimits
+from ..server.middleware import Gatekeeper
+from ..server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from .affinity import prefix_hashes
 from .asgi import HTTPRequest, HTTPResponseStart
 from .metrics import merged_metrics
@@ -69,12 +72,14 @@ class Ingress:
     hashes, so the router always takes the less loaded of two random replicas."""
 
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
-                 metrics_timeout_s: float = 5.0):
+                 metrics_timeout_s: float = 5.0, api_key: str | None = None):
         from transformers import AutoTokenizer
 
+        self.gate = Gatekeeper(None, ServerLimits(), api_key)  # its checks only: the replicas' apps count the calls
         self.engine = engine
         self.stream = engine.options(stream=True)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer_lock = threading.Lock()  # prompts are tokenized on worker threads, one at a time
         self.block_size = block_size
         self.prefix_affinity = prefix_affinity
         self.metrics_timeout_s = metrics_timeout_s
@@ -100,9 +105,16 @@ class Ingress:
 
     @api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, path: str, request: Request) -> Response:
-        body, path = await request.body(), "/" + path  # relative to where this app is mounted
+        # The key and the body's size from the headers, before the body is read, as the replicas' own apps do.
+        body = self.gate.refusal(request.scope) or await self.gate.read_body(request.receive)
+        if isinstance(body, APIError):
+            return JSONResponse(body.body(), status_code=body.status, headers=body.headers)
+        if body is None:
+            return Response(status_code=499)  # the client left
+        path = "/" + path  # relative to where this app is mounted
         http = HTTPRequest(request.method, path, request.url.query.encode(), request.headers.raw, body)
-        response = self.stream.remote(http, prefix=self._prefix(path, body))
+        prefix = await asyncio.to_thread(self._prefix, path, body)  # tokenizing a long prompt takes a while
+        response = self.stream.remote(http, prefix=prefix)
         try:
             start: HTTPResponseStart = await response.__anext__()
         except Exception as err:
@@ -121,6 +133,8 @@ class Ingress:
             prompt = _prompt(path, body)
             if prompt is None:
                 return None
-            return prefix_hashes(tokenize_prompt(self.tokenizer, prompt)[1], self.block_size)
+            with self.tokenizer_lock:
+                token_ids = tokenize_prompt(self.tokenizer, prompt)[1]
+            return prefix_hashes(token_ids, self.block_size)
         except Exception:
             return None

@@ -1,5 +1,6 @@
 """The app's ``/metrics``: every replica's server metrics labelled ``replica="<id>"``, their total labelled
-``replica="all"`` (sums; the mean for fractions such as ``kv_cache_usage_perc``), and the router's counters."""
+``replica="all"`` (sums; the mean for fractions and rates such as ``kv_cache_usage_perc``), and the router's
+counters."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .router import RoutingStats
 
 TOTAL = "all"
+MEANS = ("_perc", "_acceptance_rate", "_mean_accepted_length")  # what adding up over replicas would not mean
 
 
 def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None) -> bytes:
@@ -27,7 +29,7 @@ def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None) ->
                 merged.add_sample(sample.name, {"replica": replica, **sample.labels}, sample.value)
                 totals[family.name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
     for name, samples in totals.items():
-        mean = name.endswith("_perc")
+        mean = name.endswith(MEANS)
         for (sample_name, labels), values in samples.items():
             value = sum(values) / len(values) if mean else sum(values)
             families[name].add_sample(sample_name, {"replica": TOTAL, **dict(labels)}, value)

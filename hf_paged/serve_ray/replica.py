@@ -56,6 +56,12 @@ class EngineReplica:
                 piece.headers.append((REPLICA_HEADER, self.replica.encode()))
             yield piece
 
+    def check_health(self) -> None:
+        """Serve replaces a replica whose check raises: one whose engine stopped for good (plain ``serve`` exits 1
+        then, for its supervisor to restart it)."""
+        if not self.app.state.engine.healthy:
+            raise RuntimeError("the engine stopped after an unrecoverable error")
+
     async def metrics(self, replica: str | None = None) -> tuple[str, str]:
         """``(replica id, Prometheus text of this replica's server)``; ``replica`` picks the replica (router)."""
         return self.replica, generate_latest(self.app.state.metrics.registry).decode()

@@ -43,13 +43,13 @@ class Gatekeeper:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        error = self._refusal(scope)
+        error = self.refusal(scope)
         if error is not None:
             return await _answer(send, error)
         generation = scope["path"] in GENERATION_PATHS
         if generation and (busy := self._full()):  # before the body is read, and again once it has arrived
             return await _answer(send, busy)
-        body = await self._read_body(receive)
+        body = await self.read_body(receive)
         if generation and body is not None and not isinstance(body, APIError):
             body = self._full() or body
         if isinstance(body, APIError):
@@ -82,7 +82,8 @@ class Gatekeeper:
 
         return bounded
 
-    def _refusal(self, scope) -> APIError | None:
+    def refusal(self, scope) -> APIError | None:
+        """A 401 or 413 (or 400) from the headers alone, or None."""
         headers = dict(scope["headers"])
         if self.api_key is not None and scope["path"].startswith("/v1"):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
@@ -100,7 +101,7 @@ class Gatekeeper:
         return APIError(413, f"the request body is larger than this server accepts ({self.limits.max_body_bytes} "
                              "bytes, --max-body-size)", code="request_too_large")
 
-    async def _read_body(self, receive) -> bytes | APIError | None:
+    async def read_body(self, receive) -> bytes | APIError | None:
         """The whole body; a 413 once it passes the limit, a 408 if it has not arrived in time, or None if the client
         left while sending it."""
         try:
