@@ -309,13 +309,16 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     except ImportError as err:
         parser.error(f"serve-ray needs Ray Serve: pip install 'hf-paged[ray]' ({err})")
     import torch
+    from transformers import AutoConfig
 
     from .default_model import DEFAULT_MODEL_NAME, resolve_model
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:
-        spec = ReplicaSpec(resolve_model(args.model), args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        path = resolve_model(args.model)
+        AutoConfig.from_pretrained(path)  # a directory that holds no model is refused here, not on every replica
+        spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args))
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
@@ -335,6 +338,9 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         return 0
     try:
         return _stream_one(generator, args, params)
+    except BrokenPipeError:  # the reader went away (`hf-paged generate ... | head`): nothing is left to write
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 0
     finally:
         generator.stop_workers()
 

@@ -368,11 +368,23 @@ def test_cli_generate_with_engine_options(capsys):
     assert exit_info.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err
 
 
+def test_cli_generate_into_a_reader_that_leaves_early_ends_quietly(smollm2_path):
+    """`hf-paged generate ... | head -c 5`: no BrokenPipeError traceback, exit code 0."""
+    command = [sys.executable, "-m", "hf_paged.cli", "generate", smollm2_path, "Tell a long story.", "--max-tokens",
+               "200", "--temperature", "0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(5)
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0 and b"Traceback" not in stderr, stderr[-2000:]
+
+
 def test_cli_server_stops_promptly_with_a_stream_in_flight(smollm2_path):
     """Ctrl+C cuts off what is in flight after --shutdown-timeout instead of waiting for it to finish."""
     import signal
     import subprocess
-    import sys
+    import subprocess
+import sys
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
