@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -382,9 +384,6 @@ def test_cli_generate_into_a_reader_that_leaves_early_ends_quietly(smollm2_path)
 def test_cli_server_stops_promptly_with_a_stream_in_flight(smollm2_path):
     """Ctrl+C cuts off what is in flight after --shutdown-timeout instead of waiting for it to finish."""
     import signal
-    import subprocess
-    import subprocess
-import sys
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
