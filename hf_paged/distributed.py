@@ -99,7 +99,9 @@ def launch(args: list[str], nproc: int) -> int:
             except ProcessLookupError:
                 pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A closed terminal (SIGHUP) or SIGQUIT must reach them too: torchrun is out of this process group.
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
         return process.wait()
     finally:

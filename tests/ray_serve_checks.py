@@ -115,12 +115,18 @@ def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_che
     from hf_paged.serve_ray.metrics import merged_metrics
     from hf_paged.serve_ray.replica import EngineReplica
 
-    texts = {name: f"# TYPE hf_paged:spec_decode_acceptance_rate gauge\nhf_paged:spec_decode_acceptance_rate {rate}\n"
-                   f"# TYPE hf_paged:num_requests_running gauge\nhf_paged:num_requests_running 2.0\n"
-             for name, rate in (("a", 0.6), ("b", 0.4))}
-    merged = merged_metrics(texts, None).decode()
-    assert 'hf_paged:spec_decode_acceptance_rate{replica="all"} 0.5' in merged
-    assert 'hf_paged:num_requests_running{replica="all"} 4.0' in merged
+    def text(rate: float, accepted: int, drafted: int) -> str:
+        return (f"# TYPE hf_paged:spec_decode_acceptance_rate gauge\nhf_paged:spec_decode_acceptance_rate {rate}\n"
+                f"# TYPE hf_paged:spec_decode_num_accepted_tokens counter\n"
+                f"hf_paged:spec_decode_num_accepted_tokens_total {accepted}\n"
+                f"# TYPE hf_paged:spec_decode_num_draft_tokens counter\n"
+                f"hf_paged:spec_decode_num_draft_tokens_total {drafted}\n"
+                f"# TYPE hf_paged:num_requests_running gauge\nhf_paged:num_requests_running 2.0\n")
+
+    # 60 of 100 guesses kept, 0 of 1, and a replica that never speculated (its gauge reads 0).
+    merged = merged_metrics({"a": text(0.6, 60, 100), "b": text(0.0, 0, 1), "c": text(0.0, 0, 0)}, None).decode()
+    assert 'hf_paged:spec_decode_acceptance_rate{replica="all"} ' + str(60 / 101) in merged
+    assert 'hf_paged:num_requests_running{replica="all"} 6.0' in merged
     replica = lambda healthy: SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(  # noqa: E731
         engine=SimpleNamespace(healthy=healthy))))
     EngineReplica.func_or_class.check_health(replica(True))

@@ -103,7 +103,9 @@ def test_the_draft_follows_preemption_and_shared_prefixes(tokenizer):
 
 def test_sampled_outputs_with_a_draft_are_seeded_and_forks_catch_up(tokenizer):
     target, draft = llama(tokenizer, seed=0), llama(tokenizer, seed=0)
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=3, n=2, ignore_eos=True)
+    # Temperature 0.2: the random model's distributions are flat, and at 0.8 its most likely token (the draft's
+    # guess) has 1-3% of the mass, so whether any guess of a run is kept came down to the seed.
+    params = SamplingParams(temperature=0.2, top_p=0.9, max_tokens=30, seed=3, n=2, ignore_eos=True)
     first, gen = run(target, tokenizer, draft=draft, params=params)
     again, _ = run(target, tokenizer, draft=draft, params=params)
     assert first == again and all(len(tokens) == 30 for out in first for tokens in out)
@@ -132,13 +134,21 @@ def test_draft_model_settings_are_checked(tokenizer):
         with pytest.raises(ValueError, match=field):
             EngineConfig(speculative_config=bad)
     target = llama(tokenizer, seed=0)
-    for vocab in (len(tokenizer) + 8, 1000):  # a smaller one could not read the target's tokens
-        with pytest.raises(ValueError, match=f"has {vocab} output tokens, the target {len(tokenizer)}"):
-            ContinuousBatchGenerator(target, tokenizer, num_blocks=64,
-                                     speculative_config={"model": llama(tokenizer, seed=1, vocab=vocab)})
+    with pytest.raises(ValueError, match="more than the target's"):
+        ContinuousBatchGenerator(target, tokenizer, num_blocks=64,
+                                 speculative_config={"model": llama(tokenizer, seed=1, vocab=len(tokenizer) + 8)})
     headless = AutoModel.from_config(llama(tokenizer, seed=1).config, attn_implementation="paged")
     with pytest.raises(ValueError, match="no language-model head"):
         ContinuousBatchGenerator(target, tokenizer, num_blocks=64, speculative_config={"model": headless})
+
+
+def test_a_draft_with_a_smaller_vocabulary_reads_the_ids_past_it_as_another(tokenizer):
+    """As a vocabulary padded less than the target's (Qwen2.5-0.5B's 151936 against 7B's 152064): the prompts' ids
+    past it (PROMPTS hold 40-99, the draft has 64 tokens) do not crash the draft, and the target decides."""
+    target = llama(tokenizer, seed=0)
+    plain, _ = run(target, tokenizer)
+    small, gen = run(target, tokenizer, draft=llama(tokenizer, seed=1, vocab=64))
+    assert small == plain and gen.stats().spec_decode_num_drafts > 0
 
 
 def test_a_draft_with_a_shorter_context_guesses_only_within_it(tokenizer):

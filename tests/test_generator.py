@@ -587,7 +587,7 @@ def test_a_failed_forward_ends_a_tensor_parallel_group(smollm2, chat_prompts, mo
     gen.add_request(chat_prompts[0], SamplingParams(max_tokens=4))
     monkeypatch.setattr(gen, "lockstep", GroupOfOne())
     monkeypatch.setattr(gen.runner, "execute", broken)
-    with pytest.raises(DistributedError, match="a tensor-parallel step failed on this rank: RuntimeError"):
+    with pytest.raises(DistributedError, match="a tensor-parallel forward failed on this rank: RuntimeError"):
         gen.step()
 
 
@@ -607,6 +607,8 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     assert own.max_tokens == 16 and own.n == 1
     written = GenerationConfig(num_beams=1, output_scores=False, output_attentions=False, do_sample=True)
     assert SamplingParams.from_generation_config(written).top_k == 50
+    with pytest.raises(ValueError, match="output_attentions"):
+        SamplingParams.from_generation_config(GenerationConfig(output_attentions=True))
 
 
 def test_sample_i_of_n_draws_as_a_request_seeded_seed_plus_i(smollm2, chat_prompts):

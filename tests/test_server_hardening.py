@@ -251,6 +251,8 @@ def test_odd_bodies_are_400s_naming_their_field(served):
         ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 1}', "prompt", "surrogate"),
         ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
          "messages", "surrogate"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}], '
+                                 b'"tools": [{"type": "function", "function": {"name": "f"}}]}', "messages", "surrogate"),
     ]:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         response = httpx.post(f"{served.base}{path}", content=content, headers=headers, timeout=30)

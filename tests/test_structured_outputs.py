@@ -73,11 +73,13 @@ def test_compile_errors_name_the_field_and_the_cache_reuses_grammars(smollm2):
 @pytest.mark.parametrize("schema, keyword", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "array", "contains": {"const": 1}}, "contains"),
-    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf other than an integer's"),
     ({"type": "object", "properties": {"s": {"not": {"const": "x"}}}}, "not"),
     ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "minLength/maxLength beside a pattern"),
     ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+    ({"type": "string", "format": {"x": 1}}, "format {'x': 1}"),
+    ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "required properties it does not declare"),
     ({"allOf": [{"minimum": 5}, {"maximum": 3}]}, "allOf of several"),
     ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, "required properties it does not declare"),
     ({"$defs": {"x": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/x"}, "uniqueItems"),
@@ -88,18 +90,21 @@ def test_schema_keywords_the_grammar_would_ignore_are_refused(smollm2, schema, k
     compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
     with pytest.raises(ValueError, match=rf"structured_outputs\.json uses .*{re.escape(keyword)}.*cannot enforce"):
         compiler.compile(StructuredOutputsParams(json=schema)).result()
-    ok = {"type": "object", "properties": {"not": {"type": "string", "format": "email"}, "if": {"enum": [1]}},
-          "required": ["not"]}  # keywords as property names, a format it enforces
+    ok = {"type": "object", "properties": {"not": {"type": "string", "format": "email"}, "if": {"enum": [1]},
+                                           "n": {"type": "integer", "multipleOf": 3, "format": "int64"}},
+          "required": ["not"]}  # keywords as property names, what it enforces, a format on a number (OpenAPI's)
     compiler.compile(StructuredOutputsParams(json=ok)).result()
     compiler.shutdown()
 
 
 def test_the_text_of_the_end_token_a_grammar_ends_with_is_cut(generator):
     """With skip_special_tokens=False, as for EOS and stop tokens: also when min_tokens or ignore_eos kept the stop
-    check from seeing it."""
-    for extra in ({}, {"min_tokens": 3}, {"ignore_eos": True}):
-        params = constrained(0, max_tokens=10, choice=["yes", "no"]).replace(skip_special_tokens=False, **extra)
-        (out,) = generator.run([PROMPT], params, use_tqdm=False)
+    check from seeing it, and when it is the last token max_tokens allows."""
+    params = constrained(0, max_tokens=10, choice=["yes", "no"]).replace(temperature=0, skip_special_tokens=False)
+    for extra in ({}, {"min_tokens": 3}, {"ignore_eos": True}, {"ignore_eos": True, "max_tokens": None}):
+        if extra.get("max_tokens", 0) is None:  # exactly the answer's tokens and the end token
+            extra["max_tokens"] = len(out.outputs[0].token_ids)
+        (out,) = generator.run([PROMPT], params.replace(**extra), use_tqdm=False)
         assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop", extra
 
 

@@ -216,7 +216,7 @@ def test_sigterm_to_the_launcher_lets_rank_0_finish_then_ends_every_rank(text_mo
 
 
 def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text_model):
-    for option in (["--temperature", "-1"], ["--tensor-parallel-size", "0"]):
+    for option in (["--temperature", "-1"], ["--tensor-parallel-size", "0"], ["-tp", "3"]):  # 4 heads on 3 ranks
         command = [sys.executable, "-m", "hf_paged.cli", "generate", text_model, PROMPT, "-tp", "2", *option]
         done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("error:") == 1

@@ -176,6 +176,19 @@ def test_any_text_streams_as_its_whole_answer_reads(pieces, step):
     assert called == bool(whole_calls) and content == (whole_content or "")
 
 
+def test_a_constrained_array_cut_anywhere_reads_as_its_stream():
+    """tool_choice "required" cut by max_tokens: the whole answer has the calls the stream announced, arguments
+    as far as they were written (as OpenAI answers a call cut by max_tokens)."""
+    text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+    for end in range(len(text) + 1):
+        content, calls = ToolCallParser("json").parse(text[:end])
+        streamed, deltas, called = stream_all(ToolCallParser("json").stream(), text[:end], 3)
+        assert [(c.name, c.arguments) for c in calls] == [(c["name"], c["arguments"]) for c in accumulate(deltas)]
+        assert called == bool(calls) and (content or "") == ("" if called else streamed), text[:end]
+    _, calls = ToolCallParser("json").parse(text[:text.index("ris")])
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Pa')]
+
+
 def as_json(arguments: str):
     """Arguments as the JSON they read as, or as written where they do not (cut short or malformed)."""
     try:

@@ -39,9 +39,10 @@ class DraftModel:
             raise ValueError(f"speculative_config.model: {type(model).__name__} has no language-model head; a draft "
                              "must be a causal LM")
         vocab, target_vocab = (m.get_output_embeddings().weight.shape[0] for m in (model, target))
-        if vocab != target_vocab:
-            raise ValueError(f"speculative_config.model has {vocab} output tokens, the target {target_vocab}: a "
-                             "draft model must share the target's tokenizer")
+        if vocab > target_vocab:
+            raise ValueError(f"speculative_config.model has {vocab} output tokens, more than the target's "
+                             f"{target_vocab}: a draft model must share the target's tokenizer")
+        self.vocab_size = vocab  # may be smaller (a vocabulary padded less): it reads the ids past it as id 0
         if model.device != target.device:
             raise ValueError(f"speculative_config.model is on {model.device}, the target on {target.device}")
         self.model = model
@@ -88,7 +89,7 @@ class DraftModel:
             first = min(self.computed.get(seq.seq_id, start), start)
             last = min(start + n, seq.num_tokens, self.max_positions)  # its known tokens; the guesses follow
             if last > first:
-                spans.append((seq.seq_id, first, seq.token_ids[first:last]))
+                spans.append((seq.seq_id, first, [t if t < self.vocab_size else 0 for t in seq.token_ids[first:last]]))
                 self.computed[seq.seq_id] = last
                 end += last - first
             if seq.seq_id in out.spec_token_ids:

@@ -218,14 +218,11 @@ class ContinuousBatchGenerator:
             try:  # nothing about a sequence changes until `update`; a step that raises is undone
                 if self.speculator is not None:
                     self.speculator.write_drafts(out)
-                sampled = self._sample(out, self.runner.execute(out))
+                sampled = self._sample(out, self._forward(out))
                 if sampled is not None and self.lockstep is not None:
                     self.lockstep.check_tokens(sampled.token_ids)
-            except BaseException as err:
+            except BaseException:
                 self.scheduler.rollback(out)
-                if self.lockstep is not None and isinstance(err, Exception) and not isinstance(err, DistributedError):
-                    # Its collectives may have failed, or run on some ranks only: the ranks cannot be known to agree.
-                    raise DistributedError(f"a tensor-parallel step failed on this rank: {err!r}") from err
                 raise
             changed += self.scheduler.update(out, sampled)
         return self._outputs(changed, only)
@@ -258,6 +255,15 @@ class ContinuousBatchGenerator:
             held.add(output)
         else:
             self._held[output.request_id] = output
+
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        try:
+            return self.runner.execute(out)
+        except Exception as err:
+            if self.lockstep is None:
+                raise
+            # Its collectives may have failed, or run on some ranks only: the ranks cannot be known to agree.
+            raise DistributedError(f"a tensor-parallel forward failed on this rank: {err!r}") from err
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
         if not out.draws:

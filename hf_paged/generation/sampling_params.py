@@ -219,13 +219,14 @@ class SamplingParams:
         supported = {
             "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
             "min_new_tokens", "num_return_sequences", "stop_strings", "eos_token_id", "pad_token_id", "bos_token_id",
-            "use_cache", "output_logits", "output_scores", "output_attentions", "output_hidden_states",
-            "return_dict_in_generate", "max_length", "cache_implementation", "transformers_version",
-            "_from_model_config",
+            "use_cache", "output_logits", "return_dict_in_generate", "max_length", "cache_implementation",
+            "transformers_version", "_from_model_config",
         }
+        off = {"output_scores", "output_attentions", "output_hidden_states"}  # no equivalent, but fine when off
         unmapped = [
             key for key, value in config.to_diff_dict().items()
             if key not in supported and value not in (getattr(defaults, key, None), fallback.get(key))
+            and not (key in off and value is False)
         ]
         if unmapped:
             raise ValueError(f"GenerationConfig options with no SamplingParams equivalent: {sorted(unmapped)}")

@@ -264,8 +264,10 @@ class Scheduler:
         new_text = self.detokenizer.step(seq, params.skip_special_tokens)
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
                           seq.request.stop_ids, self.max_model_len)
-        if seq.matcher is not None and not seq.matcher.advance(token) and stop is None:
-            # The grammar is complete: its end token came (min_tokens cannot hold it back); its text goes, as EOS's.
+        ended = seq.matcher is not None and not seq.matcher.advance(token)
+        if ended and (stop is None or stop.finish_reason == "length"):
+            # The grammar is complete: its end token came (min_tokens cannot hold it back, and it is the reason even
+            # as the last token max_tokens allows); its text goes, as EOS's.
             stop = Stop("stop", None, None if params.include_stop_str_in_output else len(seq.text) - len(new_text))
         if stop is not None:
             if stop.text_end is not None:

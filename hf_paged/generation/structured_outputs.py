@@ -117,9 +117,9 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-# JSON schema keywords xgrammar ignores (vLLM refuses schemas with most of them for this backend too).
-_UNENFORCED = ("multipleOf", "contains", "minContains", "maxContains", "patternProperties", "propertyNames",
-               "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else")
+# JSON schema keywords xgrammar 0.2 compiles but does not enforce (vLLM refuses several of them for it too).
+_UNENFORCED = ("contains", "minContains", "maxContains", "patternProperties", "propertyNames", "dependentRequired",
+               "dependentSchemas", "dependencies", "not", "if", "then", "else")
 _FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
             "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
@@ -137,16 +137,20 @@ def unenforced_schema_keywords(schema: dict) -> list[str]:
         if not isinstance(node, dict):
             continue
         found.update(key for key in _UNENFORCED if key in node)
-        if node.get("format", "email") not in _FORMATS:
-            found.add(f"format {node['format']!r}")
+        if "multipleOf" in node and not (node.get("type") == "integer" and type(node["multipleOf"]) is int):
+            found.add("multipleOf other than an integer's")
+        fmt = node.get("format")
+        if node.get("type") == "string" and fmt is not None and not (isinstance(fmt, str) and fmt in _FORMATS):
+            found.add(f"format {fmt!r}")
         if node.get("uniqueItems") is True:
             found.add("uniqueItems")
         if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             found.add("minLength/maxLength beside a pattern or format")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             found.add("allOf of several schemas")
-        declared, required = node.get("properties"), node.get("required")
-        if isinstance(required, list) and any(name not in (declared or {}) for name in required):
+        declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required")
+        if isinstance(required, list) and any(not isinstance(name, str) or name not in declared for name in required):
             found.add("required properties it does not declare")
         stack += [child for key in _SUBSCHEMA_MAPS if isinstance(node.get(key), dict) for child in node[key].values()]
         stack += [node[key] for key in _SUBSCHEMAS if key in node]

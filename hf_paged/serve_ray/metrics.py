@@ -1,6 +1,6 @@
 """The app's ``/metrics``: every replica's server metrics labelled ``replica="<id>"``, their total labelled
-``replica="all"`` (sums; the mean for fractions and rates such as ``kv_cache_usage_perc``), and the router's
-counters."""
+``replica="all"`` (sums; the mean for fractions such as ``kv_cache_usage_perc``, and the speculation rates from
+the summed counters), and the router's counters."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from .router import RoutingStats
 
 TOTAL = "all"
-MEANS = ("_perc", "_acceptance_rate", "_mean_accepted_length")  # what adding up over replicas would not mean
+# Gauges whose total over replicas is a ratio of summed counters, plus a constant (not a sum of the replicas' ratios).
+RATIOS = {
+    "hf_paged:spec_decode_acceptance_rate": ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", 0.0),
+    "hf_paged:spec_decode_mean_accepted_length": ("spec_decode_num_accepted_tokens", "spec_decode_num_drafts", 1.0),
+}
 
 
 def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None) -> bytes:
@@ -28,10 +32,16 @@ def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None) ->
             for sample in family.samples:
                 merged.add_sample(sample.name, {"replica": replica, **sample.labels}, sample.value)
                 totals[family.name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
+    def total(counter: str) -> float:
+        return sum(v for values in totals.get(f"hf_paged:{counter}", {}).values() for v in values)
+
     for name, samples in totals.items():
-        mean = name.endswith(MEANS)
         for (sample_name, labels), values in samples.items():
-            value = sum(values) / len(values) if mean else sum(values)
+            if name in RATIOS:
+                above, below, plus = RATIOS[name]
+                value = plus + total(above) / total(below) if total(below) else sum(values) / len(values)
+            else:
+                value = sum(values) / len(values) if name.endswith("_perc") else sum(values)
             families[name].add_sample(sample_name, {"replica": TOTAL, **dict(labels)}, value)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed([*families.values(), *_router_families(stats, len(replica_texts))]))

@@ -234,7 +234,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
         on a tokenizing thread with its own tokenizer, as every prompt is."""
         if not body.needs_tool_prompt():
             return messages, ChatFormat(decode, top_k)
-        encoder.check_length(messages, "messages", extra_chars=len(str(body.tools or "")))
+        encoder.check(messages, "messages", extra_chars=len(str(body.tools or "")))
 
         def render() -> tuple[str, list[int]]:
             tokenizer = encoder.processor().tokenizer

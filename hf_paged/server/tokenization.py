@@ -52,13 +52,14 @@ class PromptEncoder:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             self._check_tokens(len(prompt), param)
             return prompt
-        self.check_length(prompt, param)
-        _check_text(prompt, param)
+        self.check(prompt, param)
         return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param)
 
-    def check_length(self, prompt: str | list[dict], param: str, extra_chars: int = 0) -> None:
-        """Refuse (a 400) a prompt of more characters than the context could hold; each chat message counts as
-        ``max_chars_per_token`` characters more than its fields, since its template takes a token at least."""
+    def check(self, prompt: str | list[dict], param: str, extra_chars: int = 0) -> None:
+        """Refuse (a 400) a prompt of more characters than the context could hold (each chat message counts as
+        ``max_chars_per_token`` characters more than its fields, since its template takes a token at least), or one
+        that is not text."""
+        _check_text(prompt, param)
         chars = extra_chars + (len(prompt) if isinstance(prompt, str) else
                                sum(len(str(v)) for m in prompt for v in m.values()) + len(prompt) * self.chars_per_token)
         if chars > self.max_chars:

@@ -152,8 +152,11 @@ class ToolCallParser:
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
             return None, [ToolCall.of(call["name"], call["arguments"]) for call in json.loads(text)]
-        except (KeyError, TypeError, *_NOT_JSON):
-            return text, []  # cut short by max_tokens
+        except (KeyError, TypeError, *_NOT_JSON):  # cut short by max_tokens: the calls a stream announced
+            stream = self.stream()
+            deltas = stream.feed(text)[1]
+            _, last, called = stream.finish()
+            return (None, _calls_of(deltas + last)) if called else (text, [])
 
     def _parse_with_template(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
@@ -306,6 +309,16 @@ _DECODER = json.JSONDecoder()
 _NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
+
+
+def _calls_of(deltas: list[dict]) -> list[ToolCall]:
+    """The calls that a stream's ``delta.tool_calls`` entries add up to (as a client merges them, by index)."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        function = delta.get("function", {})
+        call = calls.setdefault(delta["index"], ToolCall(function.get("name", ""), "", delta.get("id", "")))
+        call.arguments += function.get("arguments", "")
+    return [calls[index] for index in sorted(calls)]
 
 
 def _hermes_block_call(block: str) -> ToolCall | None:
