@@ -117,9 +117,9 @@ def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_che
 
     def text(rate: float, accepted: int, drafted: int) -> str:
         return (f"# TYPE hf_paged:spec_decode_acceptance_rate gauge\nhf_paged:spec_decode_acceptance_rate {rate}\n"
-                f"# TYPE hf_paged:spec_decode_num_accepted_tokens counter\n"
+                f"# TYPE hf_paged:spec_decode_num_accepted_tokens_total counter\n"  # as generate_latest writes it
                 f"hf_paged:spec_decode_num_accepted_tokens_total {accepted}\n"
-                f"# TYPE hf_paged:spec_decode_num_draft_tokens counter\n"
+                f"# TYPE hf_paged:spec_decode_num_draft_tokens_total counter\n"
                 f"hf_paged:spec_decode_num_draft_tokens_total {drafted}\n"
                 f"# TYPE hf_paged:num_requests_running gauge\nhf_paged:num_requests_running 2.0\n")
 

@@ -32,6 +32,7 @@ def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None) ->
             for sample in family.samples:
                 merged.add_sample(sample.name, {"replica": replica, **sample.labels}, sample.value)
                 totals[family.name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
+
     def total(counter: str) -> float:
         return sum(v for values in totals.get(f"hf_paged:{counter}", {}).values() for v in values)
 
