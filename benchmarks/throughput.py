@@ -277,7 +277,8 @@ def peak_rss_mb() -> float:
 
 
 class StepRecorder:
-    """Wraps a generator's ``step`` and ``runner.execute`` to log each step's batch and time, and the KV use at peak.
+    """Wraps a generator's ``_step`` (under ``step``, ``run`` and ``stream``) and ``runner.execute`` to log each
+    step's batch and time, and the KV use at peak.
 
     A step record is ``(num_decode_seqs, num_prefill_tokens, step_seconds)``. The KV sample is taken after the step
     (outside its timing) and only when the number of used blocks reaches a new high.
@@ -288,16 +289,16 @@ class StepRecorder:
         self.steps: list[tuple[int, int, float]] = []
         self.peak = dict(used_blocks=0, stored_tokens=0)
         self._batch = None
-        execute, step = generator.runner.execute, generator.step
+        execute, step = generator.runner.execute, generator._step  # what step(), run() and stream() all call
 
         def recording_execute(batch):
             self._batch = (sum(n == 1 for n in batch.num_tokens), sum(n for n in batch.num_tokens if n != 1))
             return execute(batch)
 
-        def recording_step():
+        def recording_step(only):
             self._batch = None
             start = time.perf_counter()
-            outputs = step()
+            outputs = step(only)
             elapsed = time.perf_counter() - start
             if self._batch is not None:
                 self.steps.append((*self._batch, elapsed))
@@ -305,7 +306,7 @@ class StepRecorder:
             return outputs
 
         generator.runner.execute = recording_execute
-        generator.step = recording_step
+        generator._step = recording_step
 
     def _sample_kv(self) -> None:
         kv = self.generator.kv

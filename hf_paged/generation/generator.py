@@ -106,9 +106,11 @@ class ContinuousBatchGenerator:
         if config.num_blocks is None and memory is None:
             memory = torch.cuda.mem_get_info(model.device)[0] // 2 if model.device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
         dtype = config.kv_dtype(model.dtype)
-        make = lambda blocks, budget: PagedKVStorage(  # noqa: E731
-            model.config, num_blocks=blocks, block_size=config.block_size, memory_budget=budget, dtype=dtype,
-            device=model.device, spec=KVCacheSpec.from_model(model))
+
+        def make(blocks: int | None, budget: int | None) -> PagedKVStorage:
+            return PagedKVStorage(model.config, num_blocks=blocks, block_size=config.block_size, memory_budget=budget,
+                                  dtype=dtype, device=model.device, spec=KVCacheSpec.from_model(model))
+
         storage = make(config.num_blocks, memory)
         if is_tensor_parallel(model):  # every rank schedules alike only over as many blocks (each GPU's free memory)
             fewest = smallest_over_ranks(storage.num_blocks, model.device)
@@ -283,8 +285,9 @@ class ContinuousBatchGenerator:
     def run_worker(self) -> None:
         """On a rank other than 0: step in lockstep with rank 0 until it calls `stop_workers` (or fails).
 
-        A step that fails on every rank alike (as rank 0's does) is logged and serving goes on, as on rank 0; a failed
-        collective raises `DistributedError`.
+        A step that fails outside the forward, on every rank alike (as rank 0's does), is logged and serving goes on,
+        as on rank 0; a failed forward or collective raises `DistributedError`. SIGINT and SIGTERM are ignored
+        meanwhile: rank 0 gets them too, finishes its requests, then calls `stop_workers`.
         """
         if self.is_driver:
             raise RuntimeError("run_worker is for the tensor-parallel ranks other than 0; rank 0 takes requests")
