@@ -16,6 +16,7 @@ all-reduce after each attention and MLP block, logits gathered on every rank). W
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -94,10 +95,8 @@ def launch(args: list[str], nproc: int) -> int:
 
     def forward(signum, _frame) -> None:
         for pid in _children(process.pid) or [process.pid]:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                 os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
 
     # A closed terminal (SIGHUP) or SIGQUIT must reach them too: torchrun is out of this process group.
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
