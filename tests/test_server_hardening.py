@@ -261,7 +261,7 @@ def test_odd_bodies_are_400s_naming_their_field(served):
 
 
 def test_large_responses_are_built_off_the_event_loop(served, monkeypatch):
-    from hf_paged.server import app as app_module
+    from hf_paged.server import serving as app_module
 
     threads = []
     real = app_module._response

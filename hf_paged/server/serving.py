@@ -1,0 +1,245 @@
+"""`OpenAIServing`: what ``/v1/completions`` and ``/v1/chat/completions`` do with a call, from its parsed body to
+its answer (a JSON body, or server-sent events when it streams). `app.create_app` routes calls to it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from jinja2 import TemplateError
+
+from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
+from ..generation.outputs import CompletionOutput
+from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, RequestStream
+from .limits import ServerLimits
+from .middleware import overloaded
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatFormat,
+    CompletionFormat,
+    CompletionRequest,
+    GenerationRequest,
+    ToolChatFormat,
+    error_body,
+    usage,
+)
+from .tokenization import PromptEncoder
+from .tool_calls import render_prompt
+
+REQUEST_FAILED = "generation failed for this request (see the server log)"  # the cause goes to the log only
+LARGE_RESPONSE_ENTRIES = 20_000  # tokens x logprobs above which a response's JSON is built off the event loop
+
+
+class OpenAIServing:
+    """Checks a call, compiles its constraint, tokenizes its prompts, queues it on the engine and answers it."""
+
+    def __init__(self, generator: ContinuousBatchGenerator, engine: EngineLoop, encoder: PromptEncoder,
+                 limits: ServerLimits, served_model_name: str) -> None:
+        self.generator, self.engine, self.encoder, self.limits = generator, engine, encoder, limits
+        self.served_model_name = served_model_name
+        self.decode = encoder.decoder()
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_request(body)
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        self.limits.check_prompt_count(len(prompts))
+        try:
+            params = body.to_sampling_params()
+        except ValueError as err:
+            raise _bad_request(err, None) from err
+        await self.compile_constraint(body)
+        fmt = CompletionFormat(self.decode, body.logprobs)
+        return await self.serve(body, prompts, fmt, params, "cmpl", "prompt", request)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_request(body)
+        try:
+            params = body.to_sampling_params()
+            messages = [message.to_template_dict() for message in body.messages]
+        except ValueError as err:
+            raise _bad_request(err, "messages") from err
+        await self.compile_constraint(body)
+        prompt, fmt = await self.chat_prompt(body, messages, (body.top_logprobs or 0) if body.logprobs else None)
+        return await self.serve(body, [prompt], fmt, params, "chatcmpl", "messages", request)
+
+    def check_request(self, body: GenerationRequest) -> None:
+        if body.model is not None and body.model != self.served_model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.served_model_name!r}", param="model", code="model_not_found")
+        field = body.unsupported_field()
+        if field is not None:
+            raise APIError(400, f"{field} is not supported by this server", param=field)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        self.limits.check_body(body, self.generator.scheduler.config.max_num_seqs)
+
+    async def compile_constraint(self, body: GenerationRequest) -> None:
+        """Compile the request's structured-output grammar (off the loop) so that an invalid one is a 400."""
+        constraint = body.constraint()
+        if constraint is not None:
+            self.limits.check_constraint(constraint.param, constraint.spec.key[1])
+            try:
+                await asyncio.wrap_future(self.generator.grammars.compile(constraint.spec))
+            except ValueError as err:
+                raise _bad_request(constraint.error(err), constraint.param) from err
+
+    async def chat_prompt(self, body: ChatCompletionRequest, messages: list[dict],
+                          top_k: int | None) -> tuple[list, ChatFormat]:
+        """The prompt to submit and the answer's format; tools and earlier tool calls go through `render_prompt`,
+        on a tokenizing thread with its own tokenizer, as every prompt is."""
+        if not body.needs_tool_prompt():
+            return messages, ChatFormat(self.decode, top_k)
+        self.encoder.check(messages, "messages", extra_chars=len(str(body.tools or "")))
+
+        def render() -> tuple[str, list[int]]:
+            tokenizer = self.encoder.processor().tokenizer
+            text = render_prompt(tokenizer, messages, body.tools)
+            return text, tokenizer(text, add_special_tokens=False).input_ids
+
+        try:
+            text, token_ids = await asyncio.get_running_loop().run_in_executor(self.encoder.start(), render)
+        except (ValueError, TypeError, TemplateError) as err:
+            raise _bad_request(err, "messages") from err
+        parser = body.tool_parser(self.generator.tokenizer, text)
+        fmt = ToolChatFormat(self.decode, top_k, parser) if parser is not None else ChatFormat(self.decode, top_k)
+        return token_ids, fmt
+
+    async def submit(self, body: GenerationRequest, prompts: list, params: SamplingParams, request_ids: list[str],
+                     prompt_param: str) -> RequestStream:
+        """Tokenize the prompts off the event loop, check what the call would cost, and queue it."""
+        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param) for prompt in prompts))
+        context = self.generator.max_model_len
+        new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
+        self.limits.check_logprob_entries(body, params.n, new_tokens)
+        try:
+            return self.engine.submit(list(token_ids), params, request_ids)
+        except ValueError as err:
+            raise _bad_request(err, prompt_param) from err
+        except EngineOverloaded as err:
+            raise overloaded(str(err)) from err
+        except EngineDead as err:
+            raise APIError(503, str(err), "server_error", code="engine_dead") from err
+
+    async def serve(self, body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
+                    prefix: str, prompt_param: str, request: Request) -> Response:
+        """Run one call's requests; answer with a JSON body, or an event stream when ``body.stream``."""
+        call_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
+        stream = await self.submit(body, prompts, params, request_ids, prompt_param)
+        header = {"id": call_id, "created": int(time.time()), "model": self.served_model_name}
+        if body.stream:
+            events = _sse(stream, fmt, header, params.n, body.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        outputs = await _finished_outputs(stream, request_ids, request)
+        if outputs is None:
+            return Response(status_code=499)  # the client has gone: nobody reads this
+        entries = sum(len(c.token_ids) * (1 + (fmt.top_k or 0)) for o in outputs for c in o.outputs)
+        if entries < LARGE_RESPONSE_ENTRIES:
+            return _response(header, fmt, outputs, params.n)
+        return await asyncio.to_thread(_response, header, fmt, outputs, params.n)
+
+
+def _bad_request(err: Exception, param: str | None) -> APIError:
+    """A 400 for a ValueError, naming the SamplingParams field it came from when there is one."""
+    message = str(err)
+    if getattr(err, "param", None) is not None:  # a protocol.RequestFieldError
+        return APIError(400, message, param=err.param)
+    field = re.match(r"SamplingParams\.(\w+) ", message)
+    if field:
+        param, message = field.group(1), message[len("SamplingParams."):]
+    return APIError(400, message, param=param)
+
+
+async def _finished_outputs(stream: RequestStream, request_ids: list[str],
+                            request: Request) -> list[RequestOutput] | None:
+    """The call's final outputs in prompt order, or None when the client left before they were all in."""
+    finals: dict[str, RequestOutput] = {}
+    try:
+        async for output in stream.outputs(request.is_disconnected):
+            if output.request_id in finals:
+                finals[output.request_id].add(output)
+            else:
+                finals[output.request_id] = output
+    except EngineError as err:
+        raise APIError(500, str(err), "server_error", code=500) from err
+    finally:
+        stream.close()
+    if not all(output.finished for output in finals.values()) or len(finals) < len(request_ids):
+        return None
+    if any(output.error is not None for output in finals.values()):
+        raise APIError(500, REQUEST_FAILED, "server_error", code=500)
+    return [finals[request_id] for request_id in request_ids]
+
+
+def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
+    """The JSON response of a finished call (``outputs`` in prompt order)."""
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, output in enumerate(outputs):
+        prompt_tokens += len(output.prompt_token_ids)
+        for choice in output.outputs:
+            completion_tokens += len(choice.token_ids)
+            choices.append(fmt.choice(i * n + choice.index, choice))
+    body = {**header, "object": fmt.object, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    try:
+        content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate, from a "\ud800" escape in tool-call JSON the model wrote
+        content = json.dumps(body, separators=(",", ":")).encode()
+    return Response(content, media_type="application/json")
+
+
+async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int,
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of a streamed call: text deltas per choice, then usage if asked, then ``[DONE]``.
+
+    The engine's deltas never hold a partial stop string; tokens that brought no text yet (an incomplete character)
+    wait, with their logprobs, for the chunk that carries their text."""
+    chunk = {**header, "object": fmt.chunk_object, **({"usage": None} if include_usage else {})}  # as OpenAI's
+
+    def event(choices: list[dict], **extra) -> str:
+        return f"data: {json.dumps({**chunk, 'choices': choices, **extra}, separators=(',', ':'))}\n\n"
+
+    first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
+    waiting: dict[int, CompletionOutput] = {}  # per choice: tokens not sent yet, for want of text
+    text_offset: dict[int, int] = {}  # where the next token's text starts (reported with logprobs only)
+    prompt_tokens: dict[str, int] = {}
+    completion_tokens = 0
+    try:
+        for index in range(len(first_index) * n):
+            opening = fmt.opening_choice(index)
+            if opening is not None:
+                yield event([opening])
+        async for output in stream:
+            if output.error is not None:
+                raise EngineError(REQUEST_FAILED)
+            prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+            for choice in output.outputs:
+                index = first_index[output.request_id] + choice.index
+                completion_tokens += len(choice.token_ids)
+                if index in waiting:
+                    waiting[index].add(choice)
+                    choice = waiting.pop(index)
+                if not choice.text and choice.finish_reason is None:
+                    waiting[index] = choice
+                    continue
+                offset = text_offset.get(index, 0)
+                yield event([fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
+                                              choice.finish_reason)])
+                if choice.logprobs is not None:
+                    text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
+        if include_usage:
+            yield event([], usage=usage(sum(prompt_tokens.values()), completion_tokens))
+        yield "data: [DONE]\n\n"
+    except EngineError as err:
+        yield f"data: {json.dumps(error_body(str(err), 'server_error', code=500))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        stream.close()
