@@ -160,3 +160,35 @@ def test_a_draft_with_a_shorter_context_guesses_only_within_it(tokenizer):
     plain, _ = run(target, tokenizer, prompts=prompts)
     fast, gen = run(target, tokenizer, draft=draft, prompts=prompts)
     assert fast == plain and gen.stats().spec_decode_num_drafts > 0
+
+
+def test_a_draft_that_fails_in_a_step_with_a_block_copy_leaves_the_copy_made(tokenizer):
+    """n=2 forks share the prompt's last, partly filled block; the first decode copies it. When the draft's forward
+    raises in that step (a GPU out of memory, say), the step is undone, but the table already points at the copy:
+    it must be filled, or the sample that moved reads garbage."""
+    target, draft = llama(tokenizer, seed=0), llama(tokenizer, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=8, n=2, ignore_eos=True)
+    [expected], _ = run(target, tokenizer, params=params, prompts=[[17, 91, 45, 200, 33, 120]])
+    gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=40, block_size=4,
+                                   speculative_config={"model": draft, "num_speculative_tokens": 2})
+    draft_run, failures = gen.speculator.draft.runner.run, []
+    schedule = gen.scheduler.schedule
+
+    def schedule_and_arm():
+        out = schedule()
+        gen.speculator.draft.runner.run = flaky if out.block_copies and not failures else draft_run
+        return out
+
+    def flaky(step):
+        failures.append(step)
+        raise RuntimeError("the draft ran out of memory")
+
+    gen.scheduler.schedule = schedule_and_arm
+    gen.add_request([17, 91, 45, 200, 33, 120], params, request_id="r")
+    finals = []
+    while gen.has_unfinished_requests():
+        try:
+            finals += [o for o in gen.step() if o.finished]
+        except RuntimeError:
+            assert len(failures) == 1
+    assert failures and [o.token_ids for o in finals[0].outputs] == expected

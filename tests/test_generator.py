@@ -609,6 +609,14 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     assert SamplingParams.from_generation_config(written).top_k == 50
     with pytest.raises(ValueError, match="output_attentions"):
         SamplingParams.from_generation_config(GenerationConfig(output_attentions=True))
+    # stop_strings end generate's text with the string, as include_stop_str_in_output does.
+    tokenizer = gen.tokenizer
+    stopping = GenerationConfig(max_new_tokens=40, do_sample=False, stop_strings=["."])
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    expected = model.generate(**inputs, generation_config=stopping, tokenizer=tokenizer)[0, inputs.input_ids.shape[1]:]
+    [out] = gen.run([inputs.input_ids[0].tolist()], stopping, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected.tolist()
+    assert out.outputs[0].text == tokenizer.decode(expected) and out.outputs[0].text.endswith(".")
 
 
 def test_sample_i_of_n_draws_as_a_request_seeded_seed_plus_i(smollm2, chat_prompts):
@@ -685,3 +693,32 @@ def test_bf16_kv_cache_under_an_fp32_model(smollm2, chat_prompts):
     for bad in (torch.int8, "float8"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of float32, bfloat16, float16"):
             make_generator(smollm2, kv_cache_dtype=bad)
+
+
+def test_a_request_aborted_twice_is_reported_once(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    request_id = gen.add_request(chat_prompts[0], SamplingParams(temperature=0, max_tokens=50))
+    gen.step()
+    gen.abort_request(request_id)
+    gen.abort_request(request_id)
+    outputs = gen.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [(request_id, "abort")]
+    assert gen.step() == []
+    assert_no_leak(gen)
+
+
+def test_step_leaves_a_paused_streams_outputs_to_it(smollm2, chat_prompts):
+    """Someone else steps the engine while a stream waits to be read: the stream still gets its outputs and ends,
+    and `step` returns only the requests nobody else waits for."""
+    gen = make_generator(smollm2)
+    stream = gen.stream([chat_prompts[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    first = next(stream)
+    other = gen.add_request(chat_prompts[1], SamplingParams(temperature=0, max_tokens=3))
+    stepped = []
+    while gen.has_unfinished_requests():
+        stepped += gen.step()
+    assert {o.request_id for o in stepped} == {other} and stepped[-1].finished
+    rest = list(stream)
+    assert rest[-1].request_id == first.request_id and rest[-1].finished
+    assert len(rest[-1].outputs[0].token_ids) == 6
+    assert_no_leak(gen)

@@ -82,6 +82,7 @@ class ContinuousBatchGenerator:
         self._prompt_tokens = 0
         self._held: dict[str, RequestOutput] = {}  # other requests' outputs seen by `run` or `stream`, for `step`
         self._unread: set[str] = set()  # requests `run` or `stream` gave up on: their outputs are dropped
+        self._claimed: set[str] = set()  # requests a `run` or `stream` is waiting for: `step` leaves their outputs
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
         self._workers_stopped = False
@@ -176,7 +177,8 @@ class ContinuousBatchGenerator:
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has requests to run or outputs still to hand back."""
-        return bool(self.requests) or bool(self._held) or not self._inbox.empty()
+        held = any(request_id not in self._claimed for request_id in self._held)
+        return bool(self.requests) or held or not self._inbox.empty()
 
     def _drain_inbox(self) -> list[Request]:
         """Admit queued requests to the scheduler and abort the ones asked; returns the aborted."""
@@ -195,7 +197,7 @@ class ContinuousBatchGenerator:
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
                 self._prompt_tokens += item.num_prompt_tokens
-            elif item in self.requests:
+            elif item in self.requests and not self.requests[item].is_finished:  # asked twice: reported once
                 self.scheduler.abort(self.requests[item])
                 aborted.append(self.requests[item])
         return aborted
@@ -218,6 +220,7 @@ class ContinuousBatchGenerator:
             for seq in out.seqs:
                 seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             try:  # nothing about a sequence changes until `update`; a step that raises is undone
+                self.runner.copy_blocks(out)
                 if self.speculator is not None:
                     self.speculator.write_drafts(out)
                 sampled = self._sample(out, self._forward(out))
@@ -230,12 +233,11 @@ class ContinuousBatchGenerator:
         return self._outputs(changed, only)
 
     def _outputs(self, changed: list[Request], only: set[str] | None) -> list[RequestOutput]:
-        """The outputs held for `step`, then those of the requests a step changed; with ``only``, just those of the
-        requests in it, the others' held. Finished requests retire."""
-        if only is None:
-            outputs, self._held = list(self._held.values()), {}
-        else:
-            outputs = [self._held.pop(rid) for rid in only if rid in self._held]
+        """The outputs held for the caller, then those of the requests a step changed: with ``only``, of the requests
+        in it; without (`step`), of those no `run` or `stream` is waiting for. The others' are held. Finished
+        requests retire."""
+        mine = only.__contains__ if only is not None else (lambda request_id: request_id not in self._claimed)
+        outputs = [self._held.pop(rid) for rid in [rid for rid in self._held if mine(rid)]]
         for request in changed:
             unread = request.request_id in self._unread
             if request.is_finished or request.error is not None:
@@ -244,7 +246,7 @@ class ContinuousBatchGenerator:
             output = request.output()
             if output is None or unread:
                 continue
-            if only is None or request.request_id in only:
+            if mine(request.request_id):
                 outputs.append(output)
             else:
                 self._hold(output, request.params.output_kind)
@@ -363,6 +365,7 @@ class ContinuousBatchGenerator:
         the finished ones). Other requests' outputs are kept for the next `step`; requests left unfinished (the
         caller stopped reading, or an error) are aborted."""
         pending = set(request_ids)
+        self._claimed |= pending
         try:
             yield from first
             while pending:
@@ -372,6 +375,7 @@ class ContinuousBatchGenerator:
                     if output.finished or not final_only:
                         yield output
         finally:
+            self._claimed -= request_ids
             self._withdraw(pending)
 
     def _withdraw(self, request_ids: set[str]) -> None:

@@ -57,11 +57,13 @@ class ModelRunner:
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Model inputs for the step ``out``."""
-        # Copy first: the scheduler has already pointed the tables at the new blocks, and a step that fails later
-        # must still leave them filled.
+    def copy_blocks(self, out: SchedulerOutput) -> None:
+        """Fill the blocks the scheduler gave sequences in place of shared ones (copy-on-write). Its tables already
+        point at them, so this comes before anything in the step that can fail: a step that is undone keeps them."""
         self.kv.copy_blocks(out.block_copies)
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Model inputs for the step ``out`` (its block copies made: `copy_blocks`)."""
         spans: list[Span] = []
         sample_rows: list[int] = []
         num_tokens = 0
@@ -102,7 +104,7 @@ class ModelRunner:
         )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns ``logits [sampled rows, vocab]`` in step order: one row per sampled sequence, and
+        """Run the step (its block copies made); returns ``logits [sampled rows, vocab]`` in step order: one row per sampled sequence, and
         one more per speculative guess it verifies."""
         return self.run(self.prepare(out))
 

@@ -243,6 +243,7 @@ class SamplingParams:
             max_tokens=config.max_new_tokens if config.max_new_tokens is not None else 16,
             min_tokens=config.min_new_tokens or 0,
             stop=config.stop_strings,
+            include_stop_str_in_output=bool(config.stop_strings),  # generate's text ends with the stop string
             stop_token_ids=[config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id,
         )
 
