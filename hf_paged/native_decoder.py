@@ -14,7 +14,9 @@ summation orders differ, as they do between any two matrix-multiply kernels, and
 Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
 C++ compiler) is not recognised and runs through the Transformers forward, as do steps of more than `max_tokens`
 tokens (prompts included): 512 where the panel products, 8 rows per pass over each panel, beat the oneDNN forward up
-to there, 160 in fp32 on CPUs with AVX2 alone (`cpu_decoder.faster_tokens`).
+to there, 160 in fp32 on CPUs with AVX2 alone (`cpu_decoder.faster_tokens`). Steps taken while a forward hook, or an
+instance's own ``forward``, is on a module it stands in for run through the Transformers forward as well; parameters
+and modules replaced after the engine was built are read again.
 """
 
 from __future__ import annotations
@@ -50,6 +52,21 @@ def _classes(family: str) -> tuple[type, type, type] | None:
     except ImportError:
         return None
     return tuple(getattr(module, name, None) for name in _FAMILIES[family])
+
+
+_structure_changes = 0  # parameters and submodules set on any module since the first decoder was built
+
+
+def _count_structure_change(*_) -> None:  # a registration hook: returning None registers the value as given
+    global _structure_changes
+    _structure_changes += 1
+
+
+def _watch_structure() -> None:
+    """Count every parameter or module set on any module from now on (torch's global registration hooks)."""
+    if _count_structure_change not in nn.modules.module._global_parameter_registration_hooks.values():
+        nn.modules.module.register_module_parameter_registration_hook(_count_structure_change)
+        nn.modules.module.register_module_module_registration_hook(_count_structure_change)
 
 
 class Unsupported(Exception):
@@ -90,6 +107,8 @@ class NativeDecoder:
         self.kv = kv
         self.embed = model.get_input_embeddings()
         self.rotary = model.base_model.rotary_emb
+        self.gone = False  # the model no longer fits, for good
+        _watch_structure()
         self._bind(weights)
 
     def _bind(self, weights: cpu_decoder.DecoderWeights) -> None:
@@ -100,6 +119,10 @@ class NativeDecoder:
         self._sources = [w for w in weights.packed_from if not w.is_inference()]
         self._kept = [w.detach() for w in weights.packed_from]
         self._at = self._addresses()
+        self._seen, self._shape = _structure_changes, self._structure()
+        base = self.model.base_model  # the modules whose forward the native call stands in for
+        standing_in = [self.model, base, base.norm, self.model.get_output_embeddings(), *base.layers.modules()]
+        self._hook_dicts = [(m._forward_hooks, m._forward_pre_hooks, m.__dict__) for m in standing_in]
 
     def _addresses(self) -> tuple[int, ...]:
         # Converting a model (``.to()``, ``.half()``) moves every parameter; these three show it. An in-place change
@@ -109,16 +132,37 @@ class NativeDecoder:
                 base.layers[0].self_attn.q_proj.weight.data_ptr(), base.layers[-1].mlp.down_proj.weight.data_ptr(),
                 *(w._version for w in self._sources))
 
+    def _structure(self) -> tuple[int, ...]:
+        """Which modules and parameters the model is made of (replacing one changes it)."""
+        return (*map(id, self.model.modules()), *map(id, self.model.parameters()))
+
+    def _changed(self) -> bool:
+        if _structure_changes != self._seen:  # something, somewhere, was given a parameter or module
+            self._seen = _structure_changes
+            if self._structure() != self._shape:
+                return True
+        return self._addresses() != self._at
+
+    def _hooked(self) -> bool:
+        """Whether a forward hook, or an instance's own ``forward``, is on a module the native call stands in for:
+        only the Transformers forward runs them."""
+        module_hooks = nn.modules.module
+        if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+            return True
+        return any(hooks or pre_hooks or "forward" in own for hooks, pre_hooks, own in self._hook_dicts)
+
     def ready(self) -> bool:
-        """Whether the decoder can run the model as it is now: its weights are packed again if they moved or changed,
-        and False (for good) once the model no longer fits (converted to another dtype or device, say)."""
-        if self._addresses() != self._at:
+        """Whether the decoder runs the model's next step: not while `_hooked`; its weights are packed again if
+        parameters or modules were replaced, moved or changed, and it is ``gone`` for good once the model no longer
+        fits (converted to another dtype or device, say)."""
+        if self._changed():
             try:
                 self._bind(self._weights(self.model, self.kv))
             except Unsupported as reason:
                 logger.info("hf_paged: the model changed, decode steps now run the Transformers forward: %s", reason)
+                self.gone = True
                 return False
-        return True
+        return not self._hooked()
 
     # -------------------------------------------------------------------------------------------- recognition
     @classmethod
@@ -151,7 +195,8 @@ class NativeDecoder:
         if type(base.norm) is not classes[1] or len(base.layers) != len(kv.key_cache):
             raise Unsupported("the model's final norm or layer count is not Llama's")
         lm_head = _linear(model.get_output_embeddings(), dtype, "the output projection")
-        layers = [cls._layer(layer, i, classes, dtype, config, kv) for i, layer in enumerate(base.layers)]
+        window = getattr(config, "sliding_window", None) if family == "mistral" else None  # Mistral's attention reads it from the config
+        layers = [cls._layer(layer, i, classes, dtype, window, kv) for i, layer in enumerate(base.layers)]
         packed_from = [lm_head.weight] + [w for layer in layers for w in layer.pop("packed_from")]
         eps = {base.norm.variance_epsilon, *(e for layer in layers for e in layer.pop("eps"))}
         if len(eps) != 1:
@@ -167,7 +212,8 @@ class NativeDecoder:
         )
 
     @staticmethod
-    def _layer(layer: nn.Module, index: int, classes: tuple, dtype: torch.dtype, config, kv: PagedKVStorage) -> dict:
+    def _layer(layer: nn.Module, index: int, classes: tuple, dtype: torch.dtype, config_window: int | None,
+               kv: PagedKVStorage) -> dict:
         layer_class, norm_class, mlp_class = classes
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer) is not layer_class or {n for n, _ in layer.named_children()} != _LAYER_CHILDREN:
@@ -192,7 +238,7 @@ class NativeDecoder:
         if attn.head_dim != k_cache.shape[3] or attn.k_proj.weight.shape[0] != k_cache.shape[1] * attn.head_dim:
             raise Unsupported(f"layer {index}'s key heads do not match the KV cache")
         entry.update(k_cache=k_cache.transpose(1, 2), v_cache=kv.value_cache[index].transpose(1, 2),
-                     scale=attn.scaling, sliding_window=getattr(attn, "sliding_window", getattr(config, "sliding_window", None)))
+                     scale=attn.scaling, sliding_window=getattr(attn, "sliding_window", config_window))
         return entry
 
     # ---------------------------------------------------------------------------------------------- one step

@@ -356,6 +356,62 @@ def test_weights_changed_in_place_are_packed_again(tokenizer):
     assert gen.runner.native is not None
 
 
+def greedy_tokens(gen) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in gen.run(PROMPTS, params, use_tqdm=False)]
+
+
+def test_parameters_and_modules_replaced_after_the_engine_was_built_are_read(tokenizer):
+    """Weights given as new Parameters or in new modules (an adapter swapped in, say) reach the native steps as they
+    reach the Transformers forward, whichever weights the decoder checked its addresses on."""
+    options = dict(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    model = tiny("llama")
+    gen = ContinuousBatchGenerator(model, tokenizer, **options)
+    before = greedy_tokens(gen)
+    torch.manual_seed(1)
+    model.model.norm.weight = nn.Parameter(torch.rand_like(model.model.norm.weight) * 3)
+    old = model.model.layers[1].self_attn.o_proj
+    model.model.layers[1].self_attn.o_proj = nn.Linear(old.in_features, old.out_features, bias=False)
+    eager = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, **options)
+    after = greedy_tokens(gen)
+    assert after == greedy_tokens(eager) and after != before
+    assert gen.runner.native is not None
+
+
+def test_forward_hooks_run_through_the_transformers_forward_while_they_are_on(tokenizer):
+    options = dict(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    model = tiny("llama")
+    gen = ContinuousBatchGenerator(model, tokenizer, **options)
+    plain = greedy_tokens(gen)
+    for module, kind in ((model.model.layers[1].mlp, "hook"), (model.model.layers[0], "pre_hook"), (model, "hook")):
+        if kind == "hook":
+            handle = module.register_forward_hook(lambda mod, args, out: out * 0 if torch.is_tensor(out) else out)
+        else:
+            handle = module.register_forward_pre_hook(lambda mod, args, kwargs: (args, kwargs), with_kwargs=True)
+        hooked = greedy_tokens(gen)
+        assert hooked == greedy_tokens(ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, **options))
+        assert (hooked != plain) == (module is model.model.layers[1].mlp)
+        handle.remove()
+    model.model.layers[1].mlp.forward = lambda x: torch.zeros_like(x)  # an instance's own forward, likewise
+    assert greedy_tokens(gen) == greedy_tokens(ContinuousBatchGenerator(model, tokenizer, enforce_eager=True,
+                                                                        **options)) != plain
+    del model.model.layers[1].mlp.forward
+    assert greedy_tokens(gen) == plain and gen.runner.native is not None and gen.runner.native.ready()
+
+
+def test_a_llama_config_with_a_sliding_window_slides_nothing(tokenizer):
+    """Llama's attention has no window, whatever the config says (converted Qwen2 configs carry one)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+                         sliding_window=4, **COMMON)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    fast = [o.outputs[0].token_ids for o in generate(model, tokenizer, enforce_eager=False, max_tokens=10)]
+    eager = [o.outputs[0].token_ids for o in generate(model, tokenizer, enforce_eager=True, max_tokens=10)]
+    assert fast == eager
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pack_lays_weights_out_in_zero_padded_panels(dtype):
     n, k, panel = 100, 6, cpu_decoder.PANEL

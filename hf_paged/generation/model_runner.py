@@ -115,7 +115,8 @@ class ModelRunner:
             if self.native.ready():
                 return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,
                                            step.prompt_lens)
-            self.native = None
+            if self.native.gone:
+                self.native = None
         if self.graphs is not None and (logits := self.graphs.run(step)) is not None:
             return logits
         return self.forward(step)
