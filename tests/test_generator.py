@@ -9,6 +9,7 @@ from hf_paged.generation.model_runner import ModelRunner
 from hf_paged.generation.sequence import SequenceStatus
 from hf_paged.kernels import native
 from hf_paged.kernels.cpu_linear import PrepackedLinear, available, unpack_linear_layers
+from reference import generate_with
 
 MAX_TOKENS = [8, 24, 16, 32, 12, 20, 28, 10, 18, 26, 14, 30, 9, 22, 17, 25]
 
@@ -722,3 +723,43 @@ def test_step_leaves_a_paused_streams_outputs_to_it(smollm2, chat_prompts):
     assert rest[-1].request_id == first.request_id and rest[-1].finished
     assert len(rest[-1].outputs[0].token_ids) == 6
     assert_no_leak(gen)
+
+
+@pytest.mark.parametrize("family", ["phi3", "llama"])  # Phi-3 runs the Transformers forward, Llama the native one
+def test_longrope_tokens_are_those_of_each_sequence_alone(family, smollm2):
+    """LongRoPE switches to its long factors when a forward call reaches past the original length: the engine
+    chooses per token as each sequence alone would, whatever shares the step, and a long prompt does not reuse the
+    cached blocks of a short one it starts with (its keys are rotated differently). Llama's `generate` agrees token
+    for token; Phi-3's recomputes a sequence's whole cache when it grows past the original length, which the engine
+    does not: there only prompts already past it agree."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)], "original_max_position_embeddings": 16}
+    shape = dict(vocab_size=256, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rope_scaling=rope,
+                 original_max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = (Phi3Config if family == "phi3" else LlamaConfig)(**shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    short, long_ = [8, 100, 4], list(range(3, 40))
+    starts_alike = list(range(3, 15))  # the long prompt's first 12 tokens: three blocks of 4
+    prompts = [short, long_, starts_alike]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    def engine(prompts: list[list[int]], **options) -> list[list[int]]:
+        gen = ContinuousBatchGenerator(model, smollm2[1], num_blocks=128, block_size=4, **options)
+        assert (gen.runner.native is not None) == (family == "llama")
+        tokens = [o.outputs[0].token_ids for o in gen.run(prompts, params, use_tqdm=False)]
+        assert_no_leak(gen)
+        return tokens
+
+    alone = [engine([prompt])[0] for prompt in prompts]
+    for options in (dict(), dict(max_num_batched_tokens=8)):
+        assert engine(prompts, **options) == alone
+        assert engine([starts_alike, long_], **options) == [alone[2], alone[1]]  # the short prompt cached first
+    for prompt in prompts if family == "llama" else [long_]:
+        ids = torch.tensor([prompt])
+        out = generate_with(model, "eager", input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == alone[prompts.index(prompt)]

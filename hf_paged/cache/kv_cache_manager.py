@@ -80,15 +80,16 @@ class KVCacheManager:
         table, bs = self.tables[seq_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
-        """Attach the longest cached prefix of ``token_ids`` to the new sequence ``seq_id``.
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | None = None) -> int:
+        """Attach the longest cached prefix of ``token_ids`` to the new sequence ``seq_id``, among blocks cached with
+        the same ``salt`` (the first block's parent in the hash chain).
 
         Returns the number of tokens whose KV is already cached. At least one token is always left to compute, so the
         model still produces logits for the last prompt token.
         """
         if not self.enable_prefix_caching:
             return 0
-        blocks, hashes, parent = [], [], None
+        blocks, hashes, parent = [], [], salt
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             key = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
@@ -110,7 +111,8 @@ class KVCacheManager:
             self.prefix_queries += num_tokens
             self.prefix_hits += num_cached
 
-    def cache_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_blocks(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int,
+                     salt: bytes | None = None) -> None:
         """Index for prefix reuse the blocks of ``seq_id`` that are full once ``num_computed`` tokens are in the cache.
 
         The scheduler does this when it schedules a step, so a later sequence of the same step can share those
@@ -122,7 +124,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(seq_id, [])
         table, bs = self.tables[seq_id], self.block_size
         for i in range(len(hashes), num_computed // bs):
-            key = block_hash(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
+            key = block_hash(hashes[-1] if hashes else salt, token_ids[i * bs : (i + 1) * bs])
             hashes.append(key)
             self.pool.cache(table[i], key)
 

@@ -36,8 +36,10 @@ def decode_graphs(runner: ModelRunner, config: EngineConfig, max_model_len: int,
                   max_query_len: int = 1) -> DecodeGraphs | None:
     """The CUDA graphs of ``runner``'s steps of at most ``max_query_len`` new tokens per sequence (``1 +
     num_speculative_tokens`` where the runner verifies guesses); None on CPU, with ``enforce_eager`` and under tensor
-    parallelism (graphs do not hold its collectives here)."""
+    parallelism (graphs do not hold its collectives here) and for LongRoPE models (their tables change per step)."""
     if config.enforce_eager or runner.device.type != "cuda" or is_tensor_parallel(runner.model):
+        return None
+    if runner.long_rope is not None:  # the hook that picks each token's tables is not captured
         return None
     return DecodeGraphs(runner.forward, runner.kv, capture_sizes(config.max_num_seqs),
                         math.ceil(max_model_len / runner.kv.block_size), max_query_len)

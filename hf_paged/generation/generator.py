@@ -159,6 +159,8 @@ class ContinuousBatchGenerator:
         """Queue a request; it joins the batch at the next step. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params)
+        if self.runner.long_rope is not None:
+            request.cache_salt = self.runner.long_rope.cache_salt(request.num_prompt_tokens)
         if request.params.structured_outputs is not None and self.lockstep is not None:
             # Ranks would admit it when their own compile ends, at different steps, and leave lockstep.
             raise ValueError("SamplingParams.structured_outputs is not supported on a tensor-parallel engine yet")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ import torch
 from ..attention import unpadded_mask
 from ..cache import KVCacheManager, PagedKVStorage, PagedMetadata
 from ..native_decoder import NativeDecoder
+from .long_rope import LongRope
 from .scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -24,13 +26,15 @@ Span = tuple[int, int, list[int]]  # a sequence's tokens in a step: (seq_id, pos
 class StepInputs:
     """One step's tokens, flat: ``input_ids`` and ``position_ids`` ``[1, T]``, the attention metadata, the token
     rows whose logits are sampled (``sample_rows``, int64, on the model's device), and, for the native decoder, each
-    sequence's prompt length (``prompt_lens``, int32: its tokens at lower positions are prompt tokens)."""
+    sequence's prompt length (``prompt_lens``, int32: its tokens at lower positions are prompt tokens); for LongRoPE
+    models, which tokens take the long factors (``long_rope_rows``, `LongRope.long_rows`)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     metadata: PagedMetadata
     sample_rows: torch.Tensor
     prompt_lens: torch.Tensor | None = None
+    long_rope_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +58,7 @@ class ModelRunner:
         self.kv_manager = kv_manager
         self.native = native
         self.graphs: DecodeGraphs | None = None
+        self.long_rope = LongRope.for_model(model)
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -67,7 +72,7 @@ class ModelRunner:
         spans: list[Span] = []
         sample_rows: list[int] = []
         num_tokens = 0
-        prompt_lens = [seq.request.num_prompt_tokens for seq in out.seqs] if self.native is not None else None
+        prompt_lens = [seq.request.num_prompt_tokens for seq in out.seqs]
         for seq, n in zip(out.seqs, out.num_tokens):
             start = seq.num_computed_tokens
             guesses = out.spec_token_ids.get(seq.seq_id, [])  # speculative guesses, computed after its last token
@@ -80,7 +85,7 @@ class ModelRunner:
     def pack(self, spans: list[Span], sample_rows: list[int], prompt_lens: list[int] | None = None) -> StepInputs:
         """The flat inputs of ``spans``: ``(seq_id, first position, tokens)`` each, the sequences' blocks already
         allocated through their last token; ``sample_rows`` index the packed tokens; ``prompt_lens``, if given, the
-        spans' prompt lengths."""
+        spans' prompt lengths (else taken as 0)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -95,22 +100,32 @@ class ModelRunner:
             seq_lens.append(end)
             query_lens.append(len(tokens))
             tables.append(self.kv_manager.block_table(seq_id))
+        long_rows = None
+        if self.long_rope is not None:
+            spans_at = [(start, len(tokens)) for _, start, tokens in spans]
+            long_rows = self.long_rope.long_rows(spans_at, prompt_lens or [0] * len(spans), self.device)
         return StepInputs(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             metadata=PagedMetadata.build(self.kv, tables, seq_lens, query_lens, slots),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             prompt_lens=None if prompt_lens is None else torch.tensor(prompt_lens, dtype=torch.int32),
+            long_rope_rows=long_rows,
         )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step (its block copies made); returns ``logits [sampled rows, vocab]`` in step order: one row per sampled sequence, and
-        one more per speculative guess it verifies."""
+        """Run the step (its block copies made); returns ``logits [sampled rows, vocab]`` in step order: one row per
+        sampled sequence, and one more per speculative guess it verifies."""
         return self.run(self.prepare(out))
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor:
         """The logits of ``step``'s sample rows: through the native decoder when it takes the step, else `forward`."""
+        rows = step.long_rope_rows
+        with nullcontext() if rows is None else self.long_rope.applied(rows):
+            return self._run(step)
+
+    def _run(self, step: StepInputs) -> torch.Tensor:
         if self.native is not None and step.num_tokens <= self.native.max_tokens:
             if self.native.ready():
                 return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,

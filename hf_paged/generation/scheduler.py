@@ -149,7 +149,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seats + seq.num_samples > self.config.max_num_seqs:
                 break
-            num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids)
+            num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
             n = min(seq.num_tokens - num_cached, budget)
             needed = self.kv.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
             room = self.kv.pool.num_free_blocks - (self._headroom() if self.running else 0)
@@ -178,7 +178,8 @@ class Scheduler:
         guesses = seq.num_computed_tokens + n - seq.num_tokens
         if guesses > 0:
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids[:guesses]
-        self.kv.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens + n, seq.num_tokens))
+        self.kv.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens + n, seq.num_tokens),
+                             seq.request.cache_salt)
 
     @staticmethod
     def _plan_draws(out: SchedulerOutput) -> None:

@@ -127,6 +127,7 @@ class Request:
     num_cached_tokens: int = 0
     error: str | None = None
     grammar: Future | None = None  # the compiled constraint of structured outputs (compiling, then compiled)
+    cache_salt: bytes | None = None  # prefix-cache blocks are shared only among requests with the same salt
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
