@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", parents=[engine, http, parallel], help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
+    serve.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
+                       help="origins browsers may call the server from (CORS), comma-separated (default: *, any "
+                            "origin, as vLLM; '' sends no CORS headers)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
                             "(default: 5)")
@@ -244,7 +247,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         generator.run_worker()
         return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = create_app(generator, name, api_key=key, limits=limits)
+    origins = [origin.strip() for origin in args.allowed_origins.split(",") if origin.strip()]
+    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=origins)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -100,6 +100,23 @@ def wait_until_idle(generator, timeout: float = 20) -> None:
 def test_health_models_and_open_routes(server, client):
     assert httpx.get(f"{server.base}/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4o")
+
+
+def test_browsers_may_call_from_any_origin(server):
+    """CORS as vLLM's default: a preflight is answered without the key, and answers carry the allowed origin."""
+    origin = "http://localhost:3000"
+    preflight = httpx.options(f"{server.base}/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] in ("*", origin)
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    answer = httpx.post(f"{server.base}/v1/completions", headers={"Origin": origin, "Authorization": f"Bearer {API_KEY}"},
+                        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] in ("*", origin)
 
 
 def test_greedy_chat_and_completion_match_the_generator(server, client):
@@ -220,6 +237,18 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
     if param is not None:
         assert error["param"] == param
     return error
+
+
+def test_a_token_limit_past_the_context_is_refused_as_vllm_refuses_it(server):
+    context = server.generator.max_model_len
+    prompt = [5] * (context - 10)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 11}
+    error = assert_error(post(server, "/v1/completions", body), 400, "max_tokens", "'max_tokens' is too large: 11")
+    assert f"maximum context length is {context} tokens and your request has {context - 10} input" in error["message"]
+    answer = post(server, "/v1/completions", {**body, "max_tokens": 10, "ignore_eos": True})
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 10
+    chat = {"model": MODEL, "messages": CHAT, "max_completion_tokens": context}
+    assert_error(post(server, "/v1/chat/completions", chat), 400, "max_completion_tokens", "is too large")
 
 
 def test_errors_have_openai_shape(server):
@@ -411,3 +440,16 @@ def test_cli_server_stops_promptly_with_a_stream_in_flight(smollm2_path):
             process.kill()
             process.wait()
         process.stderr.close()
+
+
+def test_no_cors_headers_when_no_origin_is_allowed(smollm2):
+    from starlette.testclient import TestClient
+
+    model, tokenizer = smollm2
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL, allowed_origins=())
+    with TestClient(app) as test_client:
+        preflight = test_client.options("/v1/models", headers={"Origin": "http://evil.example",
+                                                               "Access-Control-Request-Method": "GET"})
+        assert "access-control-allow-origin" not in preflight.headers
+        answer = test_client.get("/v1/models", headers={"Origin": "http://evil.example"})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers

@@ -276,7 +276,7 @@ def test_large_responses_are_built_off_the_event_loop(served, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------- 5: admission control
-def open_stream(live, max_tokens: int = 5000, n: int = 1, first_event: bool = True) -> httpx.Response:
+def open_stream(live, max_tokens: int = 1000, n: int = 1, first_event: bool = True) -> httpx.Response:
     """A streaming call left open; with ``first_event``, once it has sent its first event (it runs)."""
     client = httpx.Client(timeout=30, headers=AUTH)
     body = {"model": MODEL, "prompt": "Once", "max_tokens": max_tokens, "ignore_eos": True, "n": n, "stream": True}

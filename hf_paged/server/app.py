@@ -1,13 +1,13 @@
 """The OpenAI-compatible HTTP server: `create_app` builds a FastAPI app over a `ContinuousBatchGenerator`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health`` and
-``GET /metrics`` (Prometheus). Choices made where OpenAI leaves room:
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+``GET /health`` and ``GET /metrics`` (Prometheus). Choices made where OpenAI leaves room:
 
 * ``temperature`` defaults to 1.0, as OpenAI's does; 0 is greedy.
 * ``max_tokens`` defaults to 16 on ``/v1/completions`` (OpenAI's legacy default) and, on ``/v1/chat/completions``,
   to the rest of the context (``max_model_len`` minus the prompt), as chat models generate until they stop.
-  ``max_completion_tokens`` takes precedence over ``max_tokens``. A limit beyond the context is not an error:
-  generation stops at the context's end with ``finish_reason="length"``.
+  ``max_completion_tokens`` takes precedence over ``max_tokens``. A limit that the prompt leaves no room for in the
+  context is a 400 naming both lengths, as vLLM's.
 * ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
 * ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
 * A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``echo``,
@@ -17,6 +17,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
   constrained decoding (see ``tool_calls.py`` for the tool-call format). The grammar is compiled before the request
   is queued, so an invalid schema, regex or grammar is a 400 naming the field that carried it.
 * With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
+  Browsers may call from any origin unless ``allowed_origins`` says otherwise (CORS preflights need no key).
   The key and the body size are checked from the headers before the body is read (`middleware.Gatekeeper`).
 * What one call may ask is bounded by `ServerLimits` (prompts per call, ``n``, stop strings, ``logit_bias``,
   logprobs, prompt length before tokenizing); prompts are tokenized on worker threads (`tokenization`).
@@ -35,11 +36,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -57,8 +59,9 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_key: str | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
-    """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``.
+               limits: ServerLimits | None = None, allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
+    """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``; browsers may call
+    it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty).
 
     The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
     stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
@@ -68,7 +71,6 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
     serving = OpenAIServing(generator, engine, encoder, limits, served_model_name)
-    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,7 +85,18 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     app = FastAPI(title="hf_paged", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
     app.add_middleware(Gatekeeper, limits=limits, api_key=api_key)
+    if allowed_origins:  # added last, so outermost: preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     _install_error_handlers(app)
+    card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "hf_paged",
+            "max_model_len": generator.max_model_len}
+    _install_routes(app, serving, card)
+    return app
+
+
+def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
+    engine, metrics, served_model_name = serving.engine, app.state.metrics, card["id"]
 
     @app.get("/health")
     async def health() -> Response:
@@ -98,9 +111,14 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": served_model_name, "object": "model", "created": started, "owned_by": "hf_paged",
-                "max_model_len": generator.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str) -> dict:
+        if model != served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
+                           param="model", code="model_not_found")
+        return card
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -109,8 +127,6 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
-
-    return app
 
 
 def _install_error_handlers(app: FastAPI) -> None:

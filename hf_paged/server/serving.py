@@ -118,6 +118,8 @@ class OpenAIServing:
         """Tokenize the prompts off the event loop, check what the call would cost, and queue it."""
         token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param) for prompt in prompts))
         context = self.generator.max_model_len
+        for ids in token_ids:
+            _check_room(body, params, len(ids), context)
         new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
         self.limits.check_logprob_entries(body, params.n, new_tokens)
         try:
@@ -157,6 +159,17 @@ def _bad_request(err: Exception, param: str | None) -> APIError:
     if field:
         param, message = field.group(1), message[len("SamplingParams."):]
     return APIError(400, message, param=param)
+
+
+def _check_room(body: GenerationRequest, params: SamplingParams, prompt_tokens: int, context: int) -> None:
+    """A 400 when the prompt leaves less room in the context than the call's token limit asks, as vLLM's (a prompt
+    that does not fit at all is the engine's refusal)."""
+    if params.max_tokens is None or prompt_tokens >= context or prompt_tokens + params.max_tokens <= context:
+        return
+    param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+    raise APIError(400, f"'{param}' is too large: {params.max_tokens}. This model's maximum context length is "
+                        f"{context} tokens and your request has {prompt_tokens} input tokens "
+                        f"({params.max_tokens} > {context} - {prompt_tokens})", param=param)
 
 
 async def _finished_outputs(stream: RequestStream, request_ids: list[str],
