@@ -300,7 +300,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
 
 
 @pytest.mark.parametrize("extra", [
-    {"functions": [{"name": "f"}]}, {"best_of": 3}, {"use_beam_search": True}, {"add_generation_prompt": False},
+    {"functions": [{"name": "f"}]}, {"best_of": 3}, {"use_beam_search": True}, {"chat_template": "{{ messages }}"},
 ], ids=lambda extra: next(iter(extra)))
 def test_unsupported_fields_are_refused_by_name(server, extra):
     name = next(iter(extra))
@@ -453,3 +453,52 @@ def test_no_cors_headers_when_no_origin_is_allowed(smollm2):
         assert "access-control-allow-origin" not in preflight.headers
         answer = test_client.get("/v1/models", headers={"Origin": "http://evil.example"})
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
+def test_chat_template_options_as_vllm(server):
+    """add_generation_prompt, continue_final_message (an answer prefilled) and their misuse, as vLLM takes them."""
+    tokenizer = server.generator.tokenizer
+    question = [{"role": "user", "content": "Where is Paris?"}]
+    prefilled = question + [{"role": "assistant", "content": "Paris is the capital of"}]
+    chat = {"model": MODEL, "temperature": 0, "max_tokens": 8}
+
+    def prompt_ids(messages, **options):
+        return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, **options),
+                         add_special_tokens=False).input_ids
+
+    bare = post(server, "/v1/chat/completions", {**chat, "messages": question, "add_generation_prompt": False})
+    assert bare.json()["usage"]["prompt_tokens"] == len(prompt_ids(question, add_generation_prompt=False))
+    assert len(prompt_ids(question, add_generation_prompt=False)) < len(prompt_ids(question, add_generation_prompt=True))
+    continued = post(server, "/v1/chat/completions", {**chat, "messages": prefilled, "continue_final_message": True,
+                                                      "add_generation_prompt": False})
+    ids = prompt_ids(prefilled, continue_final_message=True)
+    assert ids[-1] != prompt_ids(prefilled)[-1]  # the last message is left open
+    expected = post(server, "/v1/completions", {**chat, "prompt": ids}).json()["choices"][0]["text"]
+    assert continued.json()["choices"][0]["message"]["content"] == expected
+    assert continued.json()["usage"]["prompt_tokens"] == len(ids)
+    both = post(server, "/v1/chat/completions", {**chat, "messages": prefilled, "continue_final_message": True})
+    assert_error(both, 400, "continue_final_message", "add_generation_prompt")
+    reserved = post(server, "/v1/chat/completions", {**chat, "messages": question,
+                                                     "chat_template_kwargs": {"tokenize": True}})
+    assert_error(reserved, 400, "chat_template_kwargs", "tokenize")
+
+
+def test_chat_template_kwargs_are_the_templates_variables(smollm2):
+    import copy
+
+    from starlette.testclient import TestClient
+
+    model, tokenizer = smollm2
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = ("{% if persona %}{{ persona }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: "
+                               "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL)
+    messages = [{"role": "user", "content": "Hi"}]
+    with TestClient(app) as test_client:
+        for variables, text in [(None, "user: Hi\nassistant:"),
+                                ({"persona": "You are a pirate."}, "You are a pirate.\nuser: Hi\nassistant:")]:
+            answer = test_client.post("/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 1, "chat_template_kwargs": variables})
+            assert answer.status_code == 200, answer.text
+            expected = len(tokenizer(text, add_special_tokens=False).input_ids)
+            assert answer.json()["usage"]["prompt_tokens"] == expected

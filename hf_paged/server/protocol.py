@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..generation import CompletionOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
-from .tool_calls import ToolCallParser, calls_schema, tool_functions
+from .tool_calls import TEMPLATE_PARAMETERS, ToolCallParser, calls_schema, tool_functions
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
 
@@ -43,10 +43,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "allowed_token_ids": lambda value: value is None,
     "truncate_prompt_tokens": lambda value: value is None,
     "echo": lambda value: not value,
-    "add_generation_prompt": lambda value: value in (None, True),
-    "continue_final_message": lambda value: not value,
     "chat_template": lambda value: value is None,
-    "chat_template_kwargs": lambda value: not value,
     "documents": lambda value: not value,
 }
 
@@ -301,6 +298,9 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[dict] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_choice_name(self) -> str:
         """``"none"``, ``"auto"``, ``"required"`` or the named function; raises ``RequestFieldError``."""
@@ -338,9 +338,28 @@ class ChatCompletionRequest(GenerationRequest):
             schema["maxItems"] = 1
         return [Constraint.of("tools", "tools", json=schema)] + asked
 
-    def needs_tool_prompt(self) -> bool:
-        """Whether the prompt holds tools or earlier tool calls, so it is rendered by `tool_calls.render_prompt`."""
-        return bool(self.tools) or any(m.tool_calls for m in self.messages)
+    def template_options(self) -> dict:
+        """What the chat template is asked beyond the messages and tools, as vLLM's fields ask it (empty: nothing);
+        raises ``RequestFieldError``."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestFieldError("continue_final_message", "continue_final_message continues the last message "
+                                                              "instead of opening a new one: set add_generation_prompt "
+                                                              "to false with it")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_PARAMETERS)
+        if reserved:
+            raise RequestFieldError("chat_template_kwargs", f"chat_template_kwargs are the template's variables; "
+                                                            f"{', '.join(reserved)} cannot be set through them")
+        options = dict(self.chat_template_kwargs or {})
+        if not self.add_generation_prompt:
+            options["add_generation_prompt"] = False
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        return options
+
+    def needs_own_rendering(self) -> bool:
+        """Whether the prompt holds tools or earlier tool calls, or asks the template for more than a new turn, so
+        it is rendered by `tool_calls.render_prompt`."""
+        return bool(self.tools) or any(m.tool_calls for m in self.messages) or bool(self.template_options())
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -94,15 +94,20 @@ class OpenAIServing:
 
     async def chat_prompt(self, body: ChatCompletionRequest, messages: list[dict],
                           top_k: int | None) -> tuple[list, ChatFormat]:
-        """The prompt to submit and the answer's format; tools and earlier tool calls go through `render_prompt`,
-        on a tokenizing thread with its own tokenizer, as every prompt is."""
-        if not body.needs_tool_prompt():
-            return messages, ChatFormat(self.decode, top_k)
-        self.encoder.check(messages, "messages", extra_chars=len(str(body.tools or "")))
+        """The prompt to submit and the answer's format; tools, earlier tool calls and template options go through
+        `render_prompt`, on a tokenizing thread with its own tokenizer, as every prompt is."""
+        try:
+            if not body.needs_own_rendering():
+                return messages, ChatFormat(self.decode, top_k)
+            options = body.template_options()
+        except ValueError as err:
+            raise _bad_request(err, "messages") from err
+        extra = len(str(body.tools or "")) + len(str(options))
+        self.encoder.check(messages, "messages", extra_chars=extra)
 
         def render() -> tuple[str, list[int]]:
             tokenizer = self.encoder.processor().tokenizer
-            text = render_prompt(tokenizer, messages, body.tools)
+            text = render_prompt(tokenizer, messages, body.tools, options)
             return text, tokenizer(text, add_special_tokens=False).input_ids
 
         try:

@@ -1,4 +1,5 @@
 """Tool calling on the chat endpoint: tools in the prompt, the constraint behind ``tool_choice``, calls read back.
+(`render_prompt` renders every chat prompt that holds tools or calls, or asks the template for anything else.)
 
 * ``tools`` go to the chat template (``apply_chat_template(..., tools=...)``). A template that does not mention
   tools gets them in its system message instead, described in the hermes convention: each call is written as
@@ -13,14 +14,20 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import uuid
 from dataclasses import dataclass
 
+from transformers import PreTrainedTokenizerBase
+
 from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# apply_chat_template's own parameters: a request's chat_template_kwargs are the template's variables, not these.
+TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self", "kwargs"}
 _NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 # A block ends at its closing tag, where the next block opens, or where the text ends.
 _HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*((?:(?!" + re.escape(OPEN_TAG) + r").)*?)\s*(?:"
@@ -118,8 +125,9 @@ def _tools_system_text(tools: list[dict]) -> str:
             "one block per call.")
 
 
-def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
-    """The chat prompt as text, with ``tools`` and any earlier tool calls and results in it."""
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, options: dict | None = None) -> str:
+    """The chat prompt as text, with ``tools`` and any earlier tool calls and results in it; ``options`` go to the
+    template (``add_generation_prompt=False``, ``continue_final_message=True``, its own variables)."""
     native = template_takes_tools(tokenizer)
     messages = [_for_template(message, native) for message in messages]
     if tools and not native:
@@ -129,7 +137,8 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None) -> 
         else:
             messages.insert(0, {"role": "system", "content": text})
     extra = {"tools": tools} if tools and native else {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    return tokenizer.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **(options or {})},
+                                         **extra)
 
 
 # ------------------------------------------------------------------------------------------------- the output
