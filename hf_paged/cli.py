@@ -75,6 +75,10 @@ def _http_options() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
                              "default model's name)")
+    parser.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
+                        help="auto: sampling settings a request leaves out are those the model's generation config "
+                             "recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
+                             "vllm: OpenAI's defaults (default: auto, as vLLM)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="server log level (default: info)")
     return parser
@@ -248,7 +252,8 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     origins = [origin.strip() for origin in args.allowed_origins.split(",") if origin.strip()]
-    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=origins)
+    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=origins,
+                     generation_config=args.generation_config)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -323,7 +328,8 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         path = resolve_model(args.model)
         AutoConfig.from_pretrained(path)  # a directory that holds no model is refused here, not on every replica
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-                           args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args))
+                           args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
+                           args.generation_config)
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

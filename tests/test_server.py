@@ -502,3 +502,34 @@ def test_chat_template_kwargs_are_the_templates_variables(smollm2):
             assert answer.status_code == 200, answer.text
             expected = len(tokenizer(text, add_special_tokens=False).input_ids)
             assert answer.json()["usage"]["prompt_tokens"] == expected
+
+
+def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
+    """As vLLM's --generation-config auto: a model that recommends top_k=1 and 5 new tokens answers greedily and
+    briefly unless the request says otherwise; "vllm" keeps OpenAI's defaults."""
+    from starlette.testclient import TestClient
+    from transformers import GenerationConfig
+
+    model, tokenizer = smollm2
+    own = model.generation_config
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=1, max_new_tokens=5)
+    try:
+        apps = {mode: create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=64), MODEL,
+                                 generation_config=mode) for mode in ("auto", "vllm")}
+    finally:
+        model.generation_config = own
+    body = {"prompt": "Once upon a time", "ignore_eos": True, "seed": 0}
+    with TestClient(apps["auto"]) as auto, TestClient(apps["vllm"]) as plain:
+        texts = {auto.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
+                 for seed in range(3)}
+        greedy = auto.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+        assert texts == {greedy}
+        assert auto.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 5
+        longer = auto.post("/v1/completions", json={**body, "max_tokens": 8, "temperature": 1.0, "top_k": 0})
+        assert longer.json()["usage"]["completion_tokens"] == 8
+        chat = auto.post("/v1/chat/completions", json={"messages": CHAT, "ignore_eos": True})
+        assert chat.json()["usage"]["completion_tokens"] == 5
+        assert plain.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
+        sampled = {plain.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
+                   for seed in range(3)}
+        assert len(sampled) > 1

@@ -210,6 +210,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @staticmethod
+    def model_defaults(config: GenerationConfig | None) -> dict:
+        """The sampling settings a model's own generation config recommends, as `SamplingParams` fields (vLLM's
+        ``--generation-config auto``): its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens
+        (as ``max_tokens``), where it sets them. A server uses them for what a request leaves out."""
+        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        return {field: getattr(config, name) for name, field in names.items()
+                if config is not None and getattr(config, name, None) is not None}
+
     @classmethod
     def from_generation_config(cls, config: GenerationConfig) -> "SamplingParams":
         """Map a Transformers `GenerationConfig` onto `SamplingParams`; anything that cannot be mapped is an error."""

@@ -27,6 +27,7 @@ class ReplicaSpec:
     dtype: str = "auto"
     api_key: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    generation_config: str = "auto"  # `create_app`'s: the model's recommended sampling settings, or "vllm"
 
     def load(self):
         """The replica's generator (call on the replica)."""
@@ -43,7 +44,8 @@ class EngineReplica:
         from ..server import create_app
 
         self.generator = spec.load()
-        self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key)
+        self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key,
+                              generation_config=spec.generation_config)
         self.app.state.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
 

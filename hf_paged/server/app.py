@@ -3,7 +3,9 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
 ``GET /health`` and ``GET /metrics`` (Prometheus). Choices made where OpenAI leaves room:
 
-* ``temperature`` defaults to 1.0, as OpenAI's does; 0 is greedy.
+* ``temperature`` defaults to 1.0, as OpenAI's does; 0 is greedy. As in vLLM, sampling settings the model's
+  generation config recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) stand for
+  those a request leaves out (``generation_config="vllm"``: they do not).
 * ``max_tokens`` defaults to 16 on ``/v1/completions`` (OpenAI's legacy default) and, on ``/v1/chat/completions``,
   to the rest of the context (``max_model_len`` minus the prompt), as chat models generate until they stop.
   ``max_completion_tokens`` takes precedence over ``max_tokens``. A limit that the prompt leaves no room for in the
@@ -46,7 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..generation import ContinuousBatchGenerator
+from ..generation import ContinuousBatchGenerator, SamplingParams
 from .engine import EngineLoop
 from .limits import ServerLimits
 from .metrics import ServerMetrics
@@ -59,9 +61,12 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_key: str | None = None,
-               limits: ServerLimits | None = None, allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
+               limits: ServerLimits | None = None, allowed_origins: Sequence[str] = ("*",),
+               generation_config: str = "auto") -> FastAPI:
     """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``; browsers may call
-    it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty).
+    it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty). With ``generation_config``
+    ``"auto"`` (vLLM's default), what a request leaves out of the sampling settings the model's generation config
+    recommends is taken from it; with ``"vllm"``, OpenAI's defaults hold.
 
     The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
     stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
@@ -70,7 +75,13 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     metrics = ServerMetrics()
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
-    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name)
+    if generation_config not in ("auto", "vllm"):
+        raise ValueError(f"generation_config is 'auto' or 'vllm', got {generation_config!r}")
+    model_config = getattr(generator.model, "generation_config", None) if generation_config == "auto" else None
+    defaults = SamplingParams.model_defaults(model_config)
+    if defaults:
+        logger.info("sampling settings a request leaves out come from the model's generation config: %s", defaults)
+    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, defaults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

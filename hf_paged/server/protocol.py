@@ -173,8 +173,13 @@ class GenerationRequest(BaseModel):
             raise RequestFieldError(asked[1].param, f"{asked[0].param} and {asked[1].param} cannot be combined")
         return asked[0] if asked else None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request as `SamplingParams`; raises ``ValueError`` naming the bad field."""
+    def token_limit(self) -> tuple[str, int | None]:
+        """The field that limits the output's tokens, and the limit the request itself sets (None: none)."""
+        return "max_tokens", self.max_tokens
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """The request as `SamplingParams`, ``defaults`` (`SamplingParams.model_defaults`) where it sets nothing;
+        raises ``ValueError`` naming the bad field."""
         given = {
             "n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "presence_penalty": self.presence_penalty,
@@ -184,7 +189,8 @@ class GenerationRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias(),
         }
-        values = {name: value for name, value in given.items() if value is not None}
+        values = {**defaults, **{name: value for name, value in given.items() if value is not None}}
+        values.pop("max_tokens", None)
         constraint = self.constraint()
         # The server merges each request's deltas itself (see `engine.RequestStream`).
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
@@ -236,9 +242,9 @@ class CompletionRequest(GenerationRequest):
             return [self.prompt]
         return list(self.prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, defaults.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS))
+        return self.sampling_params(default if self.max_tokens is None else self.max_tokens, self.logprobs, defaults)
 
     def logprobs_param(self) -> tuple[str, int | None]:
         """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
@@ -361,13 +367,15 @@ class ChatCompletionRequest(GenerationRequest):
         it is rendered by `tool_calls.render_prompt`."""
         return bool(self.tools) or any(m.tool_calls for m in self.messages) or bool(self.template_options())
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("SamplingParams.logprobs must be true when top_logprobs is given")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.max_completion_tokens is None:
-            return self.sampling_params(self.max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+            max_tokens = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens")
+            return self.sampling_params(max_tokens, logprobs, defaults)
         try:
-            return self.sampling_params(self.max_completion_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+            return self.sampling_params(self.max_completion_tokens, logprobs, defaults)
         except ValueError as err:
             if not str(err).startswith("SamplingParams.max_tokens "):
                 raise
@@ -377,6 +385,11 @@ class ChatCompletionRequest(GenerationRequest):
     def logprobs_param(self) -> tuple[str, int | None]:
         """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
         return "top_logprobs", (self.top_logprobs or 0) if self.logprobs else None
+
+    def token_limit(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 # --------------------------------------------------------------------------------------------------- responses

@@ -41,9 +41,10 @@ class OpenAIServing:
     """Checks a call, compiles its constraint, tokenizes its prompts, queues it on the engine and answers it."""
 
     def __init__(self, generator: ContinuousBatchGenerator, engine: EngineLoop, encoder: PromptEncoder,
-                 limits: ServerLimits, served_model_name: str) -> None:
+                 limits: ServerLimits, served_model_name: str, sampling_defaults: dict) -> None:
         self.generator, self.engine, self.encoder, self.limits = generator, engine, encoder, limits
         self.served_model_name = served_model_name
+        self.sampling_defaults = sampling_defaults  # what a request leaves out (`SamplingParams.model_defaults`)
         self.decode = encoder.decoder()
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -53,7 +54,7 @@ class OpenAIServing:
             raise APIError(400, "the prompt is empty", param="prompt")
         self.limits.check_prompt_count(len(prompts))
         try:
-            params = body.to_sampling_params()
+            params = body.to_sampling_params(self.sampling_defaults)
         except ValueError as err:
             raise _bad_request(err, None) from err
         await self.compile_constraint(body)
@@ -63,7 +64,7 @@ class OpenAIServing:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_request(body)
         try:
-            params = body.to_sampling_params()
+            params = body.to_sampling_params(self.sampling_defaults)
             messages = [message.to_template_dict() for message in body.messages]
         except ValueError as err:
             raise _bad_request(err, "messages") from err
@@ -124,7 +125,7 @@ class OpenAIServing:
         token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param) for prompt in prompts))
         context = self.generator.max_model_len
         for ids in token_ids:
-            _check_room(body, params, len(ids), context)
+            _check_room(body, len(ids), context)
         new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
         self.limits.check_logprob_entries(body, params.n, new_tokens)
         try:
@@ -166,15 +167,15 @@ def _bad_request(err: Exception, param: str | None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def _check_room(body: GenerationRequest, params: SamplingParams, prompt_tokens: int, context: int) -> None:
-    """A 400 when the prompt leaves less room in the context than the call's token limit asks, as vLLM's (a prompt
-    that does not fit at all is the engine's refusal)."""
-    if params.max_tokens is None or prompt_tokens >= context or prompt_tokens + params.max_tokens <= context:
+def _check_room(body: GenerationRequest, prompt_tokens: int, context: int) -> None:
+    """A 400 when the prompt leaves less room in the context than the token limit the call sets, as vLLM's (a
+    default limit just stops at the context's end; a prompt that does not fit at all is the engine's refusal)."""
+    param, limit = body.token_limit()
+    if limit is None or prompt_tokens >= context or prompt_tokens + limit <= context:
         return
-    param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-    raise APIError(400, f"'{param}' is too large: {params.max_tokens}. This model's maximum context length is "
-                        f"{context} tokens and your request has {prompt_tokens} input tokens "
-                        f"({params.max_tokens} > {context} - {prompt_tokens})", param=param)
+    raise APIError(400, f"'{param}' is too large: {limit}. This model's maximum context length is {context} tokens "
+                        f"and your request has {prompt_tokens} input tokens ({limit} > {context} - {prompt_tokens})",
+                   param=param)
 
 
 async def _finished_outputs(stream: RequestStream, request_ids: list[str],
