@@ -145,6 +145,15 @@ def test_streaming_sends_deltas_that_add_up(server, client):
                                                 "stream_options": {"include_usage": True}})
     events = [json.loads(line[len("data: "):]) for line in raw.text.splitlines() if line.startswith("data: {")]
     assert all(event["usage"] is None for event in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 4
+    continuous = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 2,
+                                                  "ignore_eos": True, "stream": True, "stream_options": {
+                                                      "include_usage": True, "continuous_usage_stats": True}})
+    events = [json.loads(line[len("data: "):]) for line in continuous.text.splitlines() if line.startswith("data: {")]
+    counts = [event["usage"]["completion_tokens"] for event in events]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 8 and len(events) >= 5
+    assert {event["usage"]["prompt_tokens"] for event in events} == {events[-1]["usage"]["prompt_tokens"]} != {0}
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+               for e in events)
 
     pieces = [c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS, stream=True)]

@@ -48,6 +48,7 @@ class RequestStream:
         self.loop = asyncio.get_running_loop()
         self.write_timeout = write_timeout
         self.last_read = self.waiting_since = self.loop.time()
+        self.num_prompt_tokens = 0  # of all its prompts, for usage (set by whoever tokenized them)
 
     def put(self, item: RequestOutput | EngineError) -> None:
         """Take an output (or the engine's failure) from the engine thread; runs on the stream's loop."""

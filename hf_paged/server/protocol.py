@@ -23,9 +23,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices; with it, vLLM's
+    ``continuous_usage_stats`` puts the usage so far on every chunk."""
 
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
 
 
 # Fields of OpenAI's API and of vLLM's extensions to it that change the output and that this server does not
@@ -208,6 +210,10 @@ class GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def unsupported_field(self) -> str | None:
         """The first field whose value asks for something this server does not do, or None."""

@@ -129,13 +129,15 @@ class OpenAIServing:
         new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
         self.limits.check_logprob_entries(body, params.n, new_tokens)
         try:
-            return self.engine.submit(list(token_ids), params, request_ids)
+            stream = self.engine.submit(list(token_ids), params, request_ids)
         except ValueError as err:
             raise _bad_request(err, prompt_param) from err
         except EngineOverloaded as err:
             raise overloaded(str(err)) from err
         except EngineDead as err:
             raise APIError(503, str(err), "server_error", code="engine_dead") from err
+        stream.num_prompt_tokens = sum(map(len, token_ids))
+        return stream
 
     async def serve(self, body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
                     prefix: str, prompt_param: str, request: Request) -> Response:
@@ -145,7 +147,7 @@ class OpenAIServing:
         stream = await self.submit(body, prompts, params, request_ids, prompt_param)
         header = {"id": call_id, "created": int(time.time()), "model": self.served_model_name}
         if body.stream:
-            events = _sse(stream, fmt, header, params.n, body.include_usage)
+            events = _sse(stream, fmt, header, params.n, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         outputs = await _finished_outputs(stream, request_ids, request)
         if outputs is None:
@@ -215,21 +217,24 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
     return Response(content, media_type="application/json")
 
 
-async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int,
-               include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events of a streamed call: text deltas per choice, then usage if asked, then ``[DONE]``.
+async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int, include_usage: bool,
+               continuous_usage: bool = False) -> AsyncIterator[str]:
+    """Server-sent events of a streamed call: text deltas per choice (with the usage so far, if continuous), then
+    usage if asked, then ``[DONE]``.
 
     The engine's deltas never hold a partial stop string; tokens that brought no text yet (an incomplete character)
     wait, with their logprobs, for the chunk that carries their text."""
     chunk = {**header, "object": fmt.chunk_object, **({"usage": None} if include_usage else {})}  # as OpenAI's
 
-    def event(choices: list[dict], **extra) -> str:
-        return f"data: {json.dumps({**chunk, 'choices': choices, **extra}, separators=(',', ':'))}\n\n"
+    def event(choices: list[dict], last: bool = False) -> str:
+        body = {**chunk, "choices": choices}
+        if last or continuous_usage:
+            body["usage"] = usage(stream.num_prompt_tokens, completion_tokens)
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
     waiting: dict[int, CompletionOutput] = {}  # per choice: tokens not sent yet, for want of text
     text_offset: dict[int, int] = {}  # where the next token's text starts (reported with logprobs only)
-    prompt_tokens: dict[str, int] = {}
     completion_tokens = 0
     try:
         for index in range(len(first_index) * n):
@@ -239,7 +244,6 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
         async for output in stream:
             if output.error is not None:
                 raise EngineError(REQUEST_FAILED)
-            prompt_tokens[output.request_id] = len(output.prompt_token_ids)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
                 completion_tokens += len(choice.token_ids)
@@ -255,7 +259,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 if choice.logprobs is not None:
                     text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
         if include_usage:
-            yield event([], usage=usage(sum(prompt_tokens.values()), completion_tokens))
+            yield event([], last=True)
         yield "data: [DONE]\n\n"
     except EngineError as err:
         yield f"data: {json.dumps(error_body(str(err), 'server_error', code=500))}\n\n"
