@@ -763,3 +763,30 @@ def test_longrope_tokens_are_those_of_each_sequence_alone(family, smollm2):
         out = generate_with(model, "eager", input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
                             do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out[0, len(prompt):].tolist() == alone[prompts.index(prompt)]
+
+
+def test_prompt_logprobs_are_the_models_own_whatever_the_chunking_caching_or_preemption(smollm2, chat_prompts):
+    model, tokenizer = smollm2
+    prompts = [tokenizer(text).input_ids for text in chat_prompts[:3]]
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            expected.append((logprobs[torch.arange(len(ids) - 1), ids[1:]], logprobs[:-1].topk(2).indices))
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, n=2, ignore_eos=True)
+    for options in (dict(), dict(max_num_batched_tokens=7), dict(num_blocks=16, block_size=4, max_num_batched_tokens=8)):
+        gen = make_generator(smollm2, **options)
+        gen.run(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # its blocks are cached
+        outputs = gen.run(prompts, params, use_tqdm=False)
+        for output, ids, (token_logprobs, top) in zip(outputs, prompts, expected):
+            scores = output.prompt_logprobs
+            assert scores[0] is None and len(scores) == len(ids) and output.num_cached_tokens == 0
+            got = torch.tensor([scores[i][ids[i]] for i in range(1, len(ids))])
+            assert torch.allclose(got, token_logprobs, atol=1e-4)
+            assert all(set(top[i - 1].tolist()) <= set(scores[i]) for i in range(1, len(ids)))
+            assert all(len(scores[i]) in (2, 3) for i in range(1, len(ids)))
+        assert "num_blocks" not in options or gen.stats().num_preemptions > 0
+        assert_no_leak(gen)
+    deltas = list(gen.stream(prompts[:1], params.replace(output_kind=RequestOutputKind.DELTA)))
+    assert [o.prompt_logprobs is not None for o in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert gen.run(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from conftest import CHAT_PROMPTS
 
 pytest.importorskip("fastapi")
@@ -319,7 +320,8 @@ def test_unsupported_fields_are_refused_by_name(server, extra):
 
 def test_harmless_and_unknown_fields_are_accepted(server):
     completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
-    assert_error(post(server, "/v1/completions", {**completion, "echo": True}), 400, "echo", "not supported")
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "echo": True}), 400,
+                 "echo", "not supported")
     assert_error(post(server, "/v1/completions", {**completion, "stream_options": {"include_usage": True}}), 400,
                  "stream_options", "stream is true")
     harmless = {"response_format": {"type": "text"}, "tool_choice": "auto", "logit_bias": {}, "best_of": 1,
@@ -542,3 +544,31 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
         sampled = {plain.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
                    for seed in range(3)}
         assert len(sampled) > 1
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, smollm2):
+    """What evaluation harnesses send for log-likelihoods: echo, logprobs=1, one new token."""
+    model, tokenizer = smollm2
+    ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():  # the server is idle between calls
+        expected = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)[torch.arange(len(ids) - 1), ids[1:]]
+    body = {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    answer = post(server, "/v1/completions", body).json()
+    choice, usage = answer["choices"][0], answer["usage"]
+    assert choice["text"].startswith(PROMPT) and len(choice["text"]) > len(PROMPT)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == usage["prompt_tokens"] + 1 == len(ids) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert torch.allclose(torch.tensor(logprobs["token_logprobs"][1:len(ids)]), expected, atol=1e-4)
+    assert logprobs["text_offset"][0] == 0 and "".join(logprobs["tokens"][:len(ids)]) == PROMPT
+    assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+    streamed = post(server, "/v1/completions", {**body, "stream": True, "n": 2, "max_tokens": 3})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    for index in (0, 1):
+        pieces = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert pieces[0]["text"].startswith(PROMPT) and pieces[0]["logprobs"]["token_logprobs"][0] is None
+        tokens = [t for piece in pieces for t in piece["logprobs"]["tokens"]]
+        assert len(tokens) == len(ids) + 3 and "".join(p["text"] for p in pieces).startswith(PROMPT)
+    for prompt in (PROMPT, ids):  # a token-id prompt echoes its text
+        plain = post(server, "/v1/completions", {**body, "logprobs": None, "prompt": prompt}).json()["choices"][0]
+        assert plain["text"].startswith(PROMPT) and plain["logprobs"] is None

@@ -80,15 +80,19 @@ class KVCacheManager:
         table, bs = self.tables[seq_id], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | None = None) -> int:
+    def match_prefix(self, seq_id: Hashable, token_ids: Sequence[int], salt: bytes | None = None,
+                     reuse: bool = True) -> int:
         """Attach the longest cached prefix of ``token_ids`` to the new sequence ``seq_id``, among blocks cached with
-        the same ``salt`` (the first block's parent in the hash chain).
+        the same ``salt`` (the first block's parent in the hash chain); without ``reuse``, none (the sequence still
+        starts its table, and caches its own blocks).
 
         Returns the number of tokens whose KV is already cached. At least one token is always left to compute, so the
         model still produces logits for the last prompt token.
         """
         if not self.enable_prefix_caching:
             return 0
+        if not reuse:
+            token_ids = ()
         blocks, hashes, parent = [], [], salt
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):

@@ -28,7 +28,7 @@ from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
-from .sampler import build_sampling_batch, sample
+from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
@@ -271,14 +271,20 @@ class ContinuousBatchGenerator:
             # Its collectives may have failed, or run on some ranks only: the ranks cannot be known to agree.
             raise DistributedError(f"a tensor-parallel forward failed on this rank: {err!r}") from err
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | None:
+        scored = out.num_prompt_logprob_rows
+        if scored:
+            logits, prompt_logits = logits[: logits.shape[0] - scored], logits[logits.shape[0] - scored :]
         if not out.draws:
-            return None
-        if out.spec_token_ids:
-            return verify_drafts(logits, out, self.speculator)
-        if len(out.draw_rows) != logits.shape[0]:
-            logits = logits[out.draw_rows]
-        return sample(logits, build_sampling_batch(out.draws, logits.device))
+            sampled = SamplerOutput([]) if scored else None
+        elif out.spec_token_ids:
+            sampled = verify_drafts(logits, out, self.speculator)
+        else:
+            rows = logits if len(out.draw_rows) == logits.shape[0] else logits[out.draw_rows]
+            sampled = sample(rows, build_sampling_batch(out.draws, logits.device))
+        if scored:
+            sampled.prompt_logprobs = prompt_logprobs(prompt_logits, out.prompt_logprob_spans)
+        return sampled
 
     # ------------------------------------------------------------------------------------ tensor parallelism
     @property

@@ -90,9 +90,11 @@ class InputProcessor:
         if bad:
             raise ValueError(f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
                              f"{self.vocab_size - 1}), got {bad[:5]}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"SamplingParams.logprobs must be at most the vocabulary's {self.vocab_size} tokens, "
-                             f"got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"SamplingParams.{name} must be at most the vocabulary's {self.vocab_size} tokens, "
+                                 f"got {value}")
 
 
 def final_only(params: SamplingParams | None) -> SamplingParams | GenerationConfig | None:

@@ -73,13 +73,17 @@ class ModelRunner:
         sample_rows: list[int] = []
         num_tokens = 0
         prompt_lens = [seq.request.num_prompt_tokens for seq in out.seqs]
+        row_of_first: dict[int, int] = {}  # each sequence's first token's row, where its start position is
         for seq, n in zip(out.seqs, out.num_tokens):
             start = seq.num_computed_tokens
             guesses = out.spec_token_ids.get(seq.seq_id, [])  # speculative guesses, computed after its last token
             spans.append((seq.seq_id, start, seq.token_ids[start : start + n] + guesses))
+            row_of_first[seq.seq_id] = num_tokens - start
             num_tokens += n
             if start + n >= seq.num_tokens:  # its last token's logits, and each guess's
                 sample_rows += range(num_tokens - 1 - len(guesses), num_tokens)
+        for seq, first, count in out.prompt_logprob_spans:  # after every sampled row
+            sample_rows += range(row_of_first[seq.seq_id] + first, row_of_first[seq.seq_id] + first + count)
         return self.pack(spans, sample_rows, prompt_lens)
 
     def pack(self, spans: list[Span], sample_rows: list[int], prompt_lens: list[int] | None = None) -> StepInputs:

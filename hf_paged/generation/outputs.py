@@ -71,9 +71,13 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    # With ``prompt_logprobs``: one {token id: logprob} per prompt token, None for the first; in every output once the
+    # prompt is computed (a DELTA request's: in the first such output only).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, later: "RequestOutput") -> None:
         """Merge a later ``DELTA`` output of the same request into this one."""
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         mine = {output.index: output for output in self.outputs}
         for output in later.outputs:
             if output.index in mine:

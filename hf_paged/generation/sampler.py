@@ -82,6 +82,8 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None = None
     # Speculative decoding: the guesses each row kept, appended before its token (see spec_decode.verify_drafts).
     accepted: list[list[int]] | None = None
+    # Per `SchedulerOutput.prompt_logprob_spans` span: the next prompt token's {id: logprob} at each of its positions.
+    prompt_logprobs: list[list[dict[int, float]]] | None = None
 
 
 def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device,
@@ -247,3 +249,25 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top = logprobs.topk(batch.max_logprobs, dim=-1)
     return SamplerOutput(token_list, sampled.tolist(), top.indices.tolist(), top.values.tolist())
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> list[list[dict[int, float]]]:
+    """Per span ``(sequence, first position, count)`` of ``logits`` rows (in span order): at each position, the
+    logprob of the prompt token after it and of the ``prompt_logprobs`` most likely tokens, from the model's own
+    distribution."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    scores, row = [], 0
+    for seq, first, count in spans:
+        rows = logprobs[row : row + count]
+        targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + count], device=rows.device)
+        chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        k = seq.request.params.prompt_logprobs
+        top = rows.topk(k, dim=-1) if k else None
+        span = []
+        for i, token in enumerate(targets.tolist()):
+            entry = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
+            entry[token] = chosen[i]
+            span.append(entry)
+        scores.append(span)
+        row += count
+    return scores

@@ -121,7 +121,9 @@ class SamplingParams:
     are matched on the detokenized text and cut out unless ``include_stop_str_in_output``, and so is the text of the
     token that stopped the sequence (one of ``stop_token_ids``, or EOS; its id stays in the output). ``logprobs=k``
     returns the ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
-    distribution. ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
+    distribution; ``prompt_logprobs=k`` does the same for every prompt token after the first (the output's
+    ``prompt_logprobs``, whose first entry is None; such a prompt is computed whole, not read from the prefix cache).
+    ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
     ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
     and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.
@@ -144,6 +146,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -177,6 +180,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             self._check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens")
         self._check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
+        self._check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+                    self.prompt_logprobs, ">= 0")
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         self._check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias", self.logit_bias,
                     "a map of token ids to numbers in [-100, 100]")
@@ -188,7 +193,7 @@ class SamplingParams:
             self.top_k = 0
 
     def _check_types(self) -> None:
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None or name in ("n", "top_k", "min_tokens"):
                 self._check(_is_int(value), name, value, "an integer")

@@ -38,6 +38,13 @@ class SchedulerOutput:
     # Speculative guesses computed this step after a sequence's last token, by seq_id; ``num_tokens`` counts them and
     # the logits have a row for each, after its sequence's draw row.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Prompt logprobs: ``(sequence, first position, count)``, positions whose logits score the prompt token after
+    # them; their rows follow all the others, in this order.
+    prompt_logprob_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        return sum(count for _, _, count in self.prompt_logprob_spans)
 
     @property
     def total_tokens(self) -> int:
@@ -149,7 +156,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seats + seq.num_samples > self.config.max_num_seqs:
                 break
-            num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+            num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
+                                              reuse=not seq.request.scores_prompt)
             n = min(seq.num_tokens - num_cached, budget)
             needed = self.kv.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
             room = self.kv.pool.num_free_blocks - (self._headroom() if self.running else 0)
@@ -178,6 +186,11 @@ class Scheduler:
         guesses = seq.num_computed_tokens + n - seq.num_tokens
         if guesses > 0:
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids[:guesses]
+        if seq.request.scores_prompt:
+            first = max(seq.num_computed_tokens, len(seq.request.prompt_logprobs) - 1)
+            end = min(seq.num_computed_tokens + n, seq.request.num_prompt_tokens - 1)
+            if end > first:
+                out.prompt_logprob_spans.append((seq, first, end - first))
         self.kv.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens + n, seq.num_tokens),
                              seq.request.cache_salt)
 
@@ -215,9 +228,11 @@ class Scheduler:
         """
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
+        changed: dict[str, Request] = {}
+        for (seq, _, _), scores in zip(out.prompt_logprob_spans, (sampled and sampled.prompt_logprobs) or ()):
+            seq.request.prompt_logprobs += scores
         now = time.monotonic()
         seqs = [seq if k == 0 else self._fork(seq, k) for seq, k in out.draws]  # before any sample has a token
-        changed: dict[str, Request] = {}
         for row, seq in enumerate(seqs):
             request = seq.request
             changed[request.request_id] = request

@@ -128,6 +128,8 @@ class Request:
     error: str | None = None
     grammar: Future | None = None  # the compiled constraint of structured outputs (compiling, then compiled)
     cache_salt: bytes | None = None  # prefix-cache blocks are shared only among requests with the same salt
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # as computed so far (``params.prompt_logprobs``)
+    sent_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -135,6 +137,13 @@ class Request:
         params = self.params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens still need their logprobs (so none of the prompt is read from the prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -167,6 +176,9 @@ class Request:
             return None
         delta = kind is RequestOutputKind.DELTA
         outputs = [seq.output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.scores_prompt and not (delta and self.sent_prompt_logprobs):
+            prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -176,4 +188,5 @@ class Request:
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -12,8 +12,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
   context is a 400 naming both lengths, as vLLM's.
 * ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
 * ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
-* A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``echo``,
-  ``suffix``, ``best_of`` above ``n``, beam search, ``tools`` on ``/v1/completions``, ...; see
+  With ``echo`` each choice starts with its prompt (and, with ``logprobs``, the prompt tokens' logprobs, the
+  first None), streamed in its first chunk.
+* A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``suffix``,
+  ``echo`` on the chat endpoint, ``best_of`` above ``n``, beam search, ``tools`` on ``/v1/completions``, ...; see
   ``protocol._UNSUPPORTED``) is a 400 naming it; a field that is not known at all is ignored, as vLLM does.
 * ``response_format``, ``structured_outputs`` (and ``guided_*``) and ``tools`` with ``tool_choice`` are served by
   constrained decoding (see ``tool_calls.py`` for the tool-call format). The grammar is compiled before the request

@@ -9,6 +9,7 @@ OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from ..generation import CompletionOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from ..generation import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .tool_calls import TEMPLATE_PARAMETERS, ToolCallParser, calls_schema, tool_functions
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
@@ -235,8 +236,6 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
 
     def unsupported_field(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         return super().unsupported_field()
@@ -250,7 +249,8 @@ class CompletionRequest(GenerationRequest):
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, defaults.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS))
-        return self.sampling_params(default if self.max_tokens is None else self.max_tokens, self.logprobs, defaults)
+        params = self.sampling_params(default if self.max_tokens is None else self.max_tokens, self.logprobs, defaults)
+        return params.replace(prompt_logprobs=self.logprobs) if self.echo and self.logprobs is not None else params
 
     def logprobs_param(self) -> tuple[str, int | None]:
         """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
@@ -428,10 +428,19 @@ class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, decode: Callable[[int], str], top_k: int | None):
+    def __init__(self, decode: Callable[[int], str], top_k: int | None, echo: list[str] | None = None):
         self.decode, self.top_k = decode, top_k
+        self.echo = echo  # with ``echo``: each prompt's text, put before its choices' text
 
-    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
+    def echoed(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> CompletionOutput:
+        """``choice`` with its prompt before it, as ``echo`` asks (logprobs too: the first token's are None)."""
+        scores = output.prompt_logprobs
+        logprobs = None if choice.logprobs is None or scores is None else scores + choice.logprobs
+        return dataclasses.replace(choice, text=self.echo[prompt_index] + choice.text,
+                                   token_ids=output.prompt_token_ids + choice.token_ids, logprobs=logprobs)
+
+    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None,
+                 offset: int) -> dict | None:
         if logprobs is None or self.top_k is None:
             return None
         tokens = [self.decode(t) for t in token_ids]
@@ -441,9 +450,10 @@ class CompletionFormat:
             offset += len(token)
         return {
             "tokens": tokens,
-            "token_logprobs": [top[t] for t, top in zip(token_ids, logprobs)],
+            "token_logprobs": [None if top is None else top[t] for t, top in zip(token_ids, logprobs)],
             # As OpenAI's: the k most likely tokens, plus the sampled one when it is not among them.
-            "top_logprobs": [{self.decode(t): lp for t, lp in _ranked(top, self.top_k + 1)} for top in logprobs],
+            "top_logprobs": [None if top is None else {self.decode(t): lp for t, lp in _ranked(top, self.top_k + 1)}
+                             for top in logprobs],
             "text_offset": offsets,
         }
 

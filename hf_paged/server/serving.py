@@ -58,7 +58,8 @@ class OpenAIServing:
         except ValueError as err:
             raise _bad_request(err, None) from err
         await self.compile_constraint(body)
-        fmt = CompletionFormat(self.decode, body.logprobs)
+        echo = [p if isinstance(p, str) else await self.encoder.text(p) for p in prompts] if body.echo else None
+        fmt = CompletionFormat(self.decode, body.logprobs, echo)
         return await self.serve(body, prompts, fmt, params, "cmpl", "prompt", request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -126,7 +127,8 @@ class OpenAIServing:
         context = self.generator.max_model_len
         for ids in token_ids:
             _check_room(body, len(ids), context)
-        new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
+        new_tokens = [min(params.max_tokens or context, context - len(ids))
+                      + (len(ids) if params.prompt_logprobs is not None else 0) for ids in token_ids]
         self.limits.check_logprob_entries(body, params.n, new_tokens)
         try:
             stream = self.engine.submit(list(token_ids), params, request_ids)
@@ -208,6 +210,7 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
         prompt_tokens += len(output.prompt_token_ids)
         for choice in output.outputs:
             completion_tokens += len(choice.token_ids)
+            choice = fmt.echoed(i, output, choice) if fmt.echo is not None else choice
             choices.append(fmt.choice(i * n + choice.index, choice))
     body = {**header, "object": fmt.object, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
     try:
@@ -237,16 +240,17 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
     text_offset: dict[int, int] = {}  # where the next token's text starts (reported with logprobs only)
     completion_tokens = 0
     try:
-        for index in range(len(first_index) * n):
-            opening = fmt.opening_choice(index)
-            if opening is not None:
-                yield event([opening])
+        for opening in filter(None, map(fmt.opening_choice, range(len(first_index) * n))):
+            yield event([opening])
         async for output in stream:
             if output.error is not None:
                 raise EngineError(REQUEST_FAILED)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
                 completion_tokens += len(choice.token_ids)
+                if fmt.echo is not None and index not in text_offset:  # its first chunk: the prompt goes first
+                    choice = fmt.echoed(index // n, output, choice)
+                    text_offset[index] = 0
                 if index in waiting:
                     waiting[index].add(choice)
                     choice = waiting.pop(index)
