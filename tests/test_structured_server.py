@@ -196,7 +196,7 @@ def test_a_tool_round_trip(client, stream):
             content = message.content
             calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                      for c in message.tool_calls]
-        assert finish == "tool_calls" and not content
+        assert finish == "stop" and not content  # as vLLM's: "tool_calls" only when the model chose to call
         assert calls and all(c["id"].startswith("call_") for c in calls)
         assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"])["city"]
         assert not stream or calls[0]["pieces"] > 1  # the arguments stream as they are written

@@ -518,7 +518,7 @@ class ToolChatFormat(ChatFormat):
         if calls:
             choice["message"] = {"role": "assistant", "content": content,
                                  "tool_calls": [call.to_dict() for call in calls]}
-            choice["finish_reason"] = _tool_finish(output.finish_reason)
+            choice["finish_reason"] = self._finish(output.finish_reason)
         return choice
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
@@ -533,12 +533,13 @@ class ToolChatFormat(ChatFormat):
         if calls:
             choice["delta"]["tool_calls"] = calls
         if called:
-            choice["finish_reason"] = _tool_finish(finish_reason)
+            choice["finish_reason"] = self._finish(finish_reason)
         return choice
 
-
-def _tool_finish(finish_reason: str | None) -> str | None:
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+    def _finish(self, finish_reason: str | None) -> str | None:
+        """As vLLM's: "tool_calls" when the model chose to call (``tool_choice`` auto); a forced call ends as
+        it ended ("stop")."""
+        return "tool_calls" if finish_reason == "stop" and self.parser.mode == "auto" else finish_reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
