@@ -569,6 +569,11 @@ def test_echo_with_logprobs_scores_the_prompt(server, smollm2):
         assert pieces[0]["text"].startswith(PROMPT) and pieces[0]["logprobs"]["token_logprobs"][0] is None
         tokens = [t for piece in pieces for t in piece["logprobs"]["tokens"]]
         assert len(tokens) == len(ids) + 3 and "".join(p["text"] for p in pieces).startswith(PROMPT)
+    alone = post(server, "/v1/completions", {**body, "max_tokens": 0}).json()  # the prompt alone: scoring only
+    assert alone["choices"][0]["text"] == PROMPT and alone["usage"]["completion_tokens"] == 0
+    assert len(alone["choices"][0]["logprobs"]["tokens"]) == len(ids)
+    assert alone["choices"][0]["logprobs"]["token_logprobs"][1:] == logprobs["token_logprobs"][1:len(ids)]
+    assert_error(post(server, "/v1/completions", {**body, "prompt": [1, -5]}), 400, "prompt", "vocabulary")
     for prompt in (PROMPT, ids):  # a token-id prompt echoes its text
         plain = post(server, "/v1/completions", {**body, "logprobs": None, "prompt": prompt}).json()["choices"][0]
         assert plain["text"].startswith(PROMPT) and plain["logprobs"] is None

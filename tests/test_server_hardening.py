@@ -273,6 +273,10 @@ def test_large_responses_are_built_off_the_event_loop(served, monkeypatch):
     assert small.status_code == large.status_code == 200
     assert len(large.json()["choices"]) == 16
     assert threads[0] != threads[1]  # the large one on a worker thread (asyncio.to_thread)
+    echoed = post(served, "/v1/completions", {"model": MODEL, "prompt": [5] * 990, "echo": True, "logprobs": 20,
+                                              "max_tokens": 1})
+    assert echoed.status_code == 200 and len(echoed.json()["choices"][0]["logprobs"]["tokens"]) == 991
+    assert threads[2] != threads[0]  # its prompt's logprobs count
 
 
 # --------------------------------------------------------------------------------------- 5: admission control

@@ -249,7 +249,10 @@ class CompletionRequest(GenerationRequest):
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, defaults.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS))
-        params = self.sampling_params(default if self.max_tokens is None else self.max_tokens, self.logprobs, defaults)
+        max_tokens = default if self.max_tokens is None else self.max_tokens
+        if self.echo and max_tokens == 0:  # the prompt alone (its logprobs, say), as OpenAI's and vLLM's
+            max_tokens = 1
+        params = self.sampling_params(max_tokens, self.logprobs, defaults)
         return params.replace(prompt_logprobs=self.logprobs) if self.echo and self.logprobs is not None else params
 
     def logprobs_param(self) -> tuple[str, int | None]:
@@ -428,12 +431,17 @@ class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, decode: Callable[[int], str], top_k: int | None, echo: list[str] | None = None):
+    def __init__(self, decode: Callable[[int], str], top_k: int | None, echo: list[str] | None = None,
+                 prompt_only: bool = False):
         self.decode, self.top_k = decode, top_k
         self.echo = echo  # with ``echo``: each prompt's text, put before its choices' text
+        self.prompt_only = prompt_only  # echo with max_tokens 0: the prompt alone (one token is generated, unsaid)
 
     def echoed(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput) -> CompletionOutput:
         """``choice`` with its prompt before it, as ``echo`` asks (logprobs too: the first token's are None)."""
+        if self.prompt_only:
+            choice = dataclasses.replace(choice, text="", token_ids=[], finish_reason="length",
+                                         logprobs=[] if choice.logprobs is not None else None)
         scores = output.prompt_logprobs
         logprobs = None if choice.logprobs is None or scores is None else scores + choice.logprobs
         return dataclasses.replace(choice, text=self.echo[prompt_index] + choice.text,

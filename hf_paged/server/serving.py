@@ -58,8 +58,9 @@ class OpenAIServing:
         except ValueError as err:
             raise _bad_request(err, None) from err
         await self.compile_constraint(body)
-        echo = [p if isinstance(p, str) else await self.encoder.text(p) for p in prompts] if body.echo else None
-        fmt = CompletionFormat(self.decode, body.logprobs, echo)
+        echo = [p if isinstance(p, str) else await self.encoder.text(p, "prompt") for p in prompts] \
+            if body.echo else None
+        fmt = CompletionFormat(self.decode, body.logprobs, echo, prompt_only=bool(body.echo) and body.max_tokens == 0)
         return await self.serve(body, prompts, fmt, params, "cmpl", "prompt", request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -154,7 +155,9 @@ class OpenAIServing:
         outputs = await _finished_outputs(stream, request_ids, request)
         if outputs is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
-        entries = sum(len(c.token_ids) * (1 + (fmt.top_k or 0)) for o in outputs for c in o.outputs)
+        echoed = len if fmt.echo is not None else (lambda _: 0)  # the echoed prompt's logprobs count too
+        entries = sum((len(c.token_ids) + echoed(o.prompt_token_ids)) * (1 + (fmt.top_k or 0))
+                      for o in outputs for c in o.outputs)
         if entries < LARGE_RESPONSE_ENTRIES:
             return _response(header, fmt, outputs, params.n)
         return await asyncio.to_thread(_response, header, fmt, outputs, params.n)
@@ -209,7 +212,7 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
     for i, output in enumerate(outputs):
         prompt_tokens += len(output.prompt_token_ids)
         for choice in output.outputs:
-            completion_tokens += len(choice.token_ids)
+            completion_tokens += 0 if fmt.prompt_only else len(choice.token_ids)
             choice = fmt.echoed(i, output, choice) if fmt.echo is not None else choice
             choices.append(fmt.choice(i * n + choice.index, choice))
     body = {**header, "object": fmt.object, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
@@ -247,7 +250,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 raise EngineError(REQUEST_FAILED)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
-                completion_tokens += len(choice.token_ids)
+                completion_tokens += 0 if fmt.prompt_only else len(choice.token_ids)
                 if fmt.echo is not None and index not in text_offset:  # its first chunk: the prompt goes first
                     choice = fmt.echoed(index // n, output, choice)
                     text_offset[index] = 0

@@ -82,10 +82,18 @@ class PromptEncoder:
             raise APIError(400, f"the prompt is {num_tokens} tokens long but this engine's context (max_model_len) "
                                 f"is {self.max_model_len} tokens, prompt and output together", param=param)
 
-    async def text(self, token_ids: list[int]) -> str:
-        """The text of a token-id prompt (decoded on a tokenizing thread)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.start(), lambda: self.processor().tokenizer.decode(token_ids))
+    async def text(self, token_ids: list[int], param: str) -> str:
+        """The text of a token-id prompt (checked, then decoded on a tokenizing thread); a 400 naming ``param``
+        for ids the model does not know."""
+        def decode() -> str:
+            processor = self.processor()
+            processor.tokenize(token_ids)
+            return processor.tokenizer.decode(token_ids)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.start(), decode)
+        except ValueError as err:
+            raise APIError(400, str(err), param=param) from err
 
     def decoder(self) -> Callable[[int], str]:
         """``id -> text`` of a single token, cached, on a tokenizer copy of its own: logprobs name every token."""
