@@ -790,3 +790,31 @@ def test_prompt_logprobs_are_the_models_own_whatever_the_chunking_caching_or_pre
     deltas = list(gen.stream(prompts[:1], params.replace(output_kind=RequestOutputKind.DELTA)))
     assert [o.prompt_logprobs is not None for o in deltas] == [True] + [False] * (len(deltas) - 1)
     assert gen.run(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_an_interrupt_while_a_step_is_applied_fails_that_steps_requests_only(smollm2, chat_prompts, monkeypatch):
+    """Ctrl+C inside `Scheduler.update` leaves its sequences half updated: they fail (reported by the next step,
+    their blocks freed) instead of wedging every later step; the engine then serves new requests."""
+    gen = make_generator(smollm2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [gen.add_request(prompt, params) for prompt in chat_prompts[:3]]
+    detokenize, calls = gen.scheduler.detokenizer.step, []
+
+    def interrupted(seq, skip):
+        calls.append(seq)
+        if len(calls) == 8:  # the third step, on its second sequence
+            raise KeyboardInterrupt
+        return detokenize(seq, skip)
+
+    monkeypatch.setattr(gen.scheduler.detokenizer, "step", interrupted)
+    finals, interrupts = {}, 0
+    while gen.has_unfinished_requests():
+        try:
+            finals |= {o.request_id: o for o in gen.step() if o.finished}
+        except KeyboardInterrupt:
+            interrupts += 1
+    assert interrupts == 1 and set(finals) == set(ids)
+    assert all("interrupted" in finals[i].error for i in ids)
+    assert_no_leak(gen)
+    [fresh] = gen.run([chat_prompts[0]], params, use_tqdm=False)
+    assert fresh.error is None and len(fresh.outputs[0].token_ids) == 12

@@ -83,6 +83,7 @@ class ContinuousBatchGenerator:
         self._held: dict[str, RequestOutput] = {}  # other requests' outputs seen by `run` or `stream`, for `step`
         self._unread: set[str] = set()  # requests `run` or `stream` gave up on: their outputs are dropped
         self._claimed: set[str] = set()  # requests a `run` or `stream` is waiting for: `step` leaves their outputs
+        self._interrupted: list[Request] = []  # failed when an interrupt cut their step short, not reported yet
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
         self._workers_stopped = False
@@ -180,7 +181,7 @@ class ContinuousBatchGenerator:
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has requests to run or outputs still to hand back."""
         held = any(request_id not in self._claimed for request_id in self._held)
-        return bool(self.requests) or held or not self._inbox.empty()
+        return bool(self.requests) or held or bool(self._interrupted) or not self._inbox.empty()
 
     def _drain_inbox(self) -> list[Request]:
         """Admit queued requests to the scheduler and abort the ones asked; returns the aborted."""
@@ -191,7 +192,7 @@ class ContinuousBatchGenerator:
             if self._workers_stopped:
                 raise DistributedError("the other tensor-parallel ranks were stopped (stop_workers)")
             actions = self.lockstep.exchange(actions)
-        aborted = []
+        aborted, asked = [], set()
         for action, item in actions:
             if action == "stop":
                 self._workers_stopped = True
@@ -199,7 +200,8 @@ class ContinuousBatchGenerator:
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
                 self._prompt_tokens += item.num_prompt_tokens
-            elif item in self.requests and not self.requests[item].is_finished:  # asked twice: reported once
+            elif item in self.requests and item not in asked:  # asked twice: reported once
+                asked.add(item)
                 self.scheduler.abort(self.requests[item])
                 aborted.append(self.requests[item])
         return aborted
@@ -211,7 +213,7 @@ class ContinuousBatchGenerator:
         return self._step(only=None)
 
     def _step(self, only: set[str] | None) -> list[RequestOutput]:
-        changed = self._drain_inbox()
+        changed, self._interrupted = self._drain_inbox() + self._interrupted, []
         if self.scheduler.compiling:
             changed += self.scheduler.admit_compiled()
         if self.speculator is not None:
@@ -231,7 +233,12 @@ class ContinuousBatchGenerator:
             except BaseException:
                 self.scheduler.rollback(out)
                 raise
-            changed += self.scheduler.update(out, sampled)
+            try:
+                changed += self.scheduler.update(out, sampled)
+            except BaseException:  # an interrupt, half applied: the step's requests fail, reported by the next step
+                self._interrupted = self.scheduler.fail_all(out, "the engine was interrupted while this request's "
+                                                                 "step was applied")
+                raise
         return self._outputs(changed, only)
 
     def _outputs(self, changed: list[Request], only: set[str] | None) -> list[RequestOutput]:

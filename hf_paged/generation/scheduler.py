@@ -319,6 +319,13 @@ class Scheduler:
         request.error = error
         self.abort(request)
 
+    def fail_all(self, out: SchedulerOutput, error: str) -> list[Request]:
+        """Fail every request of the step ``out`` (one whose result was only partly applied); returns them."""
+        requests = list({seq.request.request_id: seq.request for seq in out.seqs}.values())
+        for request in requests:
+            self.fail(request, error)
+        return requests
+
     def rollback(self, out: SchedulerOutput) -> None:
         """Undo the scheduling of a step whose forward or sampling failed, so the next step recomputes it."""
         for seq in out.seqs:  # the blocks this step was to fill must not serve later prefix matches
