@@ -33,6 +33,9 @@ def _engine_options() -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
     engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where the model runs: auto is the GPU when there is one (CUDA), else the CPU "
+                             "(default: auto; each rank's own GPU under tensor parallelism)")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
     EngineConfig.add_cli_arguments(engine)
@@ -220,7 +223,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     """A `ContinuousBatchGenerator` over the model the options name; a bad model exits with code 2 (no traceback)."""
     from . import ContinuousBatchGenerator
     from .default_model import resolve_model
-    from .loading import load_model
+    from .loading import load_model, resolve_device
 
     try:
         path = resolve_model(args.model)
@@ -230,11 +233,28 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         config = EngineConfig.from_cli_args(args)
     except ValueError as err:
         parser.error(str(err))
+    _check_draft(parser, config)
     try:
-        model, tokenizer = load_model(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size or 1)
+        model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
+                                      tensor_parallel_size=args.tensor_parallel_size or 1)
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
+
+
+def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
+    """A draft model directory that cannot be read is refused by name before the target model loads."""
+    from transformers import AutoConfig
+
+    from .default_model import resolve_model
+
+    spec = config.speculative_config
+    if spec is None or not isinstance(spec.model, str):
+        return
+    try:
+        AutoConfig.from_pretrained(resolve_model(spec.model))
+    except Exception as err:  # noqa: BLE001 - why the draft cannot be read is the user's to read
+        parser.error(f"speculative_config.model: cannot load {spec.model}: {err}")
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -329,7 +349,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         AutoConfig.from_pretrained(path)  # a directory that holds no model is refused here, not on every replica
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
-                           args.generation_config)
+                           args.generation_config, args.device)
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)
@@ -351,13 +371,19 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except BrokenPipeError:  # the reader went away (`hf-paged generate ... | head`): nothing is left to write
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 0
+    except KeyboardInterrupt:  # Ctrl+C: what was written stays, without a traceback
+        sys.stdout.write("\n")
+        return 130
     finally:
         generator.stop_workers()
 
 
 def _generate_params(parser: argparse.ArgumentParser, args: argparse.Namespace):
-    """``generate``'s sampling options (a bad value exits with code 2)."""
+    """``generate``'s prompt and sampling options (a bad value exits with code 2)."""
     from . import RequestOutputKind, SamplingParams
+
+    if args.model is None and os.path.isdir(args.prompt):  # `generate MODEL` alone: argparse read it as the prompt
+        parser.error(f"a prompt is required: {args.prompt} is a model directory (hf-paged generate MODEL PROMPT)")
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -414,13 +440,19 @@ def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespa
 
     from .default_model import resolve_model
     from .distributed import kv_heads_need_replication
+    from .quantization import quantization_method
 
     args.check(parser, args)
     try:
-        EngineConfig.from_cli_args(args)
-        kv_heads_need_replication(AutoConfig.from_pretrained(resolve_model(args.model)), size)
+        path = resolve_model(args.model)
+        _check_draft(parser, EngineConfig.from_cli_args(args))
+        kv_heads_need_replication(AutoConfig.from_pretrained(path), size)
     except Exception as err:  # noqa: BLE001 - whatever the ranks would fail on is the user's to read
         parser.error(str(err))
+    if quantization_method(path) is not None:
+        parser.error("tensor parallelism is not supported for quantized (GPTQ/AWQ) checkpoints")
+    if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)):
+        parser.error(f"cannot load {path}: it holds no weights (*.safetensors or *.bin)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     except DistributedError as err:
         print(f"hf-paged: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl+C while the model loads, say: no traceback
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,6 +12,13 @@ from .quantization import quantized_load_kwargs, run_dequantize_eagerly
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(device: str) -> str:
+    """``"auto"``: the GPU when there is one (CUDA), else the CPU; any other name as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def load_model(
     name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
     quant_backend: str | None = None, tensor_parallel_size: int = 1,

@@ -24,7 +24,7 @@ _FUSED_GROUP_SIZES = (-1, 16, 32, 64, 128)
 
 def _set_cpu_workers() -> None:
     """gptqmodel refuses to build its CPU thread pool on small machines unless told how many workers to use."""
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(min(2, os.cpu_count() or 1)))
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its own loader pool takes two, whatever the machine
 
 
 def quantization_method(model_path: str | os.PathLike) -> str | None:
@@ -41,7 +41,8 @@ def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", ba
     """Extra `from_pretrained` arguments for a GPTQ/AWQ checkpoint (empty for anything else, or off CPU).
 
     ``backend`` overrides gptqmodel's kernel (e.g. ``"torch"`` for exact fp32 GPTQ math); by default the fused torch
-    kernels where the checkpoint fits them, else the plain torch ones.
+    kernels where the checkpoint fits them (4 bits, their group sizes, symmetric GPTQ: asymmetric zero points came
+    out wrong in the fused GPTQ kernel), else the plain torch ones.
     """
     method = quantization_method(model_path)
     if method is None or str(device) != "cpu":
@@ -52,7 +53,7 @@ def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", ba
     if method == "gptq":
         from transformers import GPTQConfig
 
-        default = "torch_fused" if fused else "torch"
+        default = "torch_fused" if fused and config.get("sym", True) else "torch"
         return {"quantization_config": GPTQConfig(bits=config["bits"], backend=backend or default)}
     from transformers import AwqConfig
 

@@ -1,5 +1,7 @@
 """GPTQ and AWQ checkpoints (made here by tests/fixtures/quantized.py) through the paged backend and the generator."""
 
+import json
+
 import pytest
 import torch
 
@@ -65,6 +67,15 @@ def test_a_checkpoint_the_fused_kernel_cannot_take_loads_with_the_plain_one(chat
     batch = tokenizer(chat_prompts[:4], return_tensors="pt", padding=True)
     kwargs = dict(**batch, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert torch.equal(model.generate(**kwargs), generate_with(model, "sdpa", **kwargs))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_asymmetric_gptq_checkpoints_load_with_the_plain_kernel(tmp_path, sym):
+    """gptqmodel's fused CPU kernel computed asymmetric (sym=False) GPTQ checkpoints wrongly (0% argmax agreement
+    with the exact kernel on a tiny model): only symmetric ones take it."""
+    quantization = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": sym}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": quantization}))
+    assert str(quantized_load_kwargs(tmp_path)["quantization_config"].backend) == ("torch_fused" if sym else "torch")
 
 
 def test_the_exact_gptq_kernel_dequantizes_eagerly_on_cpu():

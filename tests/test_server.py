@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -408,6 +410,23 @@ def test_cli_generate_with_engine_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "hi", "--kv-cache-dtype", "int8"])
     assert exit_info.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a model directory alone: its path is no prompt
+        main(["generate", str(Path(__file__).parent)])
+    assert exit_info.value.code == 2 and "a prompt is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # named before the target loads, not as the target's failure
+        main(["generate", "hi", "--speculative-config", '{"model": "/no/such/draft"}'])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "speculative_config.model: cannot load /no/such/draft" in err
+
+
+def test_cli_generate_interrupted_ends_without_a_traceback(smollm2_path):
+    command = [sys.executable, "-m", "hf_paged.cli", "generate", smollm2_path, "Tell a long story.", "--max-tokens",
+               "2000", "--temperature", "0", "--no-chat"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.read(5)  # it is generating
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and b"Traceback" not in stderr, stderr.decode()[-2000:]
 
 
 def test_cli_generate_into_a_reader_that_leaves_early_ends_quietly(smollm2_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import socket
@@ -215,11 +216,22 @@ def test_sigterm_to_the_launcher_lets_rank_0_finish_then_ends_every_rank(text_mo
             launcher.communicate()
 
 
-def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text_model):
+def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text_model, tmp_path):
     for option in (["--temperature", "-1"], ["--tensor-parallel-size", "0"], ["-tp", "3"]):  # 4 heads on 3 ranks
         command = [sys.executable, "-m", "hf_paged.cli", "generate", text_model, PROMPT, "-tp", "2", *option]
         done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("error:") == 1
+    no_weights = tmp_path / "config-only"
+    no_weights.mkdir()
+    shutil.copy(Path(text_model) / "config.json", no_weights / "config.json")
+    quantized = tmp_path / "quantized"
+    shutil.copytree(text_model, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    for model, words in ((no_weights, "holds no weights"), (quantized, "quantized")):
+        command = [sys.executable, "-m", "hf_paged.cli", "generate", str(model), PROMPT, "-tp", "2"]
+        done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.count("error:") == 1 and words in done.stderr, done.stderr
 
 
 def test_cpu_shares_and_head_layouts():

@@ -28,13 +28,14 @@ class ReplicaSpec:
     api_key: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     generation_config: str = "auto"  # `create_app`'s: the model's recommended sampling settings, or "vllm"
+    device: str = "auto"  # `loading.resolve_device`'s: the replica's GPU when it has one
 
     def load(self):
         """The replica's generator (call on the replica)."""
         from ..generation import ContinuousBatchGenerator
-        from ..loading import load_model
+        from ..loading import load_model, resolve_device
 
-        model, tokenizer = load_model(self.model, dtype=self.dtype)
+        model, tokenizer = load_model(self.model, dtype=self.dtype, device=resolve_device(self.device))
         return ContinuousBatchGenerator(model, tokenizer, self.engine)
 
 
