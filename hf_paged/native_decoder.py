@@ -54,16 +54,19 @@ def _classes(family: str) -> tuple[type, type, type] | None:
     return tuple(getattr(module, name, None) for name in _FAMILIES[family])
 
 
-_structure_changes = 0  # parameters and submodules set on any module since the first decoder was built
+_structure_changes = 0  # parameters and submodules set on a watched module since the first decoder was built
+_watched: set[int] = set()  # ids of the modules of models a decoder runs (an id reused later costs one recheck)
 
 
-def _count_structure_change(*_) -> None:  # a registration hook: returning None registers the value as given
+def _count_structure_change(module: nn.Module, *_) -> None:  # a registration hook: None registers the value given
+    # Only the models' own modules count: Transformers' forwards slice their layer lists into new ModuleLists.
     global _structure_changes
-    _structure_changes += 1
+    if id(module) in _watched:
+        _structure_changes += 1
 
 
 def _watch_structure() -> None:
-    """Count every parameter or module set on any module from now on (torch's global registration hooks)."""
+    """Count every parameter or module set on a watched module from now on (torch's global registration hooks)."""
     if _count_structure_change not in nn.modules.module._global_parameter_registration_hooks.values():
         nn.modules.module.register_module_parameter_registration_hook(_count_structure_change)
         nn.modules.module.register_module_module_registration_hook(_count_structure_change)
@@ -120,6 +123,7 @@ class NativeDecoder:
         self._kept = [w.detach() for w in weights.packed_from]
         self._at = self._addresses()
         self._seen, self._shape = _structure_changes, self._structure()
+        _watched.update(map(id, self.model.modules()))
         base = self.model.base_model  # the modules whose forward the native call stands in for
         standing_in = [self.model, base, base.norm, self.model.get_output_embeddings(), *base.layers.modules()]
         self._hook_dicts = [(m._forward_hooks, m._forward_pre_hooks, m.__dict__) for m in standing_in]

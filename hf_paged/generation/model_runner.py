@@ -72,7 +72,8 @@ class ModelRunner:
         spans: list[Span] = []
         sample_rows: list[int] = []
         num_tokens = 0
-        prompt_lens = [seq.request.num_prompt_tokens for seq in out.seqs]
+        needs_lens = self.native is not None or self.long_rope is not None
+        prompt_lens = [seq.request.num_prompt_tokens for seq in out.seqs] if needs_lens else None
         row_of_first: dict[int, int] = {}  # each sequence's first token's row, where its start position is
         for seq, n in zip(out.seqs, out.num_tokens):
             start = seq.num_computed_tokens
@@ -113,7 +114,8 @@ class ModelRunner:
             position_ids=torch.tensor([positions], device=self.device),
             metadata=PagedMetadata.build(self.kv, tables, seq_lens, query_lens, slots),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-            prompt_lens=None if prompt_lens is None else torch.tensor(prompt_lens, dtype=torch.int32),
+            prompt_lens=None if prompt_lens is None or self.native is None else torch.tensor(prompt_lens,
+                                                                                               dtype=torch.int32),
             long_rope_rows=long_rows,
         )
 
