@@ -772,15 +772,17 @@ def test_prompt_logprobs_are_the_models_own_whatever_the_chunking_caching_or_pre
     with torch.no_grad():
         for ids in prompts:
             logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-            expected.append((logprobs[torch.arange(len(ids) - 1), ids[1:]], logprobs[:-1].topk(2).indices))
+            own = logprobs[torch.arange(len(ids) - 1), ids[1:]]
+            expected.append((own, logprobs[:-1].topk(2).indices, (logprobs[:-1] > own[:, None]).sum(-1) + 1))
     params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, n=2, ignore_eos=True)
     for options in (dict(), dict(max_num_batched_tokens=7), dict(num_blocks=16, block_size=4, max_num_batched_tokens=8)):
         gen = make_generator(smollm2, **options)
         gen.run(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # its blocks are cached
         outputs = gen.run(prompts, params, use_tqdm=False)
-        for output, ids, (token_logprobs, top) in zip(outputs, prompts, expected):
+        for output, ids, (token_logprobs, top, ranks) in zip(outputs, prompts, expected):
             scores = output.prompt_logprobs
             assert scores[0] is None and len(scores) == len(ids) and output.num_cached_tokens == 0
+            assert output.prompt_ranks[0] is None and output.prompt_ranks[1:] == ranks.tolist()
             got = torch.tensor([scores[i][ids[i]] for i in range(1, len(ids))])
             assert torch.allclose(got, token_logprobs, atol=1e-4)
             assert all(set(top[i - 1].tolist()) <= set(scores[i]) for i in range(1, len(ids)))
@@ -789,6 +791,7 @@ def test_prompt_logprobs_are_the_models_own_whatever_the_chunking_caching_or_pre
         assert_no_leak(gen)
     deltas = list(gen.stream(prompts[:1], params.replace(output_kind=RequestOutputKind.DELTA)))
     assert [o.prompt_logprobs is not None for o in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert [o.prompt_ranks is not None for o in deltas] == [True] + [False] * (len(deltas) - 1)
     assert gen.run(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
 
 

@@ -301,6 +301,41 @@ def test_client_disconnect_aborts_the_request(server):
     assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
+def test_prompt_logprobs_field_scores_the_prompt_as_vllm_answers(server, smollm2):
+    """vLLM's ``prompt_logprobs``: per prompt token after the first, its logprob, rank and text and the k likeliest
+    tokens', keyed by token id; in every choice of a completion, at the top of a chat response; not with streams."""
+    model, tokenizer = smollm2
+    ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():  # the server is idle between calls
+        logprobs = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)[:-1]
+    body = {"model": MODEL, "prompt": PROMPT, "prompt_logprobs": 2, "max_tokens": 2, "n": 2, "temperature": 0}
+    answer = post(server, "/v1/completions", body).json()
+    scored = answer["choices"][0]["prompt_logprobs"]
+    assert answer["choices"][1]["prompt_logprobs"] == scored and answer["choices"][0]["logprobs"] is None
+    assert scored[0] is None and len(scored) == len(ids)
+    for position, (token, entries) in enumerate(zip(ids[1:], scored[1:])):
+        row = logprobs[position]
+        top = row.topk(2).indices.tolist()
+        assert list(entries)[0] == str(token) and set(map(str, top)) <= set(entries) and len(entries) in (2, 3)
+        own = entries[str(token)]
+        assert abs(own["logprob"] - row[token].item()) < 1e-4
+        assert own["rank"] == int((row > row[token]).sum()) + 1 and own["decoded_token"] == tokenizer.decode([token])
+        assert [entries[str(t)]["rank"] for t in top if t != token] == [r for r, t in enumerate(top, 1) if t != token]
+    chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "prompt_logprobs": 0,
+                                                  "max_tokens": 1}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(entries) == 1 for entries in chat["prompt_logprobs"][1:])
+    both = post(server, "/v1/completions", {**body, "n": 1, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert both["prompt_logprobs"] == scored  # the engine computed the larger of the two counts
+    assert all(len(top) in (1, 2) for top in both["logprobs"]["top_logprobs"][1:])
+    streamed = post(server, "/v1/completions", {**body, "stream": True, "prompt_logprobs": 0})
+    assert streamed.status_code == 200 and "prompt_logprobs" not in streamed.text
+    assert_error(post(server, "/v1/completions", {**body, "stream": True}), 400, "prompt_logprobs", "stream")
+    assert_error(post(server, "/v1/completions", {**body, "prompt_logprobs": -1}), 400, "prompt_logprobs", ">= 0")
+    assert_error(post(server, "/v1/completions", {**body, "prompt_logprobs": 21}), 400, "prompt_logprobs",
+                 "--max-logprobs")
+
+
 def test_non_streaming_client_disconnect_aborts_the_request(server):
     aborted_before = metric(server, "hf_paged:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}

@@ -290,7 +290,7 @@ class ContinuousBatchGenerator:
             rows = logits if len(out.draw_rows) == logits.shape[0] else logits[out.draw_rows]
             sampled = sample(rows, build_sampling_batch(out.draws, logits.device))
         if scored:
-            sampled.prompt_logprobs = prompt_logprobs(prompt_logits, out.prompt_logprob_spans)
+            sampled.prompt_logprobs, sampled.prompt_ranks = prompt_logprobs(prompt_logits, out.prompt_logprob_spans)
         return sampled
 
     # ------------------------------------------------------------------------------------ tensor parallelism

@@ -74,10 +74,12 @@ class RequestOutput:
     # With ``prompt_logprobs``: one {token id: logprob} per prompt token, None for the first; in every output once the
     # prompt is computed (a DELTA request's: in the first such output only).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # alongside: each prompt token's rank there (1: the likeliest)
 
     def add(self, later: "RequestOutput") -> None:
         """Merge a later ``DELTA`` output of the same request into this one."""
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.prompt_ranks = self.prompt_ranks or later.prompt_ranks
         mine = {output.index: output for output in self.outputs}
         for output in later.outputs:
             if output.index in mine:

@@ -82,8 +82,10 @@ class SamplerOutput:
     top_logprobs: list[list[float]] | None = None
     # Speculative decoding: the guesses each row kept, appended before its token (see spec_decode.verify_drafts).
     accepted: list[list[int]] | None = None
-    # Per `SchedulerOutput.prompt_logprob_spans` span: the next prompt token's {id: logprob} at each of its positions.
+    # Per `SchedulerOutput.prompt_logprob_spans` span: the next prompt token's {id: logprob} at each of its positions,
+    # and that token's rank there (1: the likeliest).
     prompt_logprobs: list[list[dict[int, float]]] | None = None
+    prompt_ranks: list[list[int]] | None = None
 
 
 def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device,
@@ -251,16 +253,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(token_list, sampled.tolist(), top.indices.tolist(), top.values.tolist())
 
 
-def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> list[list[dict[int, float]]]:
+def prompt_logprobs(logits: torch.Tensor,
+                    spans: list[tuple[Sequence, int, int]]) -> tuple[list[list[dict[int, float]]], list[list[int]]]:
     """Per span ``(sequence, first position, count)`` of ``logits`` rows (in span order): at each position, the
     logprob of the prompt token after it and of the ``prompt_logprobs`` most likely tokens, from the model's own
-    distribution."""
+    distribution; and the prompt token's rank (1 + the tokens more likely than it)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    scores, row = [], 0
+    scores, ranks, row = [], [], 0
     for seq, first, count in spans:
         rows = logprobs[row : row + count]
         targets = torch.tensor(seq.token_ids[first + 1 : first + 1 + count], device=rows.device)
-        chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        chosen = rows.gather(1, targets.unsqueeze(1))
+        ranks.append(((rows > chosen).sum(dim=1) + 1).tolist())
+        chosen = chosen.squeeze(1).tolist()
         k = seq.request.params.prompt_logprobs
         top = rows.topk(k, dim=-1) if k else None
         span = []
@@ -270,4 +275,4 @@ def prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]
             span.append(entry)
         scores.append(span)
         row += count
-    return scores
+    return scores, ranks

@@ -122,7 +122,8 @@ class SamplingParams:
     token that stopped the sequence (one of ``stop_token_ids``, or EOS; its id stays in the output). ``logprobs=k``
     returns the ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
     distribution; ``prompt_logprobs=k`` does the same for every prompt token after the first (the output's
-    ``prompt_logprobs``, whose first entry is None; such a prompt is computed whole, not read from the prefix cache).
+    ``prompt_logprobs``, whose first entry is None, and ``prompt_ranks``, each prompt token's rank; such a prompt is
+    computed whole, not read from the prefix cache).
     ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
     ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,

@@ -229,8 +229,11 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
         changed: dict[str, Request] = {}
-        for (seq, _, _), scores in zip(out.prompt_logprob_spans, (sampled and sampled.prompt_logprobs) or ()):
-            seq.request.prompt_logprobs += scores
+        if sampled is not None and sampled.prompt_logprobs is not None:
+            for (seq, _, _), scores, ranks in zip(out.prompt_logprob_spans, sampled.prompt_logprobs,
+                                                  sampled.prompt_ranks):
+                seq.request.prompt_logprobs += scores
+                seq.request.prompt_ranks += ranks
         now = time.monotonic()
         seqs = [seq if k == 0 else self._fork(seq, k) for seq, k in out.draws]  # before any sample has a token
         for row, seq in enumerate(seqs):

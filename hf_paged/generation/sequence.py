@@ -129,6 +129,7 @@ class Request:
     grammar: Future | None = None  # the compiled constraint of structured outputs (compiling, then compiled)
     cache_salt: bytes | None = None  # prefix-cache blocks are shared only among requests with the same salt
     prompt_logprobs: list[dict[int, float] | None] | None = None  # as computed so far (``params.prompt_logprobs``)
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank, alongside
     sent_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
@@ -138,7 +139,7 @@ class Request:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
         if params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     @property
     def scores_prompt(self) -> bool:
@@ -176,9 +177,9 @@ class Request:
             return None
         delta = kind is RequestOutputKind.DELTA
         outputs = [seq.output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
-        prompt_logprobs = None
+        prompt_logprobs = prompt_ranks = None
         if self.prompt_logprobs is not None and not self.scores_prompt and not (delta and self.sent_prompt_logprobs):
-            prompt_logprobs, self.sent_prompt_logprobs = self.prompt_logprobs, True
+            prompt_logprobs, prompt_ranks, self.sent_prompt_logprobs = self.prompt_logprobs, self.prompt_ranks, True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -189,4 +190,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
             prompt_logprobs=prompt_logprobs,
+            prompt_ranks=prompt_ranks,
         )

@@ -13,7 +13,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 * ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
 * ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
   With ``echo`` each choice starts with its prompt (and, with ``logprobs``, the prompt tokens' logprobs, the
-  first None), streamed in its first chunk.
+  first None), streamed in its first chunk. vLLM's ``prompt_logprobs`` (both endpoints, not streamed) answer in
+  vLLM's shape: in each choice of a completion, at the top of a chat response.
 * A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``suffix``,
   ``echo`` on the chat endpoint, ``best_of`` above ``n``, beam search, ``tools`` on ``/v1/completions``, ...; see
   ``protocol._UNSUPPORTED``) is a 400 naming it; a field that is not known at all is ignored, as vLLM does.

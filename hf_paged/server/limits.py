@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..generation import SamplingParams
 from .protocol import APIError, GenerationRequest
 
 OPENAI_MAX_N = 128
@@ -62,6 +63,8 @@ class ServerLimits:
                  "--max-logit-bias")
         param, logprobs = body.logprobs_param()
         _at_most(param, logprobs or 0, self.max_logprobs, f"{param}", "--max-logprobs")
+        _at_most("prompt_logprobs", body.prompt_logprobs or 0, self.max_logprobs, "prompt_logprobs",
+                 "--max-logprobs")
 
     def check_constraint(self, param: str, text: str) -> None:
         """A constraint's canonical text (a schema's JSON, a regex, a grammar): its compile time grows faster than its
@@ -71,16 +74,19 @@ class ServerLimits:
     def check_prompt_count(self, num_prompts: int) -> None:
         _at_most("prompt", num_prompts, self.max_client_batch_size, "prompts in one call", "--max-client-batch-size")
 
-    def check_logprob_entries(self, body: GenerationRequest, n: int, new_tokens: list[int]) -> None:
-        """Bound the log-probabilities one call returns: ``new_tokens`` is the most each prompt can generate."""
+    def check_logprob_entries(self, body: GenerationRequest, params: SamplingParams, new_tokens: list[int],
+                              prompt_tokens: list[int]) -> None:
+        """Bound the log-probabilities one call returns: ``new_tokens`` is the most each prompt can generate; each
+        choice carries its prompt's logprobs too when they are asked (``echo`` or ``prompt_logprobs``)."""
         param, logprobs = body.logprobs_param()
-        if logprobs is None:
-            return
-        entries = n * (logprobs + 1) * sum(new_tokens)
+        entries = 0 if logprobs is None else params.n * (logprobs + 1) * sum(new_tokens)
+        if params.prompt_logprobs is not None:
+            param = param if logprobs is not None else "prompt_logprobs"
+            entries += params.n * (params.prompt_logprobs + 1) * sum(prompt_tokens)
         if entries > self.max_logprob_entries:
-            _refuse(param, f"n x (logprobs + 1) x new tokens over all prompts is {entries} log-probabilities, more "
-                           f"than this server returns for one call ({self.max_logprob_entries}, "
-                           f"--max-logprob-entries): lower max_tokens, n or {param}")
+            _refuse(param, f"n x (logprobs + 1) x tokens (new ones, and the prompt's when its logprobs are asked) "
+                           f"over all prompts is {entries} log-probabilities, more than this server returns for one "
+                           f"call ({self.max_logprob_entries}, --max-logprob-entries): lower max_tokens, n or {param}")
 
 
 def _at_most(param: str, value: int, limit: int, what: str, option: str) -> None:

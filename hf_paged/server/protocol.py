@@ -2,9 +2,9 @@
 
 Fields that OpenAI marks optional may also be sent as ``null``; either way the documented default applies. Besides
 OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
-``structured_outputs`` (with its older spellings ``guided_json``, ``guided_regex``, ``guided_choice`` and
-``guided_grammar``).
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``prompt_logprobs`` and ``structured_outputs`` (with its older spellings ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``guided_grammar``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda value: value in (None, "none", "auto"),
     "functions": lambda value: not value,
     "function_call": lambda value: value in (None, "none", "auto"),
-    "prompt_logprobs": lambda value: value is None,
     "use_beam_search": lambda value: not value,
     "bad_words": lambda value: not value,
     "allowed_token_ids": lambda value: value is None,
@@ -142,6 +141,7 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict | str | None = None
@@ -197,7 +197,15 @@ class GenerationRequest(BaseModel):
         constraint = self.constraint()
         # The server merges each request's deltas itself (see `engine.RequestStream`).
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
-                              structured_outputs=constraint.spec if constraint else None, **values)
+                              structured_outputs=constraint.spec if constraint else None,
+                              prompt_logprobs=self._prompt_logprobs(), **values)
+
+    def _prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``, which a stream cannot carry: a count above 0 is refused with ``stream``, as
+        vLLM's, and 0 computes nothing there."""
+        if self.stream and self.prompt_logprobs:
+            raise RequestFieldError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+        return None if self.stream else self.prompt_logprobs
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI sends token ids as JSON object keys, so as strings."""
@@ -253,7 +261,9 @@ class CompletionRequest(GenerationRequest):
         if self.echo and max_tokens == 0:  # the prompt alone (its logprobs, say), as OpenAI's and vLLM's
             max_tokens = 1
         params = self.sampling_params(max_tokens, self.logprobs, defaults)
-        return params.replace(prompt_logprobs=self.logprobs) if self.echo and self.logprobs is not None else params
+        if not self.echo or self.logprobs is None:
+            return params
+        return params.replace(prompt_logprobs=max(self.logprobs, params.prompt_logprobs or 0))
 
     def logprobs_param(self) -> tuple[str, int | None]:
         """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
@@ -425,11 +435,20 @@ def _ranked(top: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(top.items(), key=lambda item: -item[1])[:k]
 
 
+def _ranked_with(top: dict[int, float], k: int, token: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely of a step's tokens, and ``token`` (the one sampled, or the prompt's) after them when it
+    is not among them."""
+    ranked = _ranked(top, k)
+    return ranked if any(t == token for t, _ in ranked) else ranked + [(token, top[token])]
+
+
 class CompletionFormat:
     """Choices of ``/v1/completions`` (``text_completion`` objects)."""
 
     object = "text_completion"
     chunk_object = "text_completion"
+    prompt_top: int | None = None  # vLLM's ``prompt_logprobs`` of the call (None: not asked)
+    prompt_logprobs_at = "choice"  # where they go: in each choice of the prompt, or (chat) in the response
 
     def __init__(self, decode: Callable[[int], str], top_k: int | None, echo: list[str] | None = None,
                  prompt_only: bool = False):
@@ -460,10 +479,28 @@ class CompletionFormat:
             "tokens": tokens,
             "token_logprobs": [None if top is None else top[t] for t, top in zip(token_ids, logprobs)],
             # As OpenAI's: the k most likely tokens, plus the sampled one when it is not among them.
-            "top_logprobs": [None if top is None else {self.decode(t): lp for t, lp in _ranked(top, self.top_k + 1)}
-                             for top in logprobs],
+            "top_logprobs": [None if top is None else {self.decode(i): lp for i, lp in _ranked_with(top, self.top_k, t)}
+                             for t, top in zip(token_ids, logprobs)],
             "text_offset": offsets,
         }
+
+    def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs`` of ``output``: per prompt token (None for the first) its own and the
+        ``prompt_top`` likeliest tokens' logprobs, keyed by token id, each with its rank and text."""
+        if self.prompt_top is None or output.prompt_logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.decode(token)}
+
+        scored: list[dict | None] = [None]
+        for token, top, rank in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:],
+                                    output.prompt_ranks[1:]):
+            entries = {str(token): entry(token, top[token], rank)}
+            for place, (other, logprob) in enumerate(_ranked(top, self.prompt_top), 1):
+                entries.setdefault(str(other), entry(other, logprob, place))
+            scored.append(entries)
+        return scored
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         return {"index": index, "text": output.text, "logprobs": self.logprobs(output.token_ids, output.logprobs, 0),
@@ -483,6 +520,7 @@ class ChatFormat(CompletionFormat):
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    prompt_logprobs_at = "response"
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
         if logprobs is None or self.top_k is None:

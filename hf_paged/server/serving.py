@@ -128,9 +128,8 @@ class OpenAIServing:
         context = self.generator.max_model_len
         for ids in token_ids:
             _check_room(body, len(ids), context)
-        new_tokens = [min(params.max_tokens or context, context - len(ids))
-                      + (len(ids) if params.prompt_logprobs is not None else 0) for ids in token_ids]
-        self.limits.check_logprob_entries(body, params.n, new_tokens)
+        new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
+        self.limits.check_logprob_entries(body, params, new_tokens, [len(ids) for ids in token_ids])
         try:
             stream = self.engine.submit(list(token_ids), params, request_ids)
         except ValueError as err:
@@ -149,6 +148,7 @@ class OpenAIServing:
         request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
         stream = await self.submit(body, prompts, params, request_ids, prompt_param)
         header = {"id": call_id, "created": int(time.time()), "model": self.served_model_name}
+        fmt.prompt_top = body.prompt_logprobs
         if body.stream:
             events = _sse(stream, fmt, header, params.n, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -157,6 +157,7 @@ class OpenAIServing:
             return Response(status_code=499)  # the client has gone: nobody reads this
         echoed = len if fmt.echo is not None else (lambda _: 0)  # the echoed prompt's logprobs count too
         entries = sum((len(c.token_ids) + echoed(o.prompt_token_ids)) * (1 + (fmt.top_k or 0))
+                      + (len(o.prompt_token_ids) * (1 + fmt.prompt_top) if fmt.prompt_top is not None else 0)
                       for o in outputs for c in o.outputs)
         if entries < LARGE_RESPONSE_ENTRIES:
             return _response(header, fmt, outputs, params.n)
@@ -208,14 +209,19 @@ async def _finished_outputs(stream: RequestStream, request_ids: list[str],
 
 def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
     """The JSON response of a finished call (``outputs`` in prompt order)."""
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, scored = [], 0, 0, None
     for i, output in enumerate(outputs):
         prompt_tokens += len(output.prompt_token_ids)
+        scored = fmt.prompt_logprobs(output)
         for choice in output.outputs:
             completion_tokens += 0 if fmt.prompt_only else len(choice.token_ids)
             choice = fmt.echoed(i, output, choice) if fmt.echo is not None else choice
             choices.append(fmt.choice(i * n + choice.index, choice))
+            if scored is not None and fmt.prompt_logprobs_at == "choice":
+                choices[-1]["prompt_logprobs"] = scored
     body = {**header, "object": fmt.object, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    if scored is not None and fmt.prompt_logprobs_at == "response":  # chat: one prompt
+        body["prompt_logprobs"] = scored
     try:
         content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     except UnicodeEncodeError:  # a lone surrogate, from a "\ud800" escape in tool-call JSON the model wrote
