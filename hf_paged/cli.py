@@ -28,7 +28,7 @@ _DTYPES = list(DTYPES)
 
 
 def _engine_options() -> argparse.ArgumentParser:
-    """Options shared by both commands: which model, and the engine's options (one per `EngineConfig` field)."""
+    """Options shared by every command: which model, and the engine's options (one per `EngineConfig` field)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -82,6 +82,9 @@ def _http_options() -> argparse.ArgumentParser:
                         help="auto: sampling settings a request leaves out are those the model's generation config "
                              "recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
                              "vllm: OpenAI's defaults (default: auto, as vLLM)")
+    parser.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
+                        help="origins browsers may call the server from (CORS), comma-separated (default: *, any "
+                             "origin, as vLLM; '' sends no CORS headers)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="server log level (default: info)")
     return parser
@@ -92,7 +95,9 @@ def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
         "serve-ray", parents=parents, help="serve the model from N replicas on Ray Serve",
         description="Serve MODEL as `serve` does, from replicas on a Ray cluster (a local one by default): each "
                     "request goes to the replica whose prefix cache most likely holds its prompt. MODEL must be at "
-                    "the same path on every node. /metrics shows every replica's metrics.")
+                    "the same path on every node. /metrics shows every replica's metrics. The limits are each "
+                    "replica's own (--max-concurrent-requests counts one replica's calls); the ingress checks the "
+                    "API key and the body's size and read time too, before a replica sees the call.")
     ray = serve_ray.add_argument_group("replicas")
     ray.add_argument("--num-replicas", type=int, default=None,
                      help="replicas to run, or to start with when autoscaling (default: 1, or --min-replicas)")
@@ -109,6 +114,7 @@ def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
                      help="route every request to the less loaded of two random replicas, ignoring prefix caches")
     ray.add_argument("--address", default=None,
                      help="Ray cluster to deploy on, e.g. auto or ray://head:10001 (default: start a local Ray)")
+    _limit_options(serve_ray)
     serve_ray.set_defaults(run=run_serve_ray, command_parser=serve_ray)
 
 
@@ -183,8 +189,12 @@ def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
     return key
 
 
+def allowed_origins(args: argparse.Namespace) -> list[str]:
+    return [origin.strip() for origin in args.allowed_origins.split(",") if origin.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hf-paged`` argument parser with its ``serve`` and ``generate`` commands."""
+    """The ``hf-paged`` argument parser with its ``serve``, ``serve-ray`` and ``generate`` commands."""
     parser = argparse.ArgumentParser(
         prog="hf-paged",
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
@@ -195,9 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", parents=[engine, http, parallel], help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
-    serve.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
-                       help="origins browsers may call the server from (CORS), comma-separated (default: *, any "
-                            "origin, as vLLM; '' sends no CORS headers)")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
                             "(default: 5)")
@@ -271,8 +278,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         generator.run_worker()
         return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    origins = [origin.strip() for origin in args.allowed_origins.split(",") if origin.strip()]
-    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=origins,
+    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(args),
                      generation_config=args.generation_config)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
@@ -349,7 +355,8 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         AutoConfig.from_pretrained(path)  # a directory that holds no model is refused here, not on every replica
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
-                           args.generation_config, args.device)
+                           args.generation_config, args.device, server_limits(parser, args),
+                           tuple(allowed_origins(args)))
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

@@ -25,6 +25,7 @@ import hf_paged
 from hf_paged import ContinuousBatchGenerator, EngineConfig
 from hf_paged.default_model import DEFAULT_MODEL_NAME
 from hf_paged.server import create_app
+from hf_paged.server.limits import ServerLimits
 from hf_paged.serve_ray import APP_NAME, ReplicaSpec, ServeRayConfig, build_app, ingress
 from hf_paged.serve_ray.affinity import AffinityTable, prefix_hashes
 
@@ -141,10 +142,13 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypa
     deployed = []
     monkeypatch.setattr(hf_paged.serve_ray, "serve_forever", lambda *args: deployed.append(args))
     main(["serve-ray", smollm2_path, "--min-replicas", "2", "--max-replicas", "4", "--num-blocks", "64",
-          "--no-prefix-routing", "--address", "auto", "--port", "9000", "--api-key", "k"])
+          "--no-prefix-routing", "--address", "auto", "--port", "9000", "--api-key", "k", "--max-n", "3",
+          "--max-body-size", "1MiB", "--allowed-origins", "https://a.example, https://b.example"])
     (config, address, host, port), = deployed
     assert (address, host, port) == ("auto", "127.0.0.1", 9000)
     assert config.replica.engine == EngineConfig(num_blocks=64) and config.replica.api_key == "k"
+    assert config.replica.limits == ServerLimits(max_n=3, max_body_bytes=1 << 20)
+    assert config.replica.allowed_origins == ("https://a.example", "https://b.example")
     assert not config.prefix_affinity and config.scaling()["autoscaling_config"] == {
         "min_replicas": 2, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 32}
     with pytest.raises(SystemExit):
@@ -158,6 +162,27 @@ def test_the_ingress_refuses_an_oversized_body_before_reading_it(base):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 40000000\r\n\r\n{")  # 40 MB announced, one byte sent
         assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
+def test_an_ingress_with_a_key_checks_its_limits_and_lets_cors_preflights_through(base, smollm2_path):
+    """The serve options reach the ingress: its key and body limit, and preflights (which carry no key) answered by
+    the replicas' CORS."""
+    engine = serve.get_deployment_handle("Engine", app_name=APP_NAME)
+    keyed = config(smollm2_path)
+    keyed.replica.api_key, keyed.replica.limits = "k", ServerLimits(max_body_bytes=2000)
+    serve.run(ingress(engine, keyed), name="keyed", route_prefix="/keyed")
+    try:
+        url, body = f"{base}/keyed/v1/completions", {"prompt": "Hi", "max_tokens": 1}
+        preflight = httpx.options(url, headers={"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+                                                "Access-Control-Request-Headers": "authorization"}, timeout=60)
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        key = {"Authorization": "Bearer k"}
+        assert httpx.post(url, json={**body, "prompt": "Hi" * 1000}, headers=key, timeout=60).status_code == 413
+        answer = httpx.post(url, json=body, headers={**key, "Origin": "https://a.example"}, timeout=60)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    finally:
+        serve.delete("keyed")
 
 
 def test_openai_client_streams_and_greedy_answers_equal_a_single_server(base, client, smollm2):

@@ -55,6 +55,11 @@ async def _rest(start: HTTPResponseStart, response):
         response.cancel()  # the client left early: the replica's app then aborts the request
 
 
+def _is_preflight(request: Request) -> bool:
+    headers = request.headers
+    return request.method == "OPTIONS" and "origin" in headers and "access-control-request-method" in headers
+
+
 def _headers(start: HTTPResponseStart) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower() != b"content-length"}
 
@@ -72,10 +77,14 @@ class Ingress:
     hashes, so the router always takes the less loaded of two random replicas."""
 
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
-                 metrics_timeout_s: float = 5.0, api_key: str | None = None):
+                 metrics_timeout_s: float = 5.0, api_key: str | None = None, limits: ServerLimits | None = None,
+                 cors: bool = False):
         from transformers import AutoTokenizer
 
-        self.gate = Gatekeeper(None, ServerLimits(), api_key)  # its checks only: the replicas' apps count the calls
+        # Its checks only: the replicas' apps count the calls. With ``cors``, preflights pass without the key (the
+        # replicas answer them, as `create_app` does).
+        self.gate = Gatekeeper(None, limits or ServerLimits(), api_key)
+        self.cors = cors
         self.engine = engine
         self.stream = engine.options(stream=True)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -106,12 +115,15 @@ class Ingress:
     @api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, path: str, request: Request) -> Response:
         # The key and the body's size from the headers, before the body is read, as the replicas' own apps do.
-        body = self.gate.refusal(request.scope) or await self.gate.read_body(request.receive)
+        path = "/" + path  # relative to where this app is mounted, as the key check expects
+        if self.cors and _is_preflight(request):
+            body = b""
+        else:
+            body = self.gate.refusal({**request.scope, "path": path}) or await self.gate.read_body(request.receive)
         if isinstance(body, APIError):
             return JSONResponse(body.body(), status_code=body.status, headers=body.headers)
         if body is None:
             return Response(status_code=499)  # the client left
-        path = "/" + path  # relative to where this app is mounted
         http = HTTPRequest(request.method, path, request.url.query.encode(), request.headers.raw, body)
         prefix = await asyncio.to_thread(self._prefix, path, body)  # tokenizing a long prompt takes a while
         response = self.stream.remote(http, prefix=prefix)

@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from ..generation import EngineConfig
+from ..server.limits import ServerLimits
 from .asgi import HTTPRequest, HTTPResponseStart, call_app
 
 REPLICA_HEADER = b"x-hf-paged-replica"
@@ -29,6 +30,8 @@ class ReplicaSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     generation_config: str = "auto"  # `create_app`'s: the model's recommended sampling settings, or "vllm"
     device: str = "auto"  # `loading.resolve_device`'s: the replica's GPU when it has one
+    limits: ServerLimits = field(default_factory=ServerLimits)  # each replica's (the ingress checks the body's too)
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS, as `create_app`'s
 
     def load(self):
         """The replica's generator (call on the replica)."""
@@ -45,8 +48,8 @@ class EngineReplica:
         from ..server import create_app
 
         self.generator = spec.load()
-        self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key,
-                              generation_config=spec.generation_config)
+        self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key, limits=spec.limits,
+                              allowed_origins=list(spec.allowed_origins), generation_config=spec.generation_config)
         self.app.state.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
 
