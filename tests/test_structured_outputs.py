@@ -67,6 +67,8 @@ def test_compile_errors_name_the_field_and_the_cache_reuses_grammars(smollm2):
     compiler.compile(StructuredOutputsParams(regex="a"))
     compiler.compile(StructuredOutputsParams(regex="b"))  # cache_size=2: the schema is the least recently used
     assert compiler.compile(StructuredOutputsParams(json={"type": "integer"})) is not first
+    lark = compiler.compile(StructuredOutputsParams(grammar='start: "a::=b"')).result()  # Lark, "::=" in a string
+    assert GrammarMatcher.of(lark).accept(tokenizer("a", add_special_tokens=False).input_ids[0])
     compiler.shutdown()
 
 
@@ -83,6 +85,12 @@ def test_compile_errors_name_the_field_and_the_cache_reuses_grammars(smollm2):
     ({"allOf": [{"minimum": 5}, {"maximum": 3}]}, "allOf of several"),
     ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, "required properties it does not declare"),
     ({"$defs": {"x": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/x"}, "uniqueItems"),
+    ({"type": "integer", "enum": ["x"]}, "enum or const values that its type does not allow"),
+    ({"type": "string", "const": "abcdef", "maxLength": 2}, "keywords beside an enum or const"),
+    ({"$defs": {"s": {"type": "string"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/s", "maxLength": 2}}},
+     "keywords beside a $ref"),
+    ({"type": "string", "pattern": "^(?!x)x$"}, "lookaround in a pattern"),
+    ({"$ref": "https://example.com/schema.json"}, "$ref outside the schema"),
 ])
 def test_schema_keywords_the_grammar_would_ignore_are_refused(smollm2, schema, keyword):
     """xgrammar compiles these but does not enforce the keyword: outputs would break the schema and end "stop"."""
@@ -94,6 +102,12 @@ def test_schema_keywords_the_grammar_would_ignore_are_refused(smollm2, schema, k
                                            "n": {"type": "integer", "multipleOf": 3, "format": "int64"}},
           "required": ["not"]}  # keywords as property names, what it enforces, a format on a number (OpenAPI's)
     compiler.compile(StructuredOutputsParams(json=ok)).result()
+    pydantic_like = {"$defs": {"Color": {"enum": ["red", "blue"], "title": "Color", "type": "string"}},
+                     "$ref": "#/$defs/M", "title": "M",
+                     "properties": {"c": {"$ref": "#/$defs/Color", "description": "a color"},
+                                    "k": {"const": 2, "type": "integer"}, "f": {"enum": [1, 2.0], "type": "number"}}}
+    pydantic_like["$defs"]["M"] = {"type": "object", "properties": pydantic_like.pop("properties")}
+    compiler.compile(StructuredOutputsParams(json=pydantic_like)).result()
     compiler.shutdown()
 
 
@@ -176,6 +190,12 @@ def test_a_preempted_constrained_request_recomputes_the_same_tokens(smollm2, gen
     for output in outputs:
         assert output.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(output.outputs[0].text), schema)
+
+
+def test_a_schema_the_grammar_would_not_enforce_is_refused_when_added(generator):
+    with pytest.raises(ValueError, match=r"structured_outputs\.json uses uniqueItems"):
+        generator.add_request(PROMPT, constrained(0, json={"type": "array", "uniqueItems": True}))
+    assert not generator.has_unfinished_requests()
 
 
 def test_a_grammar_that_does_not_compile_fails_only_its_request(generator):

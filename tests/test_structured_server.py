@@ -17,8 +17,10 @@ from pydantic import BaseModel, Field
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from hf_paged import ContinuousBatchGenerator  # noqa: E402
+from hf_paged import ContinuousBatchGenerator, StructuredOutputsParams  # noqa: E402
+from hf_paged.generation.structured_outputs import GrammarCompiler, GrammarMatcher  # noqa: E402
 from hf_paged.server import create_app  # noqa: E402
+from hf_paged.server.tool_calls import calls_schema  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -120,6 +122,8 @@ def test_response_format_and_structured_outputs_on_both_endpoints(client):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
       "tool_choice": "required"}, "tools", "tools is invalid"),
     ({"tool_choice": "sometimes"}, "tool_choice", ""),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "'get_weather' is given twice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs its json_schema"),
     ({"tools": [{"type": "function"}]}, "tools", "each tool must be"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tool_choice": "none"}, "tools",
      "must be a JSON schema object"),
@@ -196,7 +200,8 @@ def test_a_tool_round_trip(client, stream):
             content = message.content
             calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                      for c in message.tool_calls]
-        assert finish == "stop" and not content  # as vLLM's: "tool_calls" only when the model chose to call
+        # As vLLM's: "tool_calls" for auto and required, "stop" for a named function.
+        assert finish == ("stop" if isinstance(tool_choice, dict) else "tool_calls") and not content
         assert calls and all(c["id"].startswith("call_") for c in calls)
         assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"])["city"]
         assert not stream or calls[0]["pieces"] > 1  # the arguments stream as they are written
@@ -212,6 +217,43 @@ def test_a_tool_round_trip(client, stream):
         content, calls, finish = reply.choices[0].message.content, reply.choices[0].message.tool_calls, \
             reply.choices[0].finish_reason
     assert content and not calls and finish in ("stop", "length")
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+
+
+class Trip(BaseModel):
+    """Pydantic writes nested models as ``$defs`` with ``$ref``s to them."""
+
+    stops: list[Place] = Field(min_length=1, max_length=2)
+
+
+def test_tool_parameters_may_refer_to_their_own_defs_and_root(client, smollm2):
+    """A forced call lands in an array of calls: references into a tool's ``$defs`` (pydantic's nested models) and
+    to its root (a recursive schema) still mean the tool's own."""
+    trip = {"type": "function", "function": {"name": "plan", "parameters": Trip.model_json_schema()}}
+    assert "$defs" in trip["function"]["parameters"]
+    reply = chat(client, tools=[WEATHER, trip], tool_choice="required", parallel_tool_calls=False, temperature=0,
+                 max_tokens=60)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "plan", reply
+    jsonschema.validate(json.loads(call.function.arguments), Trip.model_json_schema())
+    tree = {"type": "object", "properties": {"v": {"type": "integer"},
+                                             "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["v", "child"], "additionalProperties": False}
+    tokenizer = smollm2[1]
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    grammar = compiler.compile(StructuredOutputsParams(json=calls_schema({"tree": tree}))).result()
+
+    def allowed(text: str) -> bool:
+        matcher = GrammarMatcher.of(grammar)
+        return all(matcher.accept(t) for t in tokenizer(text, add_special_tokens=False).input_ids) and \
+            matcher.accept(tokenizer.eos_token_id)
+
+    assert allowed('[{"name": "tree", "arguments": {"v": 1, "child": {"v": 2, "child": null}}}]')
+    assert not allowed('[{"name": "tree", "arguments": {"v": 1, "child": [{"name": "tree"}]}}]')  # "#" is the tool
+    compiler.shutdown()
 
 
 def test_a_call_whose_json_escapes_a_lone_surrogate_is_answered(server):

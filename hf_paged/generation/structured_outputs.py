@@ -1,8 +1,7 @@
 """Constrained decoding: grammars compiled from `StructuredOutputsParams`, per-sequence matchers and token bitmasks.
 
-The only module that knows the backend, xgrammar: its matchers accept a token, roll back and fork cheaply, fill a
-whole batch's bitmasks from its own threads, and its CPU kernel masks fp32/bf16 logits in place (a Triton/CUDA one on
-GPU). Grammars compile on a background thread, never on the engine thread, and are cached by their constraint's
+The only module that knows the backend, xgrammar: its matchers accept a token, roll back and fork cheaply, each
+fills its row of a step's bitmask, and its CPU kernel masks fp32/bf16 logits in place (a Triton/CUDA one on GPU). Grammars compile on a background thread, never on the engine thread, and are cached by their constraint's
 canonical text.
 """
 
@@ -19,6 +18,7 @@ import torch
 from .sampling_params import StructuredOutputsParams
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:42: " before a message
+_EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.M)  # a grammar with such a rule is EBNF, else Lark
 
 
 def _xgrammar():
@@ -75,7 +75,11 @@ class GrammarCompiler:
         self._compiler = None  # an xgrammar.GrammarCompiler, built on first use: it reads the whole vocabulary
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
-        """A future of the compiled grammar; it raises ``ValueError`` naming the field if the constraint is invalid."""
+        """A future of the compiled grammar; it raises ``ValueError`` naming the field if the constraint is invalid.
+        A schema the backend would compile but not enforce is refused at once (``ValueError``)."""
+        if spec.json is not None and (unsupported := unenforced_schema_keywords(spec.json)):
+            raise ValueError(f"SamplingParams.structured_outputs.json uses {', '.join(unsupported)}, which the grammar "
+                             "backend cannot enforce (outputs could break the schema)")
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
@@ -93,9 +97,6 @@ class GrammarCompiler:
                                                            stop_token_ids=self.end_token_ids)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         compiler = self._compiler
-        if spec.json is not None and (unsupported := unenforced_schema_keywords(spec.json)):
-            raise ValueError(f"SamplingParams.structured_outputs.json uses {', '.join(unsupported)}, which the grammar "
-                             "backend cannot enforce (outputs could break the schema)")
         try:
             if spec.json is not None:
                 return compiler.compile_json_schema(spec.json, any_whitespace=False)
@@ -106,7 +107,7 @@ class GrammarCompiler:
             if spec.choice is not None:
                 return compiler.compile_grammar(
                     "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-            if "::=" in spec.grammar:
+            if _EBNF_RULE.search(spec.grammar):
                 return compiler.compile_grammar(spec.grammar)
             return compiler.compile_lark(spec.grammar)
         except Exception as err:  # noqa: BLE001 - whatever the backend refuses is this constraint's fault
@@ -126,6 +127,13 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMAS = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf")
 
 
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$schema", "$id", "$defs", "definitions"})
+_JSON_TYPES = {"string": str, "object": dict, "array": list, "boolean": bool, "null": type(None),
+               "integer": int, "number": (int, float)}
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
 def unenforced_schema_keywords(schema: dict) -> list[str]:
     """The keywords of ``schema`` (and its subschemas) the grammar would silently not enforce, sorted."""
     found, stack = set(), [schema]
@@ -137,6 +145,7 @@ def unenforced_schema_keywords(schema: dict) -> list[str]:
         if not isinstance(node, dict):
             continue
         found.update(key for key in _UNENFORCED if key in node)
+        found.update(_ignored_beside(node))
         if "multipleOf" in node and not (node.get("type") == "integer" and type(node["multipleOf"]) is int):
             found.add("multipleOf other than an integer's")
         fmt = node.get("format")
@@ -144,6 +153,8 @@ def unenforced_schema_keywords(schema: dict) -> list[str]:
             found.add(f"format {fmt!r}")
         if node.get("uniqueItems") is True:
             found.add("uniqueItems")
+        if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
+            found.add("lookaround in a pattern")
         if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             found.add("minLength/maxLength beside a pattern or format")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
@@ -155,6 +166,34 @@ def unenforced_schema_keywords(schema: dict) -> list[str]:
         stack += [child for key in _SUBSCHEMA_MAPS if isinstance(node.get(key), dict) for child in node[key].values()]
         stack += [node[key] for key in _SUBSCHEMAS if key in node]
     return sorted(found)
+
+
+def _ignored_beside(node: dict) -> set[str]:
+    """What xgrammar would ignore in ``node``: keywords beside a ``$ref``, ``enum`` or ``const`` (each of which it
+    reads alone), values of an ``enum``/``const`` that its ``type`` does not allow, and references outside the
+    schema."""
+    found, ref = set(), node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        found.add("$ref outside the schema")
+    if ref is not None and set(node) - _ANNOTATIONS - {"$ref"}:
+        found.add("keywords beside a $ref")
+    if "enum" in node or "const" in node:
+        if set(node) - _ANNOTATIONS - {"enum", "const", "type"}:
+            found.add("keywords beside an enum or const")
+        values = ([node["const"]] if "const" in node else []) + (node["enum"] if isinstance(node.get("enum"), list)
+                                                                  else [])
+        types = node.get("type", [])
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+        if types and not all(any(_is_a(value, t) for t in types) for value in values):
+            found.add("enum or const values that its type does not allow")
+    return found
+
+
+def _is_a(value, json_type: str) -> bool:
+    kind = _JSON_TYPES.get(json_type)
+    if kind is None or (isinstance(value, bool) and json_type != "boolean"):
+        return False
+    return isinstance(value, kind) or (json_type == "integer" and isinstance(value, float) and value.is_integer())
 
 
 def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int) -> torch.Tensor:

@@ -156,7 +156,9 @@ class GenerationRequest(BaseModel):
         if fmt is not None and fmt.type == "json_object":
             asked.append(Constraint.of("response_format", "response_format", json_object=True))
         elif fmt is not None and fmt.type == "json_schema":
-            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+            if fmt.json_schema is None:
+                raise RequestFieldError("response_format", "response_format of type json_schema needs its json_schema")
+            schema = fmt.json_schema.schema_
             asked.append(Constraint.of("response_format", "response_format.json_schema.schema",
                                        json=schema if schema is not None else {}))
         if self.structured_outputs is not None:
@@ -345,7 +347,8 @@ class ChatCompletionRequest(GenerationRequest):
         choice = self.tool_choice_name()
         if choice == "none":
             return None
-        return ToolCallParser("auto" if choice == "auto" else "json", tokenizer, prompt, self.tools)
+        return ToolCallParser("auto" if choice == "auto" else "json", tokenizer, prompt, self.tools,
+                              named=choice not in ("auto", "required"))
 
     def constraints(self) -> list[Constraint]:
         asked = super().constraints()
@@ -583,9 +586,9 @@ class ToolChatFormat(ChatFormat):
         return choice
 
     def _finish(self, finish_reason: str | None) -> str | None:
-        """As vLLM's: "tool_calls" when the model chose to call (``tool_choice`` auto); a forced call ends as
-        it ended ("stop")."""
-        return "tool_calls" if finish_reason == "stop" and self.parser.mode == "auto" else finish_reason
+        """As OpenAI's and vLLM's: "tool_calls" for calls of ``tool_choice`` auto or required; a call of a named
+        function ends as it ended ("stop")."""
+        return "tool_calls" if finish_reason == "stop" and not self.parser.named else finish_reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -66,17 +66,42 @@ def tool_functions(tools: list[dict]) -> dict[str, dict]:
             raise ValueError(f"the parameters of tool {name!r} must be a JSON schema object")
         if json_too_deep(parameters):
             raise ValueError(f"the parameters of tool {name!r} nest more than {MAX_JSON_DEPTH} levels")
+        if name in functions:
+            raise ValueError(f"tool names must be unique: {name!r} is given twice")
         functions[name] = parameters if parameters is not None else {"type": "object"}
     return functions
 
 
 def calls_schema(functions: dict[str, dict], only: str | None = None) -> dict:
-    """The JSON schema of a non-empty array of calls of ``functions`` (of ``only``, exactly once, when given)."""
+    """The JSON schema of a non-empty array of calls of ``functions`` (of ``only``, exactly once, when given).
+
+    Each tool's ``parameters`` sit under ``$defs`` (``tool_0``, ...), their local ``$ref``s rewritten to point there,
+    so that a reference to a tool's own root or ``$defs`` still finds them inside the array."""
     names = [only] if only is not None else list(functions)
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": functions[name]},
-              "required": ["name", "arguments"]} for name in names]
-    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    defs = {f"tool_{i}": _rebased(functions[name], f"#/$defs/tool_{i}") for i, name in enumerate(names)}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+              "required": ["name", "arguments"]} for i, name in enumerate(names)]
+    schema = {"$defs": defs, "type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+              "minItems": 1}
     return {**schema, "maxItems": 1} if only is not None else schema
+
+
+_SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: their "$ref" keys are data
+
+
+def _rebased(schema, root: str):
+    """``schema`` with every local ``$ref`` ("#...") made relative to ``root`` instead of the document's root."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = root + value[1:]
+        else:
+            rebased[key] = value if key in _SCHEMA_DATA else _rebased(value, root)
+    return rebased
 
 
 # ------------------------------------------------------------------------------------------------- the prompt
@@ -143,10 +168,12 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, opt
 
 # ------------------------------------------------------------------------------------------------- the output
 class ToolCallParser:
-    """Reads calls out of one request's outputs; ``mode`` is ``"auto"`` (free text) or ``"json"`` (constrained)."""
+    """Reads calls out of one request's outputs; ``mode`` is ``"auto"`` (free text) or ``"json"`` (constrained),
+    ``named`` when ``tool_choice`` named the function."""
 
-    def __init__(self, mode: str, tokenizer=None, prompt: str = "", tools: list[dict] | None = None):
-        self.mode, self.tokenizer, self.prompt, self.tools = mode, tokenizer, prompt, tools
+    def __init__(self, mode: str, tokenizer=None, prompt: str = "", tools: list[dict] | None = None,
+                 named: bool = False):
+        self.mode, self.tokenizer, self.prompt, self.tools, self.named = mode, tokenizer, prompt, tools, named
         self.response_template = getattr(tokenizer, "response_template", None) if mode == "auto" else None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -182,8 +209,8 @@ class ToolCallParser:
 
 class ToolCallStream:
     """One streamed choice, as OpenAI streams it: content passes through until a call may begin; then each call is
-    announced (``index``, ``id``, ``name``, empty ``arguments``) as soon as its name is out, and its arguments follow
-    as they are written.
+    announced (``index``, ``id``, ``name``, and ``arguments`` as far as they are written) as soon as its name is out,
+    and the rest of its arguments follow as they are written.
 
     Calls are followed as they come when written ``{"name": ..., "arguments": ...}`` (the constrained JSON array, or
     hermes blocks in that key order); a hermes block written otherwise is read whole once it ends, and with a
