@@ -129,13 +129,13 @@ class EngineConfig:
     """Engine options, with vLLM's names. Invalid values raise ``ValueError`` naming the field."""
 
     block_size: int = _option("tokens per KV block (default: 16)", 16)
-    num_blocks: int | None = _option("KV cache size in blocks")
+    num_blocks: int | None = _option("KV cache size in blocks (default: what --kv-cache-memory holds; not with it)")
     kv_cache_memory: int | None = _option(
         "KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, half the free memory on GPU)",
         type_=parse_memory)
     kv_cache_dtype: str | None = _option(
-        "KV cache dtype: float32, bfloat16 or float16 (default: the weights' dtype); bfloat16 under float32 weights "
-        "halves the cache's memory and the bytes attention reads")
+        "KV cache dtype: float32, bfloat16 or float16 (default: auto, the weights' dtype); bfloat16 under float32 "
+        "weights halves the cache's memory and the bytes attention reads")
     max_num_seqs: int = _option("most sequences in one step (default: 256)", 256)
     max_num_batched_tokens: int = _option(
         "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", 2048)
