@@ -164,6 +164,11 @@ def test_key_and_body_size_are_checked_before_the_body_is_read(served):
     assert httpx.get(f"{served.base}/metrics").status_code == 200
     assert_openai_error(httpx.get(f"{served.base}/v1/models"), 401)
     assert httpx.get(f"{served.base}/v1/models", headers=AUTH).status_code == 200
+    assert httpx.head(f"{served.base}/health").status_code == 200
+    # A repeated header: the first counts, as Starlette (and most proxies) read it.
+    two_keys = [("Authorization", "Bearer wrong"), ("Authorization", AUTH["Authorization"])]
+    assert_openai_error(httpx.get(f"{served.base}/v1/models", headers=two_keys), 401)
+    assert httpx.get(f"{served.base}/v1/models", headers=two_keys[::-1]).status_code == 200
 
 
 def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
@@ -253,6 +258,13 @@ def test_odd_bodies_are_400s_naming_their_field(served):
          "messages", "surrogate"),
         ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}], '
                                  b'"tools": [{"type": "function", "function": {"name": "f"}}]}', "messages", "surrogate"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": '
+                                 b'[{"type": "function", "function": {"name": "f", "description": "\\ud800"}}]}',
+         "tools", "surrogate"),
+        ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
+         "messages cannot be set"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias",
+         "must be token ids"),
     ]:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         response = httpx.post(f"{served.base}{path}", content=content, headers=headers, timeout=30)

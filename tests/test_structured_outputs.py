@@ -198,6 +198,23 @@ def test_a_schema_the_grammar_would_not_enforce_is_refused_when_added(generator)
     assert not generator.has_unfinished_requests()
 
 
+AMBIGUOUS = "((a{0,60}){0,60}){0,60}"  # its grammar work per token grows several-fold with every "a"
+NO_END = {0: -100.0, 1: -100.0, 2: -100.0}  # SmolLM2's special tokens: the output keeps growing
+
+
+def test_a_grammar_too_slow_for_one_token_fails_its_request_alone(generator, monkeypatch):
+    """An ambiguous constraint took seconds, then minutes, per token on the engine thread, stalling every request;
+    past `GrammarMatcher.max_seconds_per_token` it fails, and the others go on."""
+    monkeypatch.setattr(GrammarMatcher, "max_seconds_per_token", 0.02)
+    hostile = constrained(0, max_tokens=30, regex=AMBIGUOUS).replace(temperature=0, logit_bias=NO_END)
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    bad, good = generator.run([PROMPT, PROMPT], [hostile, free], use_tqdm=False)
+    assert bad.error.startswith("SamplingParams.structured_outputs took") and "grammar work" in bad.error
+    assert 0 < len(bad.outputs[0].token_ids) < 30 and bad.outputs[0].finish_reason == "abort"
+    assert good.error is None and len(good.outputs[0].token_ids) == 20
+    assert_no_leak(generator.scheduler)
+
+
 def test_a_grammar_that_does_not_compile_fails_only_its_request(generator):
     good, bad = generator.run([PROMPT, PROMPT], [constrained(0, json=PERSON), constrained(0, regex="(unclosed")],
                               use_tqdm=False)

@@ -7,6 +7,7 @@ import re
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -217,6 +218,27 @@ def test_a_tool_round_trip(client, stream):
         content, calls, finish = reply.choices[0].message.content, reply.choices[0].message.tool_calls, \
             reply.choices[0].finish_reason
     assert content and not calls and finish in ("stop", "length")
+
+
+def test_a_constraint_too_slow_to_follow_is_a_400_and_stalls_no_one(server, monkeypatch):
+    """Its grammar work per token grew several-fold with every token (minutes by the 12th), wedging the engine
+    thread: past `GrammarMatcher.max_seconds_per_token` the call fails with what went wrong, others are served."""
+    monkeypatch.setattr(GrammarMatcher, "max_seconds_per_token", 0.02)
+    hostile = {"model": MODEL, "messages": QUESTION, "max_tokens": 30, "temperature": 0,
+               "logit_bias": {"0": -100, "1": -100, "2": -100},
+               "structured_outputs": {"regex": "((a{0,60}){0,60}){0,60}"}}
+    url = f"{server.base}/v1/chat/completions"
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(httpx.post, url, json=hostile, timeout=120)
+        good = pool.submit(httpx.post, url, json={"model": MODEL, "messages": QUESTION, "max_tokens": 20,
+                                                   "ignore_eos": True, "temperature": 0}, timeout=120)
+        bad, good = bad.result(), good.result()
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs", bad.text
+    assert "grammar work for one token" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 20
+    streamed = httpx.post(url, json={**hostile, "stream": True}, timeout=120)
+    errors = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith('data: {"error"')]
+    assert errors and errors[0]["error"]["param"] == "structured_outputs" and errors[0]["error"]["code"] is None
 
 
 class Place(BaseModel):

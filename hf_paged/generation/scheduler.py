@@ -16,7 +16,7 @@ from .detokenizer import Detokenizer
 from .sampler import SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stopping import Stop, check_stop
-from .structured_outputs import GrammarMatcher
+from .structured_outputs import GrammarMatcher, GrammarTooSlow
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +246,9 @@ class Scheduler:
                     if not seq.is_finished:
                         self._append(seq, token, row, sampled, now)
                 self._settle_guesses(seq, out)
+            except GrammarTooSlow as err:
+                logger.warning("request %s failed: %s", request.request_id, err)
+                self.fail(request, str(err))
             except Exception as err:  # noqa: BLE001 - any failure here is this request's alone
                 logger.exception("request %s failed while appending a token", request.request_id)
                 self.fail(request, f"generation failed: {type(err).__name__}: {err}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -27,11 +28,23 @@ def _xgrammar():
     return xgrammar
 
 
+class GrammarTooSlow(ValueError):
+    """A constraint whose grammar work for one token took longer than `GrammarMatcher.max_seconds_per_token`."""
+
+
 class GrammarMatcher:
-    """Where one sequence's output stands in its grammar."""
+    """Where one sequence's output stands in its grammar.
+
+    The work of one token (filling its bitmask row, accepting the token) runs on the engine thread, and for an
+    ambiguous grammar (nested bounded repetitions such as ``((a{0,60}){0,60}){0,60}``) it grows several-fold with
+    every token: past ``max_seconds_per_token`` the token raises `GrammarTooSlow`, which fails that request alone.
+    """
+
+    max_seconds_per_token = 0.25  # legitimate grammars take well under a millisecond per token
 
     def __init__(self, matcher: "xgrammar.GrammarMatcher", vocab_size: int):
         self._matcher, self.vocab_size = matcher, vocab_size
+        self.spent = 0.0  # seconds of grammar work on the coming token so far
 
     @classmethod
     def of(cls, grammar: "xgrammar.CompiledGrammar") -> "GrammarMatcher":
@@ -48,8 +61,15 @@ class GrammarMatcher:
 
     def advance(self, token_id: int) -> bool:
         """Accept a sampled token; False when the output must end here: its grammar is complete (the token was an
-        end token), or the token is outside the grammar, which masking makes impossible."""
-        return self.accept(token_id) and not self.is_terminated()
+        end token), or the token is outside the grammar, which masking makes impossible. Raises `GrammarTooSlow`."""
+        start = time.perf_counter()
+        accepted = self.accept(token_id)
+        spent, self.spent = self.spent + time.perf_counter() - start, 0.0
+        if spent > self.max_seconds_per_token:
+            raise GrammarTooSlow(f"SamplingParams.structured_outputs took {spent:.3g} s of grammar work for one token "
+                                 f"(at most {self.max_seconds_per_token} s): a constraint this ambiguous would stall "
+                                 "every other request")
+        return accepted and not self.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
@@ -204,7 +224,9 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int)
     """
     bitmask = _xgrammar().allocate_token_bitmask(num_rows, matchers[0].vocab_size)
     for matcher, row in zip(matchers, rows):
+        start = time.perf_counter()
         matcher._matcher.fill_next_token_bitmask(bitmask, row)
+        matcher.spent += time.perf_counter() - start
     return bitmask
 
 

@@ -84,7 +84,9 @@ class Gatekeeper:
 
     def refusal(self, scope) -> APIError | None:
         """A 401 or 413 (or 400) from the headers alone, or None."""
-        headers = dict(scope["headers"])
+        headers = {}
+        for name, value in scope["headers"]:  # the first of a repeated header counts, as Starlette reads it
+            headers.setdefault(name, value)
         if self.api_key is not None and scope["path"].startswith("/v1"):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):

@@ -213,9 +213,9 @@ class GenerationRequest(BaseModel):
         """OpenAI sends token ids as JSON object keys, so as strings."""
         if self.logit_bias is None:
             return None
-        bad = [token for token in self.logit_bias if not (token.isascii() and token.isdigit())]
+        bad = [token for token in self.logit_bias if not (token.isascii() and token.isdigit() and len(token) <= 18)]
         if bad:
-            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {bad[:5]}")
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {[t[:20] for t in bad[:5]]}")
         return {int(token): bias for token, bias in self.logit_bias.items()}
 
     @property

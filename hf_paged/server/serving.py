@@ -30,7 +30,7 @@ from .protocol import (
     error_body,
     usage,
 )
-from .tokenization import PromptEncoder
+from .tokenization import PromptEncoder, check_text
 from .tool_calls import render_prompt
 
 REQUEST_FAILED = "generation failed for this request (see the server log)"  # the cause goes to the log only
@@ -107,6 +107,8 @@ class OpenAIServing:
             raise _bad_request(err, "messages") from err
         extra = len(str(body.tools or "")) + len(str(options))
         self.encoder.check(messages, "messages", extra_chars=extra)
+        check_text(body.tools or [], "tools")
+        check_text(options, "chat_template_kwargs")
 
         def render() -> tuple[str, list[int]]:
             tokenizer = self.encoder.processor().tokenizer
@@ -202,9 +204,18 @@ async def _finished_outputs(stream: RequestStream, request_ids: list[str],
         stream.close()
     if not all(output.finished for output in finals.values()) or len(finals) < len(request_ids):
         return None
-    if any(output.error is not None for output in finals.values()):
+    error = next((output.error for output in finals.values() if output.error is not None), None)
+    if error is not None and _request_fault(error):
+        raise _bad_request(ValueError(error), None)
+    if error is not None:
         raise APIError(500, REQUEST_FAILED, "server_error", code=500)
     return [finals[request_id] for request_id in request_ids]
+
+
+def _request_fault(error: str) -> bool:
+    """Whether a failed request's error is its own parameters' doing (the engine words those "SamplingParams.<field>
+    ..."), and so its message is the client's to read; any other failure is told only to the log."""
+    return error.startswith("SamplingParams.")
 
 
 def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
@@ -253,7 +264,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
             yield event([opening])
         async for output in stream:
             if output.error is not None:
-                raise EngineError(REQUEST_FAILED)
+                raise EngineError(output.error if _request_fault(output.error) else REQUEST_FAILED)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
                 completion_tokens += 0 if fmt.prompt_only else len(choice.token_ids)
@@ -275,7 +286,10 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
             yield event([], last=True)
         yield "data: [DONE]\n\n"
     except EngineError as err:
-        yield f"data: {json.dumps(error_body(str(err), 'server_error', code=500))}\n\n"
+        message = str(err)
+        body = _bad_request(err, None).body() if _request_fault(message) else error_body(message, "server_error",
+                                                                                          code=500)
+        yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         stream.close()

@@ -9,6 +9,8 @@ tokenization.
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import copy
 import threading
@@ -59,7 +61,7 @@ class PromptEncoder:
         """Refuse (a 400) a prompt of more characters than the context could hold (each chat message counts as
         ``max_chars_per_token`` characters more than its fields, since its template takes a token at least), or one
         that is not text."""
-        _check_text(prompt, param)
+        check_text(prompt, param)
         chars = extra_chars + (len(prompt) if isinstance(prompt, str) else
                                sum(len(str(v)) for m in prompt for v in m.values()) + len(prompt) * self.chars_per_token)
         if chars > self.max_chars:
@@ -121,12 +123,18 @@ class PromptEncoder:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _check_text(prompt: str | list[dict], param: str) -> None:
-    """Refuse text that UTF-8 cannot hold (a lone surrogate, from a ``"\\ud800"`` escape in the request's JSON)."""
-    texts = [prompt] if isinstance(prompt, str) else [v for m in prompt for v in m.values() if isinstance(v, str)]
+def check_text(prompt: str | list[dict], param: str) -> None:
+    """Refuse text that UTF-8 cannot hold (a lone surrogate, from a ``"\\ud800"`` escape in the request's JSON): a
+    prompt, its messages' fields, or (``param`` other than the prompt's) any JSON value's text."""
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif param in ("prompt", "messages"):
+        texts = [v for m in prompt for v in m.values() if isinstance(v, str)]
+    else:
+        texts = [json.dumps(prompt, ensure_ascii=False)]
     for text in texts:
         try:
             text.encode()
         except UnicodeEncodeError as err:
-            raise APIError(400, f"the prompt holds {text[err.start]!r}, a lone surrogate: not text", param=param) \
+            raise APIError(400, f"{param} holds {text[err.start]!r}, a lone surrogate: not text", param=param) \
                 from None

@@ -27,7 +27,7 @@ from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 # apply_chat_template's own parameters: a request's chat_template_kwargs are the template's variables, not these.
 TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
-    "self", "kwargs"}
+    "self", "kwargs"} | {"messages"}  # the template's own name for the conversation
 _NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 # A block ends at its closing tag, where the next block opens, or where the text ends.
 _HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*((?:(?!" + re.escape(OPEN_TAG) + r").)*?)\s*(?:"
