@@ -64,6 +64,25 @@ def test_a_draft_that_is_the_target_has_every_guess_kept(tokenizer):
     assert stats.spec_decode_mean_accepted_length > 4
 
 
+def test_a_draft_computes_nothing_while_no_one_speculates_and_then_catches_up(tokenizer):
+    """Over ``disable_by_batch_size`` no sequence speculates: the draft ran a forward every step all the same. Now it
+    waits, and once the batch is small it catches up on what it skipped: a draft that is the target keeps every
+    guess, which it would not with stale keys and values."""
+    target = llama(tokenizer, seed=0)
+    prompts = PROMPTS + [[60, 61, 62, 63]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 40, 6, 6)]
+    plain, _ = run(target, tokenizer, params=params, prompts=prompts)
+    spec = {"model": target, "num_speculative_tokens": 4, "disable_by_batch_size": 2}
+    gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=128, block_size=4, speculative_config=spec)
+    forwards, real = [], gen.speculator.draft.runner.run
+    gen.speculator.draft.runner.run = lambda *args: forwards.append(len(gen.scheduler.running)) or real(*args)
+    outputs = gen.run(prompts, params, use_tqdm=False)
+    assert [[o.token_ids for o in out.outputs] for out in outputs] == plain
+    assert forwards and max(forwards) <= 2  # none while four ran
+    stats = gen.stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
 def test_the_heuristic_schedule_gives_a_draft_that_is_always_right_its_most_guesses(tokenizer, monkeypatch):
     """Guesses start at one and grow by two while all are kept (1, 3, then the limit of 4), the draft's own KV keeping
     up with guesses of every length; only an output's end asks for fewer."""
@@ -134,20 +153,41 @@ def test_draft_model_settings_are_checked(tokenizer):
         with pytest.raises(ValueError, match=field):
             EngineConfig(speculative_config=bad)
     target = llama(tokenizer, seed=0)
-    with pytest.raises(ValueError, match="more than the target's"):
-        ContinuousBatchGenerator(target, tokenizer, num_blocks=64,
-                                 speculative_config={"model": llama(tokenizer, seed=1, vocab=len(tokenizer) + 8)})
+    for vocab in (len(tokenizer) + 8, 256):  # more tokens than the target, fewer than the tokenizer
+        with pytest.raises(ValueError, match="must share the target's tokenizer"):
+            ContinuousBatchGenerator(target, tokenizer, num_blocks=64,
+                                     speculative_config={"model": llama(tokenizer, seed=1, vocab=vocab)})
     headless = AutoModel.from_config(llama(tokenizer, seed=1).config, attn_implementation="paged")
     with pytest.raises(ValueError, match="no language-model head"):
         ContinuousBatchGenerator(target, tokenizer, num_blocks=64, speculative_config={"model": headless})
 
 
-def test_a_draft_with_a_smaller_vocabulary_reads_the_ids_past_it_as_another(tokenizer):
-    """As a vocabulary padded less than the target's (Qwen2.5-0.5B's 151936 against 7B's 152064): the prompts' ids
-    past it (PROMPTS hold 40-99, the draft has 64 tokens) do not crash the draft, and the target decides."""
+def test_guesses_take_only_the_step_budget_left_after_every_running_sequence(tokenizer):
+    """With a step budget of 8 tokens and 8 guesses, the first sequence's guesses took the whole step and the second
+    got no token until the first had finished; now both advance every step."""
     target = llama(tokenizer, seed=0)
-    plain, _ = run(target, tokenizer)
-    small, gen = run(target, tokenizer, draft=llama(tokenizer, seed=1, vocab=64))
+    spec = {"model": target, "num_speculative_tokens": 8, "disable_by_batch_size": 8}
+    gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=128, block_size=4, max_num_batched_tokens=8,
+                                   speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [gen.add_request(prompt, params) for prompt in ([30, 31, 32, 33], [40, 41, 42])]
+    counts = []
+    while gen.has_unfinished_requests():
+        gen.step()
+        counts.append([gen.requests[i].seqs[0].num_output_tokens if i in gen.requests else None for i in ids])
+    both = [c for c in counts[1:] if None not in c]  # after the prompts' step, while both run
+    steps = list(zip(both, both[1:]))
+    assert steps and all(now[k] > before[k] for before, now in steps for k in (0, 1)), counts
+    assert gen.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_a_draft_with_a_smaller_vocabulary_reads_the_ids_past_it_as_another(tokenizer):
+    """As a vocabulary padded less than the target's (Qwen2.5-0.5B's 151936 against 7B's 152064): a prompt's ids in
+    the target's padding, past the draft's, do not crash the draft, and the target decides."""
+    target = llama(tokenizer, seed=0, vocab=len(tokenizer) + 64)
+    prompts = PROMPTS + [[5, 6, len(tokenizer) + 10, 7, len(tokenizer) + 60]]
+    plain, _ = run(target, tokenizer, prompts=prompts)
+    small, gen = run(target, tokenizer, draft=llama(tokenizer, seed=1), prompts=prompts)
     assert small == plain and gen.stats().spec_decode_num_drafts > 0
 
 

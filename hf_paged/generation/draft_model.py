@@ -4,7 +4,9 @@
 The draft keeps KV tensors of its own, addressed by the target's block tables and slots (the same block ids), so it
 needs no allocator: every step it computes the tokens the target computes (in one forward of its own), so its blocks
 hold its keys and values wherever the target's hold the target's, through prefix sharing, copy-on-write, forks and
-preemption. Sequences that speculate then take one more draft forward per further guess, batched. Guesses are the
+preemption; in a step where no sequence speculates (a batch over ``disable_by_batch_size``, say) it computes
+nothing, and catches up on the tokens it skipped when a sequence next speculates. Sequences that speculate then take
+one more draft forward per further guess, batched. Guesses are the
 draft's greedy choices, so verification (`verify_drafts`) treats them as certain proposals: greedy outputs are the
 target's own and sampled ones keep its distribution. The draft's keys and values only ever help a guess: where they are
 stale (after every guess was kept, the last one's until the next step) fewer guesses are kept, and no output changes.
@@ -33,16 +35,17 @@ class DraftModel:
     local model directory (loaded in the target's dtype)."""
 
     def __init__(self, model: torch.nn.Module | str | os.PathLike, target: torch.nn.Module, target_kv: PagedKVStorage,
-                 kv_manager: KVCacheManager, config: EngineConfig, max_model_len: int):
+                 kv_manager: KVCacheManager, config: EngineConfig, max_model_len: int, num_tokens: int):
         model = self._load(model, target)
         if model.get_output_embeddings() is None:
             raise ValueError(f"speculative_config.model: {type(model).__name__} has no language-model head; a draft "
                              "must be a causal LM")
         vocab, target_vocab = (m.get_output_embeddings().weight.shape[0] for m in (model, target))
-        if vocab > target_vocab:
-            raise ValueError(f"speculative_config.model has {vocab} output tokens, more than the target's "
-                             f"{target_vocab}: a draft model must share the target's tokenizer")
-        self.vocab_size = vocab  # may be smaller (a vocabulary padded less): it reads the ids past it as id 0
+        if not num_tokens <= vocab <= target_vocab:
+            raise ValueError(f"speculative_config.model has {vocab} output tokens, the target {target_vocab} and its "
+                             f"tokenizer {num_tokens}: a draft model must share the target's tokenizer")
+        # It may be padded less than the target (Qwen2.5-0.5B's 151936 against 7B's 152064): ids past it read as 0.
+        self.vocab_size = vocab
         if model.device != target.device:
             raise ValueError(f"speculative_config.model is on {model.device}, the target on {target.device}")
         self.model = model
@@ -81,13 +84,15 @@ class DraftModel:
         """Compute the step's tokens in the draft too, then write the guesses of its speculating sequences
         (``out.spec_token_ids``, as many as the scheduler gave room for) before the target computes the step."""
         self.kv.copy_blocks(out.block_copies)  # the draft's blocks follow the target's copy-on-write
+        if not out.spec_token_ids:  # nobody speculates (a large batch, say): each catches up when it next does
+            for seq in out.seqs:
+                self.computed[seq.seq_id] = self._first(seq)
+            return
         spans: list[Span] = []
         rows, speculating, end = [], [], 0
         for seq, n in zip(out.seqs, out.num_tokens):
-            start = seq.num_computed_tokens
-            # An unseen sequence starts where the target does: blocks it shares were computed by the draft as well.
-            first = min(self.computed.get(seq.seq_id, start), start)
-            last = min(start + n, seq.num_tokens, self.max_positions)  # its known tokens; the guesses follow
+            first = self._first(seq)  # through its known tokens; the guesses follow
+            last = min(seq.num_computed_tokens + n, seq.num_tokens, self.max_positions)
             if last > first:
                 spans.append((seq.seq_id, first, [t if t < self.vocab_size else 0 for t in seq.token_ids[first:last]]))
                 self.computed[seq.seq_id] = last
@@ -108,6 +113,12 @@ class DraftModel:
         for seq, tokens in zip(speculating, guesses):
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids = tokens
             self.computed[seq.seq_id] = seq.num_tokens - 1 + len(tokens)  # through the last token and guesses[:-1]
+
+    def _first(self, seq: Sequence) -> int:
+        """The first of ``seq``'s tokens whose draft keys and values are not written yet. An unseen sequence starts
+        where the target does: blocks it shares were computed by the draft as well. A preempted one starts over."""
+        start = seq.num_computed_tokens
+        return min(self.computed.get(seq.seq_id, start), start)
 
     def _greedy(self, spans: list[Span]) -> list[int]:
         """The draft's most likely next token after each one-token span."""

@@ -136,7 +136,8 @@ class ContinuousBatchGenerator:
         if spec.method == "draft_model":
             if self.lockstep is not None:
                 raise ValueError("speculative_config.method 'draft_model' is not supported on a tensor-parallel engine")
-            draft = DraftModel(spec.model, self.model, self.kv_cache, self.kv, config, self.max_model_len)
+            draft = DraftModel(spec.model, self.model, self.kv_cache, self.kv, config, self.max_model_len,
+                               len(self.tokenizer))
         return Speculator(spec, self.max_model_len, draft)
 
     def _check_model_runs(self) -> None:

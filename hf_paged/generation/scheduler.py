@@ -117,12 +117,16 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in list(self.running):
+        running = list(self.running)
+        for i, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+            # Guesses take only the budget left once every later sequence has a token: they are optional.
+            needed = seq.num_tokens - seq.num_computed_tokens
+            guesses = min(len(seq.spec_token_ids), max(0, budget - needed - (len(running) - 1 - i)))
+            n = min(needed + guesses, budget)
             copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             if copies is None and (seq.spec_token_ids or out.spec_token_ids):  # guesses never cost a preemption
                 seq.spec_token_ids = []
