@@ -212,6 +212,13 @@ async def _finished_outputs(stream: RequestStream, request_ids: list[str],
     return [finals[request_id] for request_id in request_ids]
 
 
+def _error_event(message: str) -> dict:
+    """The error a stream ends with: the request's own fault (400's shape), or the server's."""
+    if _request_fault(message):
+        return _bad_request(ValueError(message), None).body()
+    return error_body(message, "server_error", code=500)
+
+
 def _request_fault(error: str) -> bool:
     """Whether a failed request's error is its own parameters' doing (the engine words those "SamplingParams.<field>
     ..."), and so its message is the client's to read; any other failure is told only to the log."""
@@ -286,10 +293,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
             yield event([], last=True)
         yield "data: [DONE]\n\n"
     except EngineError as err:
-        message = str(err)
-        body = _bad_request(err, None).body() if _request_fault(message) else error_body(message, "server_error",
-                                                                                          code=500)
-        yield f"data: {json.dumps(body)}\n\n"
+        yield f"data: {json.dumps(_error_event(str(err)))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         stream.close()
