@@ -64,25 +64,6 @@ def test_a_draft_that_is_the_target_has_every_guess_kept(tokenizer):
     assert stats.spec_decode_mean_accepted_length > 4
 
 
-def test_a_draft_computes_nothing_while_no_one_speculates_and_then_catches_up(tokenizer):
-    """Over ``disable_by_batch_size`` no sequence speculates: the draft ran a forward every step all the same. Now it
-    waits, and once the batch is small it catches up on what it skipped: a draft that is the target keeps every
-    guess, which it would not with stale keys and values."""
-    target = llama(tokenizer, seed=0)
-    prompts = PROMPTS + [[60, 61, 62, 63]]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 40, 6, 6)]
-    plain, _ = run(target, tokenizer, params=params, prompts=prompts)
-    spec = {"model": target, "num_speculative_tokens": 4, "disable_by_batch_size": 2}
-    gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=128, block_size=4, speculative_config=spec)
-    forwards, real = [], gen.speculator.draft.runner.run
-    gen.speculator.draft.runner.run = lambda *args: forwards.append(len(gen.scheduler.running)) or real(*args)
-    outputs = gen.run(prompts, params, use_tqdm=False)
-    assert [[o.token_ids for o in out.outputs] for out in outputs] == plain
-    assert forwards and max(forwards) <= 2  # none while four ran
-    stats = gen.stats()
-    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
-
-
 def test_the_heuristic_schedule_gives_a_draft_that_is_always_right_its_most_guesses(tokenizer, monkeypatch):
     """Guesses start at one and grow by two while all are kept (1, 3, then the limit of 4), the draft's own KV keeping
     up with guesses of every length; only an output's end asks for fewer."""

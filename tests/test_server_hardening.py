@@ -25,6 +25,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from hf_paged.server import ServerLimits, create_app  # noqa: E402
+from hf_paged.server.protocol import APIError  # noqa: E402
 
 KEY = "secret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -270,6 +271,23 @@ def test_odd_bodies_are_400s_naming_their_field(served):
         response = httpx.post(f"{served.base}{path}", content=content, headers=headers, timeout=30)
         assert words in assert_openai_error(response, 400, param)["message"], response.text
         assert response.json()["error"]["param"] == param
+
+
+def test_the_logprob_bound_counts_prompt_logprobs_as_the_answer_holds_them():
+    """Completions repeat a prompt's logprobs in each of its n choices (and ``echo`` adds its own); chat answers
+    them once."""
+    from hf_paged.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    limits = ServerLimits(max_logprob_entries=100)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=4, prompt_logprobs=4)
+    limits.check_logprob_entries(chat, 4, [0], [20])  # (4 + 1) x 20 prompt tokens, once
+    completion = CompletionRequest(prompt="hi", n=4, prompt_logprobs=4)
+    with pytest.raises(APIError, match="400 log-probabilities") as refused:
+        limits.check_logprob_entries(completion, 4, [0], [20])
+    assert refused.value.param == "prompt_logprobs"
+    both = CompletionRequest(prompt="hi", echo=True, logprobs=1, prompt_logprobs=2)
+    with pytest.raises(APIError, match="102 log-probabilities"):  # 2 + 3 per prompt token, then 1 new token's 2
+        limits.check_logprob_entries(both, 1, [1], [20])
 
 
 def test_large_responses_are_built_off_the_event_loop(served, monkeypatch):

@@ -13,7 +13,7 @@ from structured_schemas import AGE, SCHEMAS
 from test_scheduler import assert_no_leak, make_request, make_scheduler, run_to_end, step
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams
-from hf_paged.generation.structured_outputs import GrammarCompiler, GrammarMatcher
+from hf_paged.generation.structured_outputs import GrammarCompiler, GrammarMatcher, fill_bitmask
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +108,10 @@ def test_schema_keywords_the_grammar_would_ignore_are_refused(smollm2, schema, k
                                     "k": {"const": 2, "type": "integer"}, "f": {"enum": [1, 2.0], "type": "number"}}}
     pydantic_like["$defs"]["M"] = {"type": "object", "properties": pydantic_like.pop("properties")}
     compiler.compile(StructuredOutputsParams(json=pydantic_like)).result()
+    extensions = {"type": "object", "properties": {  # what constrains nothing beside a $ref or an enum is no reason
+        "c": {"$ref": "#/$defs/Color", "x-foo": 1, "nullable": False, "type": "string"},
+        "d": {"enum": ["a", "b"], "type": "string", "x-foo": 1}}, "$defs": pydantic_like["$defs"]}
+    compiler.compile(StructuredOutputsParams(json=extensions)).result()
     compiler.shutdown()
 
 
@@ -213,6 +217,29 @@ def test_a_grammar_too_slow_for_one_token_fails_its_request_alone(generator, mon
     assert 0 < len(bad.outputs[0].token_ids) < 30 and bad.outputs[0].finish_reason == "abort"
     assert good.error is None and len(good.outputs[0].token_ids) == 20
     assert_no_leak(generator.scheduler)
+
+
+def test_the_grammar_time_limit_counts_the_engine_threads_own_work_only(smollm2, monkeypatch):
+    """A large response's ``json.dumps`` on another thread holds the interpreter lock for a third of a second: a
+    trivial grammar's token waited that long and was failed, by wall-clock time."""
+    monkeypatch.setattr(GrammarMatcher, "max_seconds_per_token", 0.05)
+    _, tokenizer = smollm2
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    grammar = compiler.compile(StructuredOutputsParams(json_object=True)).result()
+    rows = 30_000
+    body = [{f"t{j}": -1.23456789 - j for j in range(20)} for _ in range(rows)]
+    done = threading.Event()
+    threading.Thread(target=lambda: [json.dumps(body) for _ in range(3)] and done.set(), daemon=True).start()
+    ids = tokenizer(json.dumps({"a": [1, 2, {"b": "c d e " * 20}]}), add_special_tokens=False).input_ids
+    tokens = 0
+    while not done.is_set():
+        matcher = GrammarMatcher.of(grammar)
+        for token in ids:
+            fill_bitmask([matcher], [0], 1)
+            matcher.advance(token)  # raises GrammarTooSlow when the wait counts
+            tokens += 1
+    assert tokens > len(ids)
+    compiler.shutdown()
 
 
 def test_a_grammar_that_does_not_compile_fails_only_its_request(generator):

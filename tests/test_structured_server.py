@@ -241,6 +241,15 @@ def test_a_constraint_too_slow_to_follow_is_a_400_and_stalls_no_one(server, monk
     assert errors and errors[0]["error"]["param"] == "structured_outputs" and errors[0]["error"]["code"] is None
 
 
+def test_a_function_named_like_a_tool_choice_mode_is_named(client):
+    """``{"function": {"name": "required"}}`` names a function; it was read as the mode ``"required"``."""
+    tool = {"type": "function", "function": {**WEATHER["function"], "name": "required"}}
+    reply = chat(client, tools=[tool, CLOCK], tool_choice={"type": "function", "function": {"name": "required"}},
+                 temperature=0, max_tokens=40)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "required" and reply.choices[0].finish_reason == "stop"
+
+
 class Place(BaseModel):
     city: str = Field(max_length=12)
 
@@ -249,6 +258,15 @@ class Trip(BaseModel):
     """Pydantic writes nested models as ``$defs`` with ``$ref``s to them."""
 
     stops: list[Place] = Field(min_length=1, max_length=2)
+
+
+class Settings(BaseModel):
+    default: Place  # a property named as a keyword whose value is data
+
+
+def test_refs_under_property_names_that_are_keywords_are_rebased():
+    schema = calls_schema({"configure": Settings.model_json_schema()})
+    assert schema["$defs"]["tool_0"]["properties"]["default"] == {"$ref": "#/$defs/tool_0/$defs/Place"}
 
 
 def test_tool_parameters_may_refer_to_their_own_defs_and_root(client, smollm2):

@@ -4,12 +4,12 @@
 The draft keeps KV tensors of its own, addressed by the target's block tables and slots (the same block ids), so it
 needs no allocator: every step it computes the tokens the target computes (in one forward of its own), so its blocks
 hold its keys and values wherever the target's hold the target's, through prefix sharing, copy-on-write, forks and
-preemption; in a step where no sequence speculates (a batch over ``disable_by_batch_size``, say) it computes
-nothing, and catches up on the tokens it skipped when a sequence next speculates. Sequences that speculate then take
-one more draft forward per further guess, batched. Guesses are the
-draft's greedy choices, so verification (`verify_drafts`) treats them as certain proposals: greedy outputs are the
-target's own and sampled ones keep its distribution. The draft's keys and values only ever help a guess: where they are
-stale (after every guess was kept, the last one's until the next step) fewer guesses are kept, and no output changes.
+preemption (also in steps where no sequence speculates: a block computed then may be shared, by a fork or a prefix
+match, with one that does). Sequences that speculate then take one more draft forward per further guess, batched.
+Guesses are the draft's greedy choices, so verification (`verify_drafts`) treats them as certain proposals: greedy
+outputs are the target's own and sampled ones keep its distribution. The draft's keys and values only ever help a
+guess: where they are stale (after every guess was kept, the last one's until the next step) fewer guesses are kept,
+and no output changes.
 """
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ class DraftModel:
         """Compute the step's tokens in the draft too, then write the guesses of its speculating sequences
         (``out.spec_token_ids``, as many as the scheduler gave room for) before the target computes the step."""
         self.kv.copy_blocks(out.block_copies)  # the draft's blocks follow the target's copy-on-write
-        if not out.spec_token_ids:  # nobody speculates (a large batch, say): each catches up when it next does
-            for seq in out.seqs:
-                self.computed[seq.seq_id] = self._first(seq)
-            return
         spans: list[Span] = []
         rows, speculating, end = [], [], 0
         for seq, n in zip(out.seqs, out.num_tokens):

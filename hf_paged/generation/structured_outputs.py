@@ -38,9 +38,11 @@ class GrammarMatcher:
     The work of one token (filling its bitmask row, accepting the token) runs on the engine thread, and for an
     ambiguous grammar (nested bounded repetitions such as ``((a{0,60}){0,60}){0,60}``) it grows several-fold with
     every token: past ``max_seconds_per_token`` the token raises `GrammarTooSlow`, which fails that request alone.
+    The time is the engine thread's CPU time, so waiting for the interpreter lock (another thread's long ``json.dumps``)
+    or for a core does not count.
     """
 
-    max_seconds_per_token = 0.25  # legitimate grammars take well under a millisecond per token
+    max_seconds_per_token = 0.25  # legitimate grammars take a few milliseconds per token at most
 
     def __init__(self, matcher: "xgrammar.GrammarMatcher", vocab_size: int):
         self._matcher, self.vocab_size = matcher, vocab_size
@@ -62,9 +64,9 @@ class GrammarMatcher:
     def advance(self, token_id: int) -> bool:
         """Accept a sampled token; False when the output must end here: its grammar is complete (the token was an
         end token), or the token is outside the grammar, which masking makes impossible. Raises `GrammarTooSlow`."""
-        start = time.perf_counter()
+        start = time.thread_time()
         accepted = self.accept(token_id)
-        spent, self.spent = self.spent + time.perf_counter() - start, 0.0
+        spent, self.spent = self.spent + time.thread_time() - start, 0.0
         if spent > self.max_seconds_per_token:
             raise GrammarTooSlow(f"SamplingParams.structured_outputs took {spent:.3g} s of grammar work for one token "
                                  f"(at most {self.max_seconds_per_token} s): a constraint this ambiguous would stall "
@@ -147,8 +149,12 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SUBSCHEMAS = ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf")
 
 
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-                          "writeOnly", "$schema", "$id", "$defs", "definitions"})
+# Keywords that constrain a value; xgrammar reads a $ref, an enum or a const alone and drops these beside it (any
+# other key there, an annotation or an extension such as OpenAPI's "nullable", constrains nothing it could enforce).
+_VALIDATION = frozenset({"minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+                         "exclusiveMaximum", "multipleOf", "properties", "additionalProperties", "required", "items",
+                         "prefixItems", "minItems", "maxItems", "minProperties", "maxProperties", "anyOf", "oneOf",
+                         "allOf", "enum", "const"})
 _JSON_TYPES = {"string": str, "object": dict, "array": list, "boolean": bool, "null": type(None),
                "integer": int, "number": (int, float)}
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
@@ -193,13 +199,15 @@ def _ignored_beside(node: dict) -> set[str]:
     reads alone), values of an ``enum``/``const`` that its ``type`` does not allow, and references outside the
     schema."""
     found, ref = set(), node.get("$ref")
+    constraining = {key for key in _VALIDATION & set(node)  # allowing anything is no limit
+                    if not (key in ("additionalProperties", "items") and (node[key] is True or node[key] == {}))}
     if isinstance(ref, str) and not ref.startswith("#"):
         found.add("$ref outside the schema")
-    if ref is not None and set(node) - _ANNOTATIONS - {"$ref"}:
+    if ref is not None and constraining:
         found.add("keywords beside a $ref")
+    if ("enum" in node or "const" in node) and constraining - {"enum", "const"}:
+        found.add("keywords beside an enum or const")
     if "enum" in node or "const" in node:
-        if set(node) - _ANNOTATIONS - {"enum", "const", "type"}:
-            found.add("keywords beside an enum or const")
         values = ([node["const"]] if "const" in node else []) + (node["enum"] if isinstance(node.get("enum"), list)
                                                                   else [])
         types = node.get("type", [])
@@ -224,9 +232,9 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int)
     """
     bitmask = _xgrammar().allocate_token_bitmask(num_rows, matchers[0].vocab_size)
     for matcher, row in zip(matchers, rows):
-        start = time.perf_counter()
+        start = time.thread_time()
         matcher._matcher.fill_next_token_bitmask(bitmask, row)
-        matcher.spent += time.perf_counter() - start
+        matcher.spent += time.thread_time() - start
     return bitmask
 
 

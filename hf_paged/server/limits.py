@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..generation import SamplingParams
 from .protocol import APIError, GenerationRequest
 
 OPENAI_MAX_N = 128
@@ -74,15 +73,16 @@ class ServerLimits:
     def check_prompt_count(self, num_prompts: int) -> None:
         _at_most("prompt", num_prompts, self.max_client_batch_size, "prompts in one call", "--max-client-batch-size")
 
-    def check_logprob_entries(self, body: GenerationRequest, params: SamplingParams, new_tokens: list[int],
+    def check_logprob_entries(self, body: GenerationRequest, n: int, new_tokens: list[int],
                               prompt_tokens: list[int]) -> None:
-        """Bound the log-probabilities one call returns: ``new_tokens`` is the most each prompt can generate; each
-        choice carries its prompt's logprobs too when they are asked (``echo`` or ``prompt_logprobs``)."""
+        """Bound the log-probabilities one call returns: ``new_tokens`` is the most each prompt can generate; its
+        prompt's logprobs come too when they are asked (``echo`` or ``prompt_logprobs``)."""
         param, logprobs = body.logprobs_param()
-        entries = 0 if logprobs is None else params.n * (logprobs + 1) * sum(new_tokens)
-        if params.prompt_logprobs is not None:
-            param = param if logprobs is not None else "prompt_logprobs"
-            entries += params.n * (params.prompt_logprobs + 1) * sum(prompt_tokens)
+        entries = 0 if logprobs is None else n * (logprobs + 1) * sum(new_tokens)
+        per_prompt_token = body.prompt_logprob_entries(n)
+        if per_prompt_token and logprobs is None:
+            param = "prompt_logprobs"
+        entries += per_prompt_token * sum(prompt_tokens)
         if entries > self.max_logprob_entries:
             _refuse(param, f"n x (logprobs + 1) x tokens (new ones, and the prompt's when its logprobs are asked) "
                            f"over all prompts is {entries} log-probabilities, more than this server returns for one "

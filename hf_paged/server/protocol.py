@@ -202,6 +202,11 @@ class GenerationRequest(BaseModel):
                               structured_outputs=constraint.spec if constraint else None,
                               prompt_logprobs=self._prompt_logprobs(), **values)
 
+    def prompt_logprob_entries(self, n: int) -> int:
+        """Log-probabilities the answer holds per prompt token: vLLM's ``prompt_logprobs``, in each of a prompt's
+        ``n`` choices."""
+        return 0 if self.prompt_logprobs is None or self.stream else (self.prompt_logprobs + 1) * n
+
     def _prompt_logprobs(self) -> int | None:
         """vLLM's ``prompt_logprobs``, which a stream cannot carry: a count above 0 is refused with ``stream``, as
         vLLM's, and 0 computes nothing there."""
@@ -271,6 +276,10 @@ class CompletionRequest(GenerationRequest):
         """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
         return "logprobs", self.logprobs
 
+    def prompt_logprob_entries(self, n: int) -> int:
+        echoed = n * (self.logprobs + 1) if self.echo and self.logprobs is not None else 0
+        return super().prompt_logprob_entries(n) + echoed
+
 
 class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text"}`` parts can be served."""
@@ -329,39 +338,41 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def tool_choice_name(self) -> str:
-        """``"none"``, ``"auto"``, ``"required"`` or the named function; raises ``RequestFieldError``."""
+    def tool_choice_mode(self) -> tuple[str, str | None]:
+        """``("none" | "auto" | "required", None)``, or ``("named", the function's name)``; raises
+        ``RequestFieldError``."""
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        mode, name = choice, None
         if isinstance(choice, dict):
             function = choice.get("function") if choice.get("type", "function") == "function" else None
-            choice = function.get("name") if isinstance(function, dict) else None
-            if not isinstance(choice, str):
+            mode, name = "named", function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str):
                 raise RequestFieldError("tool_choice", 'a named tool_choice is {"type": "function", "function": '
                                                        '{"name": ...}}')
-        if choice != "none" and not self.tools:
-            raise RequestFieldError("tool_choice", f"tool_choice {choice!r} needs tools")
-        return choice
+        if mode != "none" and not self.tools:
+            raise RequestFieldError("tool_choice", f"tool_choice {name or mode!r} needs tools")
+        return mode, name
 
     def tool_parser(self, tokenizer, prompt: str) -> ToolCallParser | None:
         """What reads tool calls out of this request's outputs, or None when it reads none."""
-        choice = self.tool_choice_name()
-        if choice == "none":
+        mode, _ = self.tool_choice_mode()
+        if mode == "none":
             return None
-        return ToolCallParser("auto" if choice == "auto" else "json", tokenizer, prompt, self.tools,
-                              named=choice not in ("auto", "required"))
+        return ToolCallParser("auto" if mode == "auto" else "json", tokenizer, prompt, self.tools,
+                              named=mode == "named")
 
     def constraints(self) -> list[Constraint]:
         asked = super().constraints()
-        choice = self.tool_choice_name()
+        mode, name = self.tool_choice_mode()
         try:  # checked whatever the choice: the tools go into the prompt
             functions = tool_functions(self.tools or [])
         except ValueError as err:
             raise RequestFieldError("tools", str(err)) from None
-        if choice in ("none", "auto"):
+        if mode in ("none", "auto"):
             return asked
-        if choice != "required" and choice not in functions:
-            raise RequestFieldError("tool_choice", f"tool_choice names {choice!r}, which is not among the tools")
-        schema = calls_schema(functions, None if choice == "required" else choice)
+        if mode == "named" and name not in functions:
+            raise RequestFieldError("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        schema = calls_schema(functions, name)
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return [Constraint.of("tools", "tools", json=schema)] + asked
@@ -407,6 +418,9 @@ class ChatCompletionRequest(GenerationRequest):
     def logprobs_param(self) -> tuple[str, int | None]:
         """The field that asks for log-probabilities, and how many alternatives per token (None: not asked)."""
         return "top_logprobs", (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprob_entries(self, n: int) -> int:
+        return super().prompt_logprob_entries(1)  # once, at the top of the response
 
     def token_limit(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:

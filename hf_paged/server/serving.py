@@ -131,7 +131,7 @@ class OpenAIServing:
         for ids in token_ids:
             _check_room(body, len(ids), context)
         new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
-        self.limits.check_logprob_entries(body, params, new_tokens, [len(ids) for ids in token_ids])
+        self.limits.check_logprob_entries(body, params.n, new_tokens, [len(ids) for ids in token_ids])
         try:
             stream = self.engine.submit(list(token_ids), params, request_ids)
         except ValueError as err:

@@ -87,6 +87,7 @@ def calls_schema(functions: dict[str, dict], only: str | None = None) -> dict:
 
 
 _SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: their "$ref" keys are data
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})  # name: schema
 
 
 def _rebased(schema, root: str):
@@ -99,6 +100,8 @@ def _rebased(schema, root: str):
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             rebased[key] = root + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # its keys are names (a property "default", say)
+            rebased[key] = {name: _rebased(sub, root) for name, sub in value.items()}
         else:
             rebased[key] = value if key in _SCHEMA_DATA else _rebased(value, root)
     return rebased
