@@ -374,13 +374,16 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         generator.run_worker()
         return 0
     try:
-        return _stream_one(generator, args, params)
+        if generator.lockstep is None:
+            return _stream_one(generator, args, params)
+        with _interrupts_deferred() as interrupted:  # never inside a step: the other ranks are in its collectives
+            return _stream_one(generator, args, params, interrupted)
     except BrokenPipeError:  # the reader went away (`hf-paged generate ... | head`): nothing is left to write
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 0
     except KeyboardInterrupt:  # Ctrl+C: what was written stays, without a traceback
         sys.stdout.write("\n")
-        return 130
+        return 130 if generator.lockstep is None else 0  # a rank's 130 reads as a failure: the launcher says 130
     finally:
         generator.stop_workers()
 
@@ -399,17 +402,34 @@ def _generate_params(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(str(err))
 
 
-def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params) -> int:
+def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params,
+                interrupted: threading.Event | None = None) -> int:
     chat = args.chat if args.chat is not None else generator.tokenizer.chat_template is not None
     prompt = [{"role": "user", "content": args.prompt}] if chat else args.prompt
-    for output in generator.stream(prompt, params):
-        if output.error is not None:
-            print(f"hf-paged: error: {output.error}", file=sys.stderr)
-            return 1
-        sys.stdout.write("".join(o.text for o in output.outputs))
-        sys.stdout.flush()
+    with contextlib.closing(generator.stream(prompt, params)) as outputs:  # closed early: the request is aborted
+        for output in outputs:
+            if output.error is not None:
+                print(f"hf-paged: error: {output.error}", file=sys.stderr)
+                return 1
+            sys.stdout.write("".join(o.text for o in output.outputs))
+            sys.stdout.flush()
+            if interrupted is not None and interrupted.is_set():
+                raise KeyboardInterrupt
     sys.stdout.write("\n")
     return 0
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Ctrl+C and SIGTERM set the event yielded, for the caller to act on between steps (on the main thread)."""
+    interrupted = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: interrupted.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield interrupted
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int | None:
@@ -432,7 +452,8 @@ def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, a
     args.tensor_parallel_size = size
     if size > 1 and "WORLD_SIZE" not in os.environ:
         _check_before_launch(parser, args, size)
-        return distributed.launch(["-m", "hf_paged.cli", *argv], size)
+        interrupted_code = 130 if args.command == "generate" else None  # `serve` stopped by Ctrl+C ends with 0
+        return distributed.launch(["-m", "hf_paged.cli", *argv], size, interrupted_code)
     if size != ranks:
         parser.error(f"--tensor-parallel-size {size} under a torchrun of {ranks} ranks: one rank per shard")
     if size > 1:
@@ -445,15 +466,19 @@ def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespa
     heads ``size`` ranks cannot split (a bad value exits with code 2)."""
     from transformers import AutoConfig
 
+    from . import distributed
     from .default_model import resolve_model
-    from .distributed import kv_heads_need_replication
     from .quantization import quantization_method
 
     args.check(parser, args)
     try:
         path = resolve_model(args.model)
-        _check_draft(parser, EngineConfig.from_cli_args(args))
-        kv_heads_need_replication(AutoConfig.from_pretrained(path), size)
+        config = EngineConfig.from_cli_args(args)
+        distributed.check_engine_config(config)
+        _check_draft(parser, config)
+        distributed.load_tensor_parallel_kwargs(AutoConfig.from_pretrained(path), size)  # its plan, its heads
+        for local_rank in range(size):
+            distributed.cpu_share(local_rank, size, distributed.cpu_bind_setting(args.cpu_bind))
     except Exception as err:  # noqa: BLE001 - whatever the ranks would fail on is the user's to read
         parser.error(str(err))
     if quantization_method(path) is not None:
@@ -467,13 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    code = _setup_parallel(args.command_parser, args, argv)
-    if code is not None:
-        return code
     from .distributed import DistributedError
 
     try:
-        return args.run(args.command_parser, args)
+        code = _setup_parallel(args.command_parser, args, argv)
+        return code if code is not None else args.run(args.command_parser, args)
     except DistributedError as err:
         print(f"hf-paged: error: {err}", file=sys.stderr)
         return 1

@@ -79,21 +79,26 @@ def smallest_over_ranks(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def launch(args: list[str], nproc: int) -> int:
+def launch(args: list[str], nproc: int, interrupted_code: int | None = None) -> int:
     """Run ``python ARGS`` as ``nproc`` local ranks under torchrun (standalone rendezvous on a free port) and return
     its exit code. torchrun ends every rank as soon as one fails. On CPU each rank gets ``cores // nproc`` threads
     unless ``OMP_NUM_THREADS`` says otherwise.
 
     Ctrl+C and SIGTERM sent to this process go to the ranks, once (torchrun runs in a session of its own, out of the
     terminal's reach): rank 0 finishes as a single process would and stops the others, which ignore them, so
-    torchrun ends cleanly. Where the ranks cannot be found (no ``/proc``) torchrun gets the signal and ends them."""
+    torchrun ends cleanly. Where the ranks cannot be found (no ``/proc``) torchrun gets the signal and ends them.
+    With ``interrupted_code``, a clean end after Ctrl+C returns that code (a rank's own non-zero code would read to
+    torchrun as a failure)."""
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // nproc)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     process = subprocess.Popen(command, env=env, start_new_session=True)
 
+    interrupted = []
+
     def forward(signum, _frame) -> None:
+        interrupted.append(signum)
         for pid in _children(process.pid) or [process.pid]:
             with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                 os.kill(pid, signum)
@@ -102,7 +107,8 @@ def launch(args: list[str], nproc: int) -> int:
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
-        return process.wait()
+        code = process.wait()
+        return interrupted_code if code == 0 and signal.SIGINT in interrupted and interrupted_code else code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -131,6 +137,13 @@ def kv_heads_need_replication(config, tp_size: int) -> bool:
         raise ValueError(f"tensor parallelism over {tp_size} ranks needs the {heads} query heads to split evenly and "
                          f"the {kv_heads} KV heads to divide or be divided by {tp_size}")
     return kv_heads % tp_size != 0
+
+
+def check_engine_config(config) -> None:
+    """Refuse (``ValueError``) the `EngineConfig` options that tensor parallelism does not serve."""
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError("speculative_config.method 'draft_model' is not supported under tensor parallelism")
 
 
 def load_tensor_parallel_kwargs(config, tp_size: int) -> dict:
@@ -198,12 +211,36 @@ def prepack_sharded_linear_layers(model: torch.nn.Module) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ CPU cores
-def _parse_cpus(text: str) -> list[int]:
+def _parse_cpus(text: str, allowed: list[int]) -> list[int]:
     cpus = []
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        cpus += range(int(first), int(last or first) + 1)
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise ValueError(f"{CPU_BIND_ENV}: {text!r} is not a list of cores such as 0-3,8") from None
+    missing = sorted(set(cpus) - set(allowed))
+    if not cpus or missing:
+        raise ValueError(f"{CPU_BIND_ENV}: {text!r} names cores this process cannot use ({missing or 'none'}; it may "
+                         f"use {_runs(allowed)})")
     return cpus
+
+
+def _runs(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    runs, start = [], None
+    for i, cpu in enumerate(cpus):
+        start = cpu if start is None else start
+        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
+            runs.append(f"{start}-{cpu}" if cpu != start else str(cpu))
+            start = None
+    return ",".join(runs)
+
+
+def cpu_bind_setting(value: str | None) -> str | None:
+    """``HF_PAGED_CPU_BIND`` / ``--cpu-bind`` as `cpu_share` takes it: None (unset, empty or 0: no binding), "auto"
+    (or 1), or core lists."""
+    return None if value in (None, "", "0") else "auto" if value == "1" else value
 
 
 def cpu_share(local_rank: int, local_world: int, bind: str | None = None) -> list[int]:
@@ -215,7 +252,7 @@ def cpu_share(local_rank: int, local_world: int, bind: str | None = None) -> lis
         lists = bind.split("|")
         if len(lists) != local_world:
             raise ValueError(f"{CPU_BIND_ENV}={bind!r} names {len(lists)} core lists for {local_world} local ranks")
-        return _parse_cpus(lists[local_rank])
+        return _parse_cpus(lists[local_rank], allowed)
     per_rank = max(1, len(allowed) // local_world)
     start = (local_rank * per_rank) % len(allowed)
     return allowed[start:start + per_rank]
@@ -226,10 +263,7 @@ def set_cpu_threads() -> list[int] | None:
     ``OMP_NUM_THREADS`` wins over the share's size. Returns the cores bound, or None."""
     if torch.cuda.is_available():
         return None
-    bind = os.environ.get(CPU_BIND_ENV) or None
-    if bind == "0":
-        bind = None
-    bind = "auto" if bind == "1" else bind
+    bind = cpu_bind_setting(os.environ.get(CPU_BIND_ENV))
     cpus = cpu_share(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1)), bind)
     if bind:
         os.sched_setaffinity(0, cpus)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig
+from transformers import AutoTokenizer, GPT2Config, LlamaConfig
 
 from tiny_models import COMMON, tiny_model
 from tp_worker import run_model
@@ -134,6 +134,26 @@ def test_command_line_starts_its_own_ranks(text_model):
     assert done.stdout.rstrip("\n") == _one_process_text(text_model)
 
 
+def test_ctrl_c_during_generate_stops_every_rank_as_one_process_would(text_model):
+    """Ctrl+C landed on rank 0 inside a step's collectives, and its clean-up started another: the ranks mismatched
+    (a gloo size error, or a wait until the timeout) and the command failed. Now the step ends first: exit code 130."""
+    command = [sys.executable, "-m", "hf_paged.cli", "generate", text_model, PROMPT, "-tp", "2", "--temperature", "0",
+               "--max-tokens", "100000", "--no-chat"]
+    launcher = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        launcher.stdout.read(20)  # the answer is flowing
+        processes = _descendants(launcher.pid)
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+        stderr = stderr.decode(errors="replace")
+        assert launcher.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+        assert not [pid for pid in processes if Path(f"/proc/{pid}").exists()]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+
+
 def _descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(c) for child in children for c in (child, *_descendants(int(child)))]
@@ -217,7 +237,10 @@ def test_sigterm_to_the_launcher_lets_rank_0_finish_then_ends_every_rank(text_mo
 
 
 def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text_model, tmp_path):
-    for option in (["--temperature", "-1"], ["--tensor-parallel-size", "0"], ["-tp", "3"]):  # 4 heads on 3 ranks
+    draft = json.dumps({"model": text_model})
+    for option in (["--temperature", "-1"], ["--tensor-parallel-size", "0"], ["-tp", "3"],  # 4 heads on 3 ranks
+                   ["--cpu-bind", "0-0"], ["--cpu-bind", "0-0|1|1"], ["--cpu-bind", "0|4096"],
+                   ["--speculative-config", draft]):
         command = [sys.executable, "-m", "hf_paged.cli", "generate", text_model, PROMPT, "-tp", "2", *option]
         done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("error:") == 1
@@ -228,22 +251,30 @@ def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text
     shutil.copytree(text_model, quantized)
     config = json.loads((quantized / "config.json").read_text())
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
-    for model, words in ((no_weights, "holds no weights"), (quantized, "quantized")):
+    no_plan = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(no_plan)
+    for model, words in ((no_weights, "holds no weights"), (quantized, "quantized"),
+                         (no_plan, "no tensor-parallel plan")):
         command = [sys.executable, "-m", "hf_paged.cli", "generate", str(model), PROMPT, "-tp", "2"]
         done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and done.stderr.count("error:") == 1 and words in done.stderr, done.stderr
 
 
-def test_cpu_shares_and_head_layouts():
+def test_cpu_shares_and_head_layouts(monkeypatch):
     from transformers import AutoConfig
 
     from hf_paged.distributed import cpu_share, kv_heads_need_replication
 
+    assert len(cpu_share(0, 1, "auto")) == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 6, 7, 8})
     assert cpu_share(1, 2, "0-3|4,6") == [4, 6]
-    assert cpu_share(0, 2, "0-3|4-7") == [0, 1, 2, 3]
+    assert cpu_share(0, 2, "0-3|4,6-8") == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="names 1 core lists for 2 local ranks"):
         cpu_share(0, 2, "0-3")
-    assert len(cpu_share(0, 1, "auto")) == len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match=r"names cores this process cannot use \(\[5\]; it may use 0-4,6-8\)"):
+        cpu_share(1, 2, "0-3|4-5")
+    with pytest.raises(ValueError, match="is not a list of cores"):
+        cpu_share(0, 1, "a-b")
     config = LlamaConfig(num_attention_heads=4, num_key_value_heads=1, hidden_size=64)
     assert kv_heads_need_replication(config, 2) and not kv_heads_need_replication(config, 1)
     smollm2 = AutoConfig.for_model("llama", num_attention_heads=9, num_key_value_heads=3, hidden_size=576)

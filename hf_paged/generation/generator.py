@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
-from ..distributed import (DistributedError, Lockstep, is_tensor_parallel, prepack_sharded_linear_layers,
-                           smallest_over_ranks)
+from ..distributed import (DistributedError, Lockstep, check_engine_config, is_tensor_parallel,
+                           prepack_sharded_linear_layers, smallest_over_ranks)
 from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
@@ -133,9 +133,9 @@ class ContinuousBatchGenerator:
         if spec is None:
             return None
         draft = None
+        if self.lockstep is not None:
+            check_engine_config(config)
         if spec.method == "draft_model":
-            if self.lockstep is not None:
-                raise ValueError("speculative_config.method 'draft_model' is not supported on a tensor-parallel engine")
             draft = DraftModel(spec.model, self.model, self.kv_cache, self.kv, config, self.max_model_len,
                                len(self.tokenizer))
         return Speculator(spec, self.max_model_len, draft)
