@@ -1,8 +1,9 @@
 """Constrained decoding: grammars compiled from `StructuredOutputsParams`, per-sequence matchers and token bitmasks.
 
 The only module that knows the backend, xgrammar: its matchers accept a token, roll back and fork cheaply, each
-fills its row of a step's bitmask, and its CPU kernel masks fp32/bf16 logits in place (a Triton/CUDA one on GPU). Grammars compile on a background thread, never on the engine thread, and are cached by their constraint's
-canonical text.
+fills its row of a step's bitmask, and its CPU kernel masks fp32/bf16 logits in place (a Triton/CUDA one on GPU).
+Grammars compile on a background thread, never on the engine thread, and are cached by their constraint's canonical
+text.
 """
 
 from __future__ import annotations
@@ -205,9 +206,9 @@ def _ignored_beside(node: dict) -> set[str]:
         found.add("$ref outside the schema")
     if ref is not None and constraining:
         found.add("keywords beside a $ref")
-    if ("enum" in node or "const" in node) and constraining - {"enum", "const"}:
-        found.add("keywords beside an enum or const")
     if "enum" in node or "const" in node:
+        if constraining - {"enum", "const"}:
+            found.add("keywords beside an enum or const")
         values = ([node["const"]] if "const" in node else []) + (node["enum"] if isinstance(node.get("enum"), list)
                                                                   else [])
         types = node.get("type", [])
