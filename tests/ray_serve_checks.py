@@ -164,27 +164,6 @@ def test_the_ingress_refuses_an_oversized_body_before_reading_it(base):
         assert sock.recv(4096).startswith(b"HTTP/1.1 413")
 
 
-def test_an_ingress_with_a_key_checks_its_limits_and_lets_cors_preflights_through(base, smollm2_path):
-    """The serve options reach the ingress: its key and body limit, and preflights (which carry no key) answered by
-    the replicas' CORS."""
-    engine = serve.get_deployment_handle("Engine", app_name=APP_NAME)
-    keyed = config(smollm2_path)
-    keyed.replica.api_key, keyed.replica.limits = "k", ServerLimits(max_body_bytes=2000)
-    serve.run(ingress(engine, keyed), name="keyed", route_prefix="/keyed")
-    try:
-        url, body = f"{base}/keyed/v1/completions", {"prompt": "Hi", "max_tokens": 1}
-        preflight = httpx.options(url, headers={"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
-                                                "Access-Control-Request-Headers": "authorization"}, timeout=60)
-        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
-        assert httpx.post(url, json=body, timeout=60).status_code == 401
-        key = {"Authorization": "Bearer k"}
-        assert httpx.post(url, json={**body, "prompt": "Hi" * 1000}, headers=key, timeout=60).status_code == 413
-        answer = httpx.post(url, json=body, headers={**key, "Origin": "https://a.example"}, timeout=60)
-        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
-    finally:
-        serve.delete("keyed")
-
-
 def test_openai_client_streams_and_greedy_answers_equal_a_single_server(base, client, smollm2):
     model, tokenizer = smollm2
     with TestClient(create_app(ContinuousBatchGenerator(model, tokenizer, ENGINE), DEFAULT_MODEL_NAME)) as local:
@@ -294,3 +273,24 @@ def test_prefix_affinity_routing_beats_random_routing_on_shared_prefixes(base, c
     # Ideal affinity: every request after a group's first hits its system prompt, 2/3 of requests here.
     assert affinity > 0.5 and abs(affinity - predicted) < 0.1
     assert affinity > random_routing + 0.08
+
+
+def test_an_ingress_with_a_key_checks_its_limits_and_lets_cors_preflights_through(base, smollm2_path):
+    """The serve options reach the ingress: its key and body limit, and preflights (which carry no key) answered by
+    the replicas' CORS. (Last: its call adds to the replicas' request counts.)"""
+    engine = serve.get_deployment_handle("Engine", app_name=APP_NAME)
+    keyed = config(smollm2_path)
+    keyed.replica.api_key, keyed.replica.limits = "k", ServerLimits(max_body_bytes=2000)
+    serve.run(ingress(engine, keyed), name="keyed", route_prefix="/keyed")
+    try:
+        url, body = f"{base}/keyed/v1/completions", {"prompt": "Hi", "max_tokens": 1}
+        preflight = httpx.options(url, headers={"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+                                                "Access-Control-Request-Headers": "authorization"}, timeout=60)
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        key = {"Authorization": "Bearer k"}
+        assert httpx.post(url, json={**body, "prompt": "Hi" * 1000}, headers=key, timeout=60).status_code == 413
+        answer = httpx.post(url, json=body, headers={**key, "Origin": "https://a.example"}, timeout=60)
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    finally:
+        serve.delete("keyed")
