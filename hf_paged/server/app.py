@@ -112,7 +112,8 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
 def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
     engine, metrics, served_model_name = serving.engine, app.state.metrics, card["id"]
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health")
     async def health() -> Response:
         if not engine.healthy:
             body = error_body("the engine has stopped after an unrecoverable error", "server_error", code=503)
