@@ -157,10 +157,9 @@ class OpenAIServing:
         outputs = await _finished_outputs(stream, request_ids, request)
         if outputs is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
-        echoed = len if fmt.echo is not None else (lambda _: 0)  # the echoed prompt's logprobs count too
-        entries = sum((len(c.token_ids) + echoed(o.prompt_token_ids)) * (1 + (fmt.top_k or 0))
-                      + (len(o.prompt_token_ids) * (1 + fmt.prompt_top) if fmt.prompt_top is not None else 0)
-                      for o in outputs for c in o.outputs)
+        per_prompt_token = body.prompt_logprob_entries(params.n)  # echo's and prompt_logprobs', as the limit counts
+        entries = sum(len(c.token_ids) * (1 + (fmt.top_k or 0)) for o in outputs for c in o.outputs) \
+            + per_prompt_token * sum(len(o.prompt_token_ids) for o in outputs)
         if entries < LARGE_RESPONSE_ENTRIES:
             return _response(header, fmt, outputs, params.n)
         return await asyncio.to_thread(_response, header, fmt, outputs, params.n)
