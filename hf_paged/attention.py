@@ -137,7 +137,8 @@ def paged_attention_forward(
     """Write the new keys/values into their blocks and attend through the block tables.
 
     The step's blocks come as ``paged_metadata`` (a forward argument of the continuous-batching engine) or are planned
-    by ``paged_cache`` (the `PagedCache` that `generate` passes, which puts itself here from `Cache.update`).
+    by ``paged_cache`` (the `PagedCache` that `generate` passes, which puts itself here from `Cache.update`, or on
+    ``key`` where the model gives `update` no kwargs).
     ``query`` is ``[B, Hq, S, D]`` and ``key``/``value`` ``[B, Hkv, S, D]`` (the new tokens only); returns
     ``[B, S, Hq, D]`` as Transformers' attention functions do.
     """
@@ -148,6 +149,7 @@ def paged_attention_forward(
             attention_mask = None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     batch, num_heads, q_len, head_dim = query.shape
+    paged_cache = paged_cache if paged_cache is not None else getattr(key, "paged_cache", None)
     if paged_metadata is None and paged_cache is not None:
         paged_metadata = paged_cache.step_metadata(batch, q_len, attention_mask)
     source = getattr(key, "paged_source", None)
@@ -159,6 +161,7 @@ def paged_attention_forward(
         return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
     else:
         layer_idx = module.layer_idx
+        paged_metadata.attended = True
         if paged_metadata.kv.spec.num_shared_layers:
             key.paged_source = (paged_metadata, layer_idx)
     k_cache, v_cache = paged_metadata.kv.layer(layer_idx, key)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import padding_mask, paged_attention_forward
 from .cache import KVCacheSpec, PagedCache, unpaged_layer_types
+from .cache.kv_storage import kv_head_dim
 
 ATTN_IMPLEMENTATION = "paged"
 DEFAULT_BLOCK_SIZE = 16
@@ -16,6 +17,7 @@ DEFAULT_BLOCK_SIZE = 16
 INITIAL_TOKENS_PER_ROW = 512
 
 _original_prepare_cache = GenerationMixin._prepare_cache_for_generation
+_original_check_attn = PreTrainedModel._check_and_adjust_attn_implementation
 
 
 def uses_paged_attention(model) -> bool:
@@ -53,8 +55,40 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
     )
 
 
+def reaches_paged_attention(model_class) -> bool:
+    """Whether ``model_class``'s attention layers call Transformers' attention interface, where "paged" plugs in (a
+    model may not declare it: Falcon; Transformers' own source check decides then)."""
+    if getattr(model_class, "_supports_attention_backend", False):
+        return True
+    return getattr(model_class, "_can_set_attn_implementation", lambda: True)()
+
+
+def switch_to_paged_attention(model, role: str = "") -> None:
+    """Run ``model``'s attention through "paged" (an engine's model; ``role`` prefixes the error)."""
+    if not reaches_paged_attention(type(model)):
+        raise ValueError(f"{role}{type(model).__name__} does not run its attention through Transformers' attention "
+                         "interface, so the paged backend cannot serve it")
+    if not uses_paged_attention(model):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+    """Refuse ``"paged"`` for a model whose attention it cannot reach, or whose keys and values it cannot hold, when
+    the model is built (Transformers accepts any registered implementation for any model)."""
+    applied = _original_check_attn(self, attn_implementation, *args, **kwargs)
+    if applied == ATTN_IMPLEMENTATION:
+        if not reaches_paged_attention(type(self)):  # Bloom, MPT: their attention is computed in the module itself
+            raise NotImplementedError(f"{type(self).__name__} computes its attention itself, not through Transformers' "
+                                      "attention interface, so attn_implementation='paged' cannot serve it")
+        text = self.config.get_text_config(decoder=True)
+        if getattr(text, "qk_nope_head_dim", None) is not None:
+            kv_head_dim(text)
+    return applied
+
+
 def register() -> None:
     """Register ``"paged"`` as an attention implementation, with its mask function and `generate` cache."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation

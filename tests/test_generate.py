@@ -112,6 +112,49 @@ def test_cache_too_small_raises_no_free_blocks():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, cache=cache)
 
 
+def test_an_update_whose_cache_never_reaches_attention_is_refused():
+    """A model that changed its keys between `cache.update` and attention would attend without the cache."""
+    model, _ = tiny_model("gpt_neox")
+    cache = PagedCache(model.config, num_blocks=8, block_size=8)
+    keys = torch.zeros(1, 4, 3, 16)
+    cache.update(keys, keys, 0)
+    with pytest.raises(TypeError, match="layer 0's attention did not receive the PagedCache"):
+        cache.update(keys.clone(), keys, 1)
+
+
+def _deepseek_v3(v_head_dim):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                            num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                            q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=v_head_dim,
+                            vocab_size=256, pad_token_id=0)
+
+
+def test_models_the_backend_cannot_serve_are_refused_when_built():
+    from transformers import BloomConfig, MptConfig
+
+    for config, name in [(BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=256), "BloomForCausalLM"),
+                         (MptConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=256), "MptForCausalLM")]:
+        with pytest.raises(NotImplementedError, match=f"{name} computes its attention itself"):
+            AutoModelForCausalLM.from_config(config, attn_implementation="paged")
+    with pytest.raises(NotImplementedError, match="keys of 24 and values of 12 numbers per head"):
+        AutoModelForCausalLM.from_config(_deepseek_v3(v_head_dim=12), attn_implementation="paged")
+    model = AutoModelForCausalLM.from_config(_deepseek_v3(v_head_dim=12))
+    with pytest.raises(NotImplementedError, match="multi-head latent attention"):
+        model.set_attn_implementation("paged")
+
+
+def test_latent_attention_with_one_head_size_matches_reference():
+    """DeepSeek-V3's keys are 16 + 8 numbers per head (its config's head_dim says 8); values of 24 fit the blocks."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_deepseek_v3(v_head_dim=24), attn_implementation="paged").eval()
+    ids, mask = _left_padded_batch(seed=3)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**kwargs), generate_with(model, "sdpa", **kwargs))
+
+
 def test_continuing_from_a_returned_cache_matches_a_fresh_run():
     """The multi-turn pattern: generate, append the next turn, generate again from ``out.cache``. The cache
     ``generate`` made itself grows past the size it was given for the first call."""

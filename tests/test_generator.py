@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from hf_paged import ContinuousBatchGenerator, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hf_paged.cache import KVCacheSpec
@@ -643,8 +644,8 @@ def test_a_refused_model_is_left_unpacked(smollm2, monkeypatch):
 
 
 def test_a_model_whose_cache_update_takes_no_kwargs_is_served_exactly(smollm2):
-    """GPTNeoX calls `cache.update` without its attention kwargs, so `generate` cannot hand it a PagedCache; the engine
-    passes its step to attention as a forward argument and needs no cache object, so it serves the model exactly."""
+    """GPTNeoX calls `cache.update` without its attention kwargs; the engine passes its step to attention as a
+    forward argument and needs no cache object, so it serves the model exactly."""
     _, tokenizer = smollm2
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -656,6 +657,25 @@ def test_a_model_whose_cache_update_takes_no_kwargs_is_served_exactly(smollm2):
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=16)
     outs = gen.run(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_a_model_whose_forward_drops_its_kwargs_is_refused(smollm2):
+    """FalconModel does not hand its forward's kwargs to its layers: its attention would run without the cache."""
+    _, tokenizer = smollm2
+    from transformers import FalconConfig
+
+    model = AutoModelForCausalLM.from_config(FalconConfig(vocab_size=49152, hidden_size=32, num_hidden_layers=2,
+                                                          num_attention_heads=2))
+    with pytest.raises(ValueError, match="FalconForCausalLM's forward does not pass its keyword arguments"):
+        ContinuousBatchGenerator(model, tokenizer, num_blocks=16)
+
+
+def test_a_model_computing_its_own_attention_is_refused():
+    from transformers import BloomConfig
+
+    model = AutoModelForCausalLM.from_config(BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=49152))
+    with pytest.raises(ValueError, match="BloomForCausalLM does not run its attention through Transformers'"):
+        ContinuousBatchGenerator(model, object(), num_blocks=16)
 
 
 def test_request_ids_are_unique_while_live(smollm2, chat_prompts):

@@ -300,7 +300,7 @@ def test_bf16_prompt_tokens_take_tiles_where_the_cpu_has_them(tokenizer, smollm2
     assert (max(differences) > 0) == cpu_decoder.prompt_tiles()
 
 
-@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(NATIVE)))
+@pytest.mark.parametrize("arch", sorted(set(ARCHITECTURES) - set(NATIVE) - {"falcon"}))  # Falcon: refused
 def test_other_architectures_run_the_transformers_forward(arch, tokenizer):
     model, _ = tiny_model(arch)
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)

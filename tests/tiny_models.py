@@ -9,8 +9,8 @@ COMMON = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512, 
 
 def _configs():
     from transformers import (
-        Gemma2Config, Gemma3nTextConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Phi3Config,
-        PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+        FalconConfig, Gemma2Config, Gemma3nTextConfig, GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
+        MistralConfig, Phi3Config, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
     )
 
     llama_like = dict(hidden_size=64, intermediate_size=128, **COMMON)
@@ -43,11 +43,15 @@ def _configs():
                                       activation_sparsity_pattern=[0.0] * 4,
                                       layer_types=["sliding_attention", "full_attention"] * 2,
                                       **{**llama_like, "num_hidden_layers": 4}), "sdpa"),
+        # These two give `cache.update` no attention kwargs (the cache reaches attention on the keys).
+        "gpt_neox": (GPTNeoXConfig(num_attention_heads=4, **llama_like), "sdpa"),
+        "falcon": (FalconConfig(num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                hidden_size=64, **COMMON), "sdpa"),
     }
 
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma", "gemma2", "qwen2_moe", "phimoe",
-                 "gemma3n"]
+                 "gemma3n", "gpt_neox", "falcon"]
 
 
 def tiny_model(name: str, attn_implementation: str = "paged"):

@@ -21,6 +21,21 @@ def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
     return sorted(set(types) - set(PAGED_LAYER_TYPES))
 
 
+def kv_head_dim(config: PretrainedConfig) -> int:
+    """One KV head's size in ``config`` (a text config); keys and values of different sizes (multi-head latent
+    attention, as in DeepSeek-V2/V3) raise `NotImplementedError`: a block holds keys and values of one size."""
+    if getattr(config, "qk_nope_head_dim", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None:
+        key_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    else:
+        key_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    value_dim = getattr(config, "v_head_dim", None) or key_dim
+    if value_dim != key_dim:
+        raise NotImplementedError(
+            f"{config.model_type} attends with keys of {key_dim} and values of {value_dim} numbers per head; the paged "
+            "KV cache holds keys and values of one size (multi-head latent attention is not supported)")
+    return key_dim
+
+
 def local_kv_heads(model: torch.nn.Module, spec: "KVCacheSpec") -> int | None:
     """The KV heads this rank's attention layers see, for a tensor-parallel model: counted from the first ``k_proj``
     this rank holds, else what Transformers' plan gives each rank (fused projections); None for a model held whole by
@@ -60,7 +75,7 @@ class KVCacheSpec:
     def from_config(cls, config: PretrainedConfig) -> "KVCacheSpec":
         config = config.get_text_config(decoder=True)
         num_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        head_dim = kv_head_dim(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         shared = getattr(config, "num_kv_shared_layers", None) or 0
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, shared)

@@ -29,6 +29,7 @@ class PagedMetadata:
     max_query_len: int
     num_decodes: int
     kv: PagedKVStorage | None = None
+    attended: bool = False  # set by the attention layers that read it: a forward that drops its kwargs never does
 
     @classmethod
     def build(cls, kv: PagedKVStorage, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],

@@ -50,6 +50,7 @@ class PagedCache(Cache):
         self._row_lens: list[int] = []
         self._seen_tokens = 0
         self._step: PagedMetadata | None = None
+        self._unclaimed: int | None = None  # the layer whose update handed this cache on, until its attention plans
 
     # The storage's face, for callers that size or inspect the cache.
     spec = property(lambda self: self.kv.spec)
@@ -61,19 +62,22 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------------------------------- step planning
     def update(self, key_states, value_states, layer_idx, *args, kwargs=None, **ignored):
-        """Hand this cache to the paged attention function through the model's attention kwargs.
+        """Hand this cache to the paged attention function through the model's attention kwargs, or where a model
+        passes none (GPT-NeoX, Falcon), through the keys it returns.
 
         The keys and values are written into their slots by the attention function, which also knows which query
         positions are padding; they are returned unchanged.
         """
-        if kwargs is None:
-            raise TypeError(
-                "this model's attention calls `cache.update` without its attention kwargs, so the paged attention "
-                "function cannot find the cache; hf_paged supports models built on Transformers' attention interface"
-            )
         if layer_idx == 0:
-            self._step = None  # a new forward: plan it at its first attention layer
-        kwargs["paged_cache"] = self
+            self._step, self._unclaimed = None, None  # a new forward: plan it at its first attention layer
+        if self._unclaimed is not None:
+            raise TypeError(f"layer {self._unclaimed}'s attention did not receive the PagedCache its `cache.update` "
+                            "handed on (the model changed its keys between them); hf_paged cannot page this model")
+        if kwargs is None:
+            key_states.paged_cache = self
+        else:
+            kwargs["paged_cache"] = self
+        self._unclaimed = layer_idx
         return key_states, value_states
 
     def step_metadata(self, batch_size: int, query_len: int, mask: torch.Tensor | None) -> PagedMetadata:
@@ -82,6 +86,7 @@ class PagedCache(Cache):
         ``mask`` (``[batch, past + query_len]`` bool, or None when nothing is padding) marks the tokens that are not
         padding: the new ones to store, and the cached ones, which must be those this cache stored.
         """
+        self._unclaimed = None
         if self._step is None:
             self._step = self._plan_rows(batch_size, query_len, mask)
         return self._step

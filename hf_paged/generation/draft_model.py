@@ -19,7 +19,7 @@ import os
 import torch
 
 from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
-from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
+from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers
 from ..native_decoder import NativeDecoder
 from .config import EngineConfig
@@ -68,10 +68,7 @@ class DraftModel:
             from ..loading import load_causal_lm
 
             model = load_causal_lm(model, dtype=target.dtype, device=str(target.device))
-        if not getattr(model, "_supports_attention_backend", False):
-            raise ValueError(f"speculative_config.model: {type(model).__name__} cannot run with the paged backend")
-        if not uses_paged_attention(model):
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        switch_to_paged_attention(model, "speculative_config.model: ")
         return model.eval()
 
     def retain(self, running: list[Sequence]) -> None:

@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
 from ..distributed import (DistributedError, Lockstep, check_engine_config, is_tensor_parallel,
                            prepack_sharded_linear_layers, smallest_over_ranks)
-from ..integration import ATTN_IMPLEMENTATION, uses_paged_attention
+from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
 from .config import EngineConfig
@@ -53,14 +53,8 @@ class ContinuousBatchGenerator:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None, **options):
-        if not getattr(model, "_supports_attention_backend", False):
-            raise ValueError(
-                f"{type(model).__name__} does not run its attention through Transformers' attention interface, "
-                "so the paged backend cannot serve it"
-            )
         self.config = config = (config or EngineConfig()).replace(**options)
-        if not uses_paged_attention(model):
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        switch_to_paged_attention(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.kv_cache = self._kv_storage(model, config)
