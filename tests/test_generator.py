@@ -550,6 +550,23 @@ def test_multibyte_characters_detokenize_whole(smollm2):
     assert seq.status is SequenceStatus.WAITING and gen.kv.pool.num_used_blocks == 0
 
 
+def test_a_skipped_special_token_inside_a_character_keeps_its_bytes(smollm2):
+    """The two byte tokens of "é" with a special token between them: its first byte was not released yet."""
+    _, tokenizer = smollm2
+    from hf_paged.generation.detokenizer import Detokenizer
+    from hf_paged.generation.sequence import Request
+
+    first, second = tokenizer.convert_tokens_to_ids("Ã"), tokenizer.convert_tokens_to_ids("©")
+    x = tokenizer("x").input_ids[0]
+    tokens = [first, tokenizer.eos_token_id, second, x, x]
+    seq = Request("x", None, tokenizer("Hello").input_ids, SamplingParams(), seed=0).seqs[0]
+    detokenizer = Detokenizer(tokenizer)
+    for token in tokens:
+        seq.token_ids.append(token)
+        detokenizer.step(seq, True)
+    assert seq.text == tokenizer.decode(tokens, skip_special_tokens=True) == "éxx"
+
+
 def test_a_skipped_special_token_keeps_the_next_tokens_space():
     """A SentencePiece-style decoder drops the leading space of the first token it decodes, so the token after a
     skipped special token must still be decoded with the tokens before it as context."""
@@ -692,6 +709,38 @@ def test_request_ids_are_unique_while_live(smollm2, chat_prompts):
     assert gen.add_request(chat_prompts[1], params, request_id="x") == "x"  # finished ids can be reused
     while gen.has_unfinished_requests():
         gen.step()
+    assert_no_leak(gen)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_an_id_stays_in_use_until_its_held_final_output_is_handed_out(smollm2, chat_prompts, kind):
+    """A `run` that steps past another request's end holds its final output for `step`; reusing the id before that
+    merged or replaced the output nobody had read."""
+    gen = make_generator(smollm2)
+    gen.add_request(chat_prompts[0], SamplingParams(temperature=0, max_tokens=2, output_kind=kind), request_id="x")
+    gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        gen.add_request(chat_prompts[2], SamplingParams(temperature=0, max_tokens=3), request_id="x")
+    [held] = gen.step()
+    assert held.request_id == "x" and held.finished and len(held.outputs[0].token_ids) == 2
+    assert gen.add_request(chat_prompts[2], SamplingParams(temperature=0, max_tokens=3), request_id="x") == "x"
+    outputs = []
+    while gen.has_unfinished_requests():
+        outputs += gen.step()
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 3
+    assert_no_leak(gen)
+
+
+def test_a_stream_left_after_its_request_ended_frees_the_id(smollm2, chat_prompts):
+    """The held final output of a stream's request, dropped when the stream is closed unread, frees its id."""
+    gen = make_generator(smollm2)
+    stream = gen.stream([chat_prompts[0]], SamplingParams(temperature=0, max_tokens=2))
+    next(stream)
+    gen.add_request(chat_prompts[1], SamplingParams(temperature=0, max_tokens=1), request_id="y")
+    while gen.has_unfinished_requests():
+        gen.step()  # the paused stream's request ends here: its last output is held for the stream
+    stream.close()
+    assert not gen._held and not gen._live_ids and not gen._unread
     assert_no_leak(gen)
 
 

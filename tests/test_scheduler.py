@@ -168,6 +168,22 @@ def test_a_failed_step_is_rolled_back_and_recomputed():
     assert_no_leak(scheduler)
 
 
+def test_a_rolled_back_step_counts_nothing():
+    """Prefix lookups and partial prefills are counted when a step stands, so a failed one is not counted twice."""
+    counts = []
+    for fail in (False, True):
+        scheduler = make_scheduler(max_num_batched_tokens=8)
+        prefix = list(range(3, 19))
+        scheduler.add(make_request("a", prefix + [40]))
+        run_to_end(scheduler, [])
+        scheduler.add(make_request("b", prefix + [50]))
+        if fail:
+            scheduler.rollback(scheduler.schedule())
+        run_to_end(scheduler, [])
+        counts.append((scheduler.kv.prefix_queries, scheduler.kv.prefix_hits, scheduler.num_partial_prefills))
+    assert counts[0] == counts[1] == (17 + 17, 16, 2)
+
+
 def test_a_token_that_cannot_be_appended_fails_only_its_request():
     scheduler = make_scheduler()
     good, bad = make_request("good", range(3, 9)), make_request("bad", range(20, 26))

@@ -21,7 +21,9 @@ class Detokenizer:
         tokens = seq.token_ids
         if skip_special_tokens and tokens[-1] in self.special_ids:
             # The left context stays: decoded alone, the next token could lose its leading space (SentencePiece).
-            seq.read_offset = len(tokens)
+            # Bytes of a character not yet released stay in the window, to join the bytes after the special token.
+            if seq.read_offset == len(tokens) - 1:
+                seq.read_offset = len(tokens)
             return ""
         decode = self.tokenizer.decode
         prefix = decode(tokens[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip_special_tokens)

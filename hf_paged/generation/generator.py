@@ -239,21 +239,24 @@ class ContinuousBatchGenerator:
     def _outputs(self, changed: list[Request], only: set[str] | None) -> list[RequestOutput]:
         """The outputs held for the caller, then those of the requests a step changed: with ``only``, of the requests
         in it; without (`step`), of those no `run` or `stream` is waiting for. The others' are held. Finished
-        requests retire."""
+        requests leave the engine; their ids stay in use until their last output is handed out."""
         mine = only.__contains__ if only is not None else (lambda request_id: request_id not in self._claimed)
         outputs = [self._held.pop(rid) for rid in [rid for rid in self._held if mine(rid)]]
+        self._release({output.request_id for output in outputs if output.finished})
         for request in changed:
-            unread = request.request_id in self._unread
-            if request.is_finished or request.error is not None:
-                self._retire(request.request_id)
-                self._unread.discard(request.request_id)
+            rid, done = request.request_id, request.is_finished or request.error is not None
+            unread = rid in self._unread
+            if done:
+                self.requests.pop(rid, None)
+                self._unread.discard(rid)
             output = request.output()
-            if output is None or unread:
-                continue
-            if mine(request.request_id):
-                outputs.append(output)
-            else:
+            if output is not None and not unread and not mine(rid):
                 self._hold(output, request.params.output_kind)
+                continue
+            if output is not None and not unread:
+                outputs.append(output)
+            if done:
+                self._release({rid})
         return outputs
 
     def _hold(self, output: RequestOutput, kind: RequestOutputKind) -> None:
@@ -319,10 +322,10 @@ class ContinuousBatchGenerator:
         self._inbox.put(("stop", None))
         self._drain_inbox()
 
-    def _retire(self, request_id: str) -> None:
+    def _release(self, request_ids: set[str]) -> None:
+        """Free finished requests' ids for reuse, once their last outputs were handed out (or dropped)."""
         with self._ids_lock:
-            self._live_ids.discard(request_id)
-        self.requests.pop(request_id, None)
+            self._live_ids -= request_ids
 
     # ------------------------------------------------------------------------------------- batch interfaces
     def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
@@ -390,10 +393,11 @@ class ContinuousBatchGenerator:
 
     def _withdraw(self, request_ids: set[str]) -> None:
         """Abort ``request_ids``, whose outputs nobody reads: `step` drops them."""
+        dropped = {rid: self._held.pop(rid) for rid in request_ids & self._held.keys()}
+        self._release({rid for rid, output in dropped.items() if output.finished})
         with self._ids_lock:
             live = request_ids & self._live_ids
         self._unread |= live
-        self._held = {rid: output for rid, output in self._held.items() if rid not in request_ids}
         for request_id in live:
             self.abort_request(request_id)
 

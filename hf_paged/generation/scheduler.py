@@ -33,6 +33,8 @@ class SchedulerOutput:
     num_tokens: list[int] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue for this step
+    prefix_matches: list[tuple[int, int]] = field(default_factory=list)  # (tokens, cached) per admission
+    num_partial_prefills: int = 0  # prompt chunks that leave the rest of their prompt for later steps
     draws: list[tuple[Sequence, int]] = field(default_factory=list)
     draw_rows: list[int] = field(default_factory=list)
     # Speculative guesses computed this step after a sequence's last token, by seq_id; ``num_tokens`` counts them and
@@ -109,8 +111,8 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if self.num_preemptions == preemptions:  # admit only when nobody had to be preempted
             self._schedule_waiting(out, budget)
-        self.num_partial_prefills += sum(n < s.num_tokens - s.num_computed_tokens for s, n in zip(out.seqs,
-                                                                                                   out.num_tokens))
+        out.num_partial_prefills = sum(n < s.num_tokens - s.num_computed_tokens for s, n in zip(out.seqs,
+                                                                                                  out.num_tokens))
         order = sorted(range(len(out.seqs)), key=lambda i: out.num_tokens[i] != 1)
         out.seqs, out.num_tokens = [out.seqs[i] for i in order], [out.num_tokens[i] for i in order]
         self._plan_draws(out)
@@ -173,7 +175,7 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.kv.record_prefix_match(seq.num_tokens, num_cached)
+            out.prefix_matches.append((seq.num_tokens, num_cached))
             if seq.index == 0 and seq.request.num_cached_tokens == 0:
                 seq.request.num_cached_tokens = num_cached
             seats += seq.num_samples
@@ -232,6 +234,9 @@ class Scheduler:
         """
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
+        for num_tokens, num_cached in out.prefix_matches:  # counted once the step stands (`rollback` repeats them)
+            self.kv.record_prefix_match(num_tokens, num_cached)
+        self.num_partial_prefills += out.num_partial_prefills
         changed: dict[str, Request] = {}
         if sampled is not None and sampled.prompt_logprobs is not None:
             for (seq, _, _), scores, ranks in zip(out.prompt_logprob_spans, sampled.prompt_logprobs,
