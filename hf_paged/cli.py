@@ -206,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
-                       help="seconds that Ctrl+C / SIGTERM waits for requests in flight before it cuts them off "
-                            "(default: 5)")
+                       help="seconds that Ctrl+C / SIGTERM waits for requests in flight; those still running then "
+                            "end with a 503 error (default: 5)")
     _limit_options(serve)
     _add_serve_ray(commands, [engine, http])
 
@@ -270,6 +270,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from .default_model import DEFAULT_MODEL_NAME
     from .server import create_app
+    from .server.app import GracefulServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     key, limits = _serve_settings(parser, args)
@@ -284,7 +285,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    return serve_until_stopped(uvicorn.Server(config), app)
+    return serve_until_stopped(GracefulServer(config), app)
 
 
 def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):

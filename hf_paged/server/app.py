@@ -30,7 +30,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
   (FastAPI's 422 included), 401 for a missing or wrong key, 404 for an unknown model, 413 for a body over the
   limit, 500 when the engine failed (details go to the log, never to the client), 503 with ``Retry-After`` when
   the server is full. ``/health`` answers 503 once the engine has stopped after an unrecoverable error.
-  A stream that fails after it began sends one ``data: {"error": ...}`` event, then ``data: [DONE]``.
+  A stream that fails after it began sends one ``data: {"error": ...}`` event, then ``data: [DONE]``. Requests still
+  running when a shutdown's grace period is about to end fail with 503 (`GracefulServer`).
 * While a stream uses stop strings, the last ``len(longest stop) - 1`` characters are held back until they cannot
   be the start of a stop string, so no text is ever sent that the stop would have cut.
 * A client that disconnects aborts its requests, which frees their KV blocks (a non-streaming call notices within
@@ -39,6 +40,7 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -48,6 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -107,6 +110,24 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
             "max_model_len": generator.max_model_len}
     _install_routes(app, serving, card)
     return app
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server for an app of `create_app`: on shutdown, the requests still running just before
+    ``timeout_graceful_shutdown`` ends fail with a 503 (an error event, then ``[DONE]``, in a stream), where uvicorn
+    would cancel their handlers mid-response (a cut-off stream, a plain-text 500)."""
+
+    async def shutdown(self, sockets=None) -> None:
+        timeout = self.config.timeout_graceful_shutdown
+        engine = self.config.app.state.engine
+        cut = None
+        if timeout is not None:  # their handlers get a moment to answer before the timeout
+            cut = asyncio.get_running_loop().call_later(max(0.0, timeout - min(1.0, timeout / 2)), engine.cut_off)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if cut is not None:
+                cut.cancel()
 
 
 def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:

@@ -122,6 +122,10 @@ class EngineDead(EngineError):
     """The engine thread has stopped for good (an unrecoverable error): nothing more can be served."""
 
 
+class EngineStopping(EngineError):
+    """The server is shutting down, and the request did not finish in time (a 503)."""
+
+
 GROUP_FAILED_GRACE_S = 1.0  # after a tensor-parallel group fails, before the process ends
 FATAL_CONSECUTIVE_FAILURES = 3  # failed steps with no token generated in between: the engine itself is broken
 
@@ -183,7 +187,11 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
         stepping = self._thread is not None and self._thread.is_alive()
-        self._fail_in_flight(EngineError("the server is shutting down"), abort_unrouted=not stepping)
+        self._fail_in_flight(EngineStopping("the server is shutting down"), abort_unrouted=not stepping)
+
+    def cut_off(self) -> None:
+        """Fail the requests in flight (`EngineStopping`) while serving goes on: the server stops before they end."""
+        self._fail_in_flight(EngineStopping("the server is shutting down"), abort_unrouted=False)
 
     def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]) -> RequestStream:
         """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input,

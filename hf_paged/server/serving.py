@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
-from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, RequestStream
+from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
 from .limits import ServerLimits
 from .middleware import overloaded
 from .protocol import (
@@ -198,7 +198,8 @@ async def _finished_outputs(stream: RequestStream, request_ids: list[str],
             else:
                 finals[output.request_id] = output
     except EngineError as err:
-        raise APIError(500, str(err), "server_error", code=500) from err
+        status = 503 if isinstance(err, EngineStopping) else 500
+        raise APIError(status, str(err), "server_error", code=status) from err
     finally:
         stream.close()
     if not all(output.finished for output in finals.values()) or len(finals) < len(request_ids):
@@ -211,11 +212,12 @@ async def _finished_outputs(stream: RequestStream, request_ids: list[str],
     return [finals[request_id] for request_id in request_ids]
 
 
-def _error_event(message: str) -> dict:
+def _error_event(err: EngineError) -> dict:
     """The error a stream ends with: the request's own fault (400's shape), or the server's."""
+    message = str(err)
     if _request_fault(message):
         return _bad_request(ValueError(message), None).body()
-    return error_body(message, "server_error", code=500)
+    return error_body(message, "server_error", code=503 if isinstance(err, EngineStopping) else 500)
 
 
 def _request_fault(error: str) -> bool:
@@ -292,7 +294,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
             yield event([], last=True)
         yield "data: [DONE]\n\n"
     except EngineError as err:
-        yield f"data: {json.dumps(_error_event(str(err)))}\n\n"
+        yield f"data: {json.dumps(_error_event(err))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         stream.close()
