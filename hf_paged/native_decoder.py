@@ -22,6 +22,7 @@ and modules replaced after the engine was built are read again.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,26 +33,36 @@ from .kernels.cpu_linear import PrepackedLinear
 
 logger = logging.getLogger(__name__)
 
-# The decoder layers whose forward is Llama's (pre-norm residual attention and SiLU MLP), with their RMSNorm and MLP.
+# The models whose decoder layers' forward is Llama's (pre-norm residual attention and SiLU MLP): the classes of
+# their causal LM, base model, decoder layer, RMSNorm, MLP and attention, each recognised only exactly.
 _FAMILIES = {
-    "llama": ("LlamaDecoderLayer", "LlamaRMSNorm", "LlamaMLP"),
-    "mistral": ("MistralDecoderLayer", "MistralRMSNorm", "MistralMLP"),
-    "qwen2": ("Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2MLP"),
-    "qwen3": ("Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3MLP"),  # also per-head q/k norms
+    family: tuple(f"{prefix}{part}" for part in ("ForCausalLM", "Model", "DecoderLayer", "RMSNorm", "MLP", "Attention"))
+    for family, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"))
 }
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_QK_NORMS = {"q_norm", "k_norm"}
+_QK_NORMS = {"q_norm", "k_norm"}  # Qwen3's per-head norms of queries and keys
 
 
-def _classes(family: str) -> tuple[type, type, type] | None:
+@dataclass(frozen=True)
+class _Classes:
+    causal_lm: type
+    model: type
+    layer: type
+    norm: type
+    mlp: type
+    attention: type
+
+
+def _classes(family: str) -> _Classes | None:
     import importlib
 
     try:
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     except ImportError:
         return None
-    return tuple(getattr(module, name, None) for name in _FAMILIES[family])
+    found = [getattr(module, name, None) for name in _FAMILIES[family]]
+    return None if None in found else _Classes(*found)
 
 
 _structure_changes = 0  # parameters and submodules set on a watched module since the first decoder was built
@@ -80,6 +91,14 @@ def _held(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """The tensor's current storage, kept alive for the native decoder's pointers even if the parameter is later given
     other data (as ``model.to()`` does)."""
     return None if tensor is None else tensor.detach()
+
+
+def _norm(norm: nn.Module, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """An RMSNorm's weight, read in place by the native call."""
+    weight = norm.weight
+    if weight.dtype != dtype or not weight.is_contiguous() or not weight.is_cpu:
+        raise Unsupported(f"{where} is not a contiguous CPU {dtype} weight")
+    return _held(weight)
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -121,6 +140,7 @@ class NativeDecoder:
         # kept, so that no weight the model is given later (by ``.to()``, say) can take the same address unnoticed.
         self._sources = [w for w in weights.packed_from if not w.is_inference()]
         self._kept = [w.detach() for w in weights.packed_from]
+        self._parameters = list(self.model.parameters())
         self._at = self._addresses()
         self._seen, self._shape = _structure_changes, self._structure()
         _watched.update(map(id, self.model.modules()))
@@ -129,12 +149,9 @@ class NativeDecoder:
         self._hook_dicts = [(m._forward_hooks, m._forward_pre_hooks, m.__dict__) for m in standing_in]
 
     def _addresses(self) -> tuple[int, ...]:
-        # Converting a model (``.to()``, ``.half()``) moves every parameter; these three show it. An in-place change
-        # (``load_state_dict``, say) moves a weight's version on.
-        base = self.model.base_model
-        return (self.model.get_output_embeddings().weight.data_ptr(),
-                base.layers[0].self_attn.q_proj.weight.data_ptr(), base.layers[-1].mlp.down_proj.weight.data_ptr(),
-                *(w._version for w in self._sources))
+        # Converting a model or a part of it (``.to()``, ``.half()``) gives parameters new storage; an in-place change
+        # (``load_state_dict``, say) moves a packed weight's version on. (A change through ``.data`` shows neither.)
+        return (*map(torch.Tensor.data_ptr, self._parameters), *(w._version for w in self._sources))
 
     def _structure(self) -> tuple[int, ...]:
         """Which modules and parameters the model is made of (replacing one changes it)."""
@@ -185,8 +202,10 @@ class NativeDecoder:
             raise Unsupported(f"no native decoder for model type {family!r}")
         classes = _classes(family)
         base = model.base_model
-        if classes is None or None in classes or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        if classes is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
             raise Unsupported(f"this Transformers version's {family} modules are not the ones the native decoder knows")
+        if type(model) is not classes.causal_lm or type(base) is not classes.model:
+            raise Unsupported(f"{type(model).__name__} is not an unmodified {classes.causal_lm.__name__}")
         dtype = model.dtype
         if model.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             raise Unsupported("the native decoder runs fp32 and bf16 models on CPU")
@@ -196,7 +215,7 @@ class NativeDecoder:
             raise Unsupported("the KV cache's dtype is not the model's")
         if not (cpu_decoder.available() and cpu_ops.available()):
             raise Unsupported("the native CPU library is not available")
-        if type(base.norm) is not classes[1] or len(base.layers) != len(kv.key_cache):
+        if type(base.norm) is not classes.norm or len(base.layers) != len(kv.key_cache):
             raise Unsupported("the model's final norm or layer count is not Llama's")
         lm_head = _linear(model.get_output_embeddings(), dtype, "the output projection")
         window = getattr(config, "sliding_window", None) if family == "mistral" else None  # Mistral's attention reads it from the config
@@ -208,7 +227,7 @@ class NativeDecoder:
         first = base.layers[0].self_attn
         mlp = base.layers[0].mlp
         return cpu_decoder.DecoderWeights(
-            layers=layers, final_norm=_held(base.norm.weight), lm_head=_packed(lm_head.weight),
+            layers=layers, final_norm=_norm(base.norm, dtype, "the final norm"), lm_head=_packed(lm_head.weight),
             lm_head_bias=_held(lm_head.bias), packed_from=packed_from, hidden_size=mlp.gate_proj.in_features,
             intermediate_size=mlp.gate_proj.out_features, vocab_size=lm_head.out_features,
             num_heads=config.num_attention_heads, num_kv_heads=kv.spec.num_kv_heads, head_dim=first.head_dim,
@@ -216,23 +235,23 @@ class NativeDecoder:
         )
 
     @staticmethod
-    def _layer(layer: nn.Module, index: int, classes: tuple, dtype: torch.dtype, config_window: int | None,
+    def _layer(layer: nn.Module, index: int, classes: _Classes, dtype: torch.dtype, config_window: int | None,
                kv: PagedKVStorage) -> dict:
-        layer_class, norm_class, mlp_class = classes
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if type(layer) is not layer_class or {n for n, _ in layer.named_children()} != _LAYER_CHILDREN:
-            raise Unsupported(f"layer {index} is not an unmodified {layer_class.__name__}")
+        if type(layer) is not classes.layer or {n for n, _ in layer.named_children()} != _LAYER_CHILDREN:
+            raise Unsupported(f"layer {index} is not an unmodified {classes.layer.__name__}")
+        qk_norms = _QK_NORMS if classes.layer.__name__.startswith("Qwen3") else set()
         children = {n for n, _ in attn.named_children()}
-        if children - _QK_NORMS != _ATTENTION_CHILDREN or type(mlp) is not mlp_class:
+        if (type(attn) is not classes.attention or children != _ATTENTION_CHILDREN | qk_norms
+                or type(mlp) is not classes.mlp):
             raise Unsupported(f"layer {index}'s attention or MLP is not the one the native decoder knows")
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [getattr(attn, n) for n in sorted(children & _QK_NORMS)]
+        norms = {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
+                 **{name: getattr(attn, name) for name in sorted(qk_norms)}}
         silu = type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
-        if any(type(norm) is not norm_class for norm in norms) or not silu:
+        if any(type(norm) is not classes.norm for norm in norms.values()) or not silu:
             raise Unsupported(f"layer {index}'s norms or activation are not RMSNorm and SiLU")
-        entry = {"eps": [norm.variance_epsilon for norm in norms], "input_norm": _held(layer.input_layernorm.weight),
-                 "post_norm": _held(layer.post_attention_layernorm.weight)}
-        if children & _QK_NORMS:
-            entry.update(q_norm=_held(attn.q_norm.weight), k_norm=_held(attn.k_norm.weight))
+        entry = {"eps": [norm.variance_epsilon for norm in norms.values()],
+                 **{name: _norm(norm, dtype, f"layer {index}'s {name}") for name, norm in norms.items()}}
         for name, module in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
                              ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
             linear = _linear(module, dtype, f"layer {index}'s {name} projection")

@@ -320,6 +320,55 @@ def test_a_modified_layer_or_a_cache_in_another_dtype_is_not_recognised(tokenize
     assert gen.runner.native is None
 
 
+def test_modified_classes_and_norms_are_not_recognised(tokenizer):
+    """Whatever the native call would skip or misread runs the Transformers forward: a subclass's own forward (of the
+    model or of an attention), norms Llama's attention would not apply (q_norm/k_norm are Qwen3's), a norm weight in
+    another dtype or layout."""
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    class Biased(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    class Scaled(LlamaAttention):
+        pass
+
+    def modified(change):
+        model = tiny("llama")
+        change(model)
+        return ContinuousBatchGenerator(model, tokenizer, num_blocks=64).runner.native
+
+    reference = tiny("llama")
+    assert modified(lambda model: None) is not None
+    assert modified(lambda model: setattr(model, "__class__", Biased)) is None
+    assert modified(lambda model: setattr(model.model.layers[1].self_attn, "__class__", Scaled)) is None
+    assert modified(lambda model: setattr(model.model.layers[0].self_attn, "q_norm", nn.Identity())) is None
+    norm = reference.model.layers[0].input_layernorm.weight
+    assert modified(lambda model: setattr(model.model.layers[0].input_layernorm, "weight",
+                                          nn.Parameter(norm.detach().bfloat16()))) is None
+    assert modified(lambda model: setattr(model.model.norm, "weight",
+                                          nn.Parameter(torch.stack([norm.detach()] * 2, 1)[:, 0]))) is None
+
+
+def test_a_part_of_the_model_converted_after_the_engine_was_built_is_read_again(tokenizer):
+    """Converting one layer gives its parameters new storage (and here bf16-rounded values) that the Transformers
+    forward reads at once."""
+    model = tiny("llama")
+    options = dict(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    gen = ContinuousBatchGenerator(model, tokenizer, **options)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    before = gen.run(PROMPTS, params, use_tqdm=False)
+    model.model.layers[0].mlp.to(torch.bfloat16).to(torch.float32)
+    model.model.norm.weight.data = model.model.norm.weight.detach() * 2  # new storage, not a new Parameter
+    after = gen.run(PROMPTS, params, use_tqdm=False)
+    eager = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, **options).run(PROMPTS, params,
+                                                                                           use_tqdm=False)
+    assert gen.runner.native is not None
+    first = [[next(iter(o.outputs[0].logprobs[0].values())) for o in outs] for outs in (before, after, eager)]
+    assert first[1] != first[0] and first[1] == pytest.approx(first[2], abs=1e-4)
+
+
 def test_a_model_converted_after_the_engine_was_built_is_read_again_or_left_to_transformers(tokenizer):
     """``model.to()`` gives every parameter new storage: the decoder re-reads the weights, or, when they no longer fit
     (bf16 weights over the fp32 cache), steps run the Transformers forward instead of reading freed memory."""
