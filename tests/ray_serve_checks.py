@@ -128,6 +128,11 @@ def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_che
     merged = merged_metrics({"a": text(0.6, 60, 100), "b": text(0.0, 0, 1), "c": text(0.0, 0, 0)}, None).decode()
     assert 'hf_paged:spec_decode_acceptance_rate{replica="all"} ' + str(60 / 101) in merged
     assert 'hf_paged:num_requests_running{replica="all"} 6.0' in merged
+    # A replica gone (replaced, or too slow to answer): its counters stay in the totals, its gauges do not.
+    merged = merged_metrics({"a": text(0.6, 60, 100)}, None, gone={"d": text(0.8, 40, 50)}).decode()
+    assert 'hf_paged:spec_decode_num_accepted_tokens_total{replica="all"} 100.0' in merged
+    assert 'hf_paged:spec_decode_acceptance_rate{replica="all"} ' + str(100 / 150) in merged
+    assert 'hf_paged:num_requests_running{replica="all"} 2.0' in merged and 'replica="d"' not in merged
     replica = lambda healthy: SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(  # noqa: E731
         engine=SimpleNamespace(healthy=healthy))))
     EngineReplica.func_or_class.check_health(replica(True))
@@ -154,6 +159,12 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypa
     with pytest.raises(SystemExit):
         main(["serve-ray", smollm2_path, "--num-replicas", "5", "--min-replicas", "1", "--max-replicas", "4"])
     assert "num_replicas (5) must lie between" in capsys.readouterr().err
+    for option, value, message in [("--replica-cpus", "-1", "replica_cpus must be >= 0, got -1.0"),
+                                   ("--target-ongoing-requests", "0", "target_ongoing_requests must be >= 1, got 0")]:
+        with pytest.raises(SystemExit) as exit_info:  # refused before Ray starts (a traceback from Ray before)
+            main(["serve-ray", smollm2_path, "--min-replicas", "1", "--max-replicas", "2", option, value])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not deployed[1:]
 
 
 def test_the_ingress_refuses_an_oversized_body_before_reading_it(base):
@@ -218,6 +229,7 @@ def test_a_killed_replica_fails_its_requests_only_and_is_replaced(base, client):
         futures = [pool.submit(stream_and_record, client, p, r, started) for p, r in zip(prompts, records)]
         assert started.wait(timeout=120)
         victim = next(r["replica"] for r in records if r["text"])  # 128 tokens take seconds: it is mid-stream
+        counted = totals(base)
         # Serve names a replica's actor SERVE_REPLICA::<app>#<deployment>#<replica id>; this is a hard kill.
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#Engine#{victim}", namespace="serve"), no_restart=True)
         for future in futures:
@@ -234,6 +246,10 @@ def test_a_killed_replica_fails_its_requests_only_and_is_replaced(base, client):
         time.sleep(1)
     answer = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=prompts[0], max_tokens=4, temperature=0)
     assert answer.choices[0].finish_reason == "length"
+    after = totals(base)  # the counters' totals keep the killed replica's last values: they never go down
+    assert all(after[name] >= counted[name] for name in counted if name.endswith(("_total", "_count", "_sum"))
+               and name.startswith("hf_paged:") and not name.startswith("hf_paged:router"))
+    assert after["hf_paged:prompt_tokens_total"] > counted["hf_paged:prompt_tokens_total"]
 
 
 def shared_prefix_hit_rate(base: str, client: openai.OpenAI, team: str, groups: int = 20, rounds: int = 3):

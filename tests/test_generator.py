@@ -503,6 +503,18 @@ def test_engine_sizes_must_be_positive(smollm2, option):
         make_generator(smollm2, **option)
 
 
+def test_a_max_model_len_beyond_the_context_or_the_cache_is_refused(smollm2):
+    """As vLLM: an explicit limit is not lowered in silence (the default is the smaller of the two)."""
+    model, _ = smollm2
+    context = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_model_len \({context + 1}\) is longer than the model's context"):
+        make_generator(smollm2, num_blocks=(context + 16) // 16 + 1, max_model_len=context + 1)
+    with pytest.raises(ValueError, match=r"max_model_len \(1025\) is more than the KV cache holds \(1024 tokens\)"):
+        make_generator(smollm2, num_blocks=64, max_model_len=1025)
+    assert make_generator(smollm2, num_blocks=64, max_model_len=1024).max_model_len == 1024
+    assert make_generator(smollm2, num_blocks=64).max_model_len == 1024
+
+
 def test_prompt_tokens_beyond_the_model_vocabulary_are_refused(smollm2, monkeypatch):
     """A tokenizer may know more tokens than the model embeds: text prompts are checked as token ids are."""
     gen = make_generator(smollm2)

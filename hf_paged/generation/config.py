@@ -140,7 +140,8 @@ class EngineConfig:
     max_num_batched_tokens: int = _option(
         "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", 2048)
     max_model_len: int | None = _option(
-        "longest prompt + output in tokens (default: the model's context, capped by the cache)")
+        "longest prompt + output in tokens (default: the model's context, capped by the cache; more than either "
+        "is refused)")
     enable_prefix_caching: bool = _option(
         "do not reuse the KV of prompt prefixes shared between requests", True, flag="--no-prefix-caching")
     prepack_weights: bool = _option(

@@ -59,10 +59,7 @@ class ContinuousBatchGenerator:
         self.tokenizer = tokenizer
         self.kv_cache = self._kv_storage(model, config)
         self.kv = KVCacheManager(self.kv_cache.pool, config.enable_prefix_caching)
-        text_config = model.config.get_text_config(decoder=True)
-        limits = [self.kv_cache.num_blocks * config.block_size, config.max_model_len,
-                  getattr(text_config, "max_position_embeddings", None)]
-        self.max_model_len = min(limit for limit in limits if limit is not None)
+        self.max_model_len = self._max_model_len(config)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         eos_token_ids = model_eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
@@ -113,6 +110,19 @@ class ContinuousBatchGenerator:
             storage = storage if fewest == storage.num_blocks else make(fewest, None)
         storage.allocate(dtype, model.device)
         return storage
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        """The model's context, capped by what the cache holds; a ``max_model_len`` above either is refused."""
+        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        held = self.kv_cache.num_blocks * config.block_size
+        asked = config.max_model_len
+        if asked is not None and context is not None and asked > context:
+            raise ValueError(f"EngineConfig.max_model_len ({asked}) is longer than the model's context ({context} "
+                             "tokens, its max_position_embeddings)")
+        if asked is not None and asked > held:
+            raise ValueError(f"EngineConfig.max_model_len ({asked}) is more than the KV cache holds ({held} tokens): "
+                             "give the cache more memory (kv_cache_memory, num_blocks) or lower max_model_len")
+        return min(limit for limit in (held, asked, context) if limit is not None)
 
     def _runner(self, config: EngineConfig) -> ModelRunner:
         native = None if config.enforce_eager else NativeDecoder.for_model(self.model, self.kv_cache)

@@ -51,6 +51,12 @@ class ServeRayConfig:
             raise ValueError(f"need 0 <= min_replicas <= max_replicas, got {self.min_replicas}, {self.max_replicas}")
         if self.max_replicas is not None and not self.min_replicas <= self.num_replicas <= self.max_replicas:
             raise ValueError(f"num_replicas ({self.num_replicas}) must lie between min_replicas and max_replicas")
+        for name in ("target_ongoing_requests", "max_ongoing_requests"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("replica_cpus", "replica_gpus"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def scaling(self) -> dict:
         """The engine deployment's replica count or autoscaling options."""

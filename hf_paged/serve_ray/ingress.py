@@ -92,6 +92,7 @@ class Ingress:
         self.block_size = block_size
         self.prefix_affinity = prefix_affinity
         self.metrics_timeout_s = metrics_timeout_s
+        self.last_metrics: dict[str, str] = {}  # every replica's last /metrics text, kept when it goes
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
@@ -110,7 +111,9 @@ class Ingress:
                     raise RuntimeError(f"replica {answered_by} answered instead")
             except Exception as err:
                 logger.warning("replica %s did not report its metrics: %r", replica, err)
-        return Response(merged_metrics(texts, router.stats), media_type=CONTENT_TYPE_LATEST)
+        self.last_metrics.update(texts)
+        gone = {replica: text for replica, text in self.last_metrics.items() if replica not in texts}
+        return Response(merged_metrics(texts, router.stats, gone), media_type=CONTENT_TYPE_LATEST)
 
     @api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, path: str, request: Request) -> Response:

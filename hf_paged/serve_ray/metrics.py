@@ -1,6 +1,7 @@
 """The app's ``/metrics``: every replica's server metrics labelled ``replica="<id>"``, their total labelled
 ``replica="all"`` (sums; the mean for fractions such as ``kv_cache_usage_perc``, and the speculation rates from
-the summed counters), and the router's counters."""
+the summed counters), and the router's counters. The totals of counters and histograms keep the last values of the
+replicas that no longer answer (replaced, or late), so they never go down, as Prometheus expects of a counter."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .router import RoutingStats
 
 TOTAL = "all"
+_MONOTONIC = ("counter", "histogram", "summary")
 # Gauges whose total over replicas is a ratio of summed counters, plus a constant (not a sum of the replicas' ratios).
 RATIOS = {
     "hf_paged:spec_decode_acceptance_rate": ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", 0.0),
@@ -20,17 +22,21 @@ RATIOS = {
 }
 
 
-def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None) -> bytes:
-    """Prometheus text of the replicas' metrics (``{replica id: its /metrics text}``) and the router's."""
+def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None,
+                   gone: dict[str, str] | None = None) -> bytes:
+    """Prometheus text of the replicas' metrics (``{replica id: its /metrics text}``) and the router's; the counters
+    of the replicas ``gone`` (their last texts) count in the totals only."""
     families: dict[str, Metric] = {}
     totals: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for replica, text in sorted(replica_texts.items()):
+    answers = [(replica, text, True) for replica, text in sorted(replica_texts.items())]
+    for replica, text, live in answers + [(replica, text, False) for replica, text in sorted((gone or {}).items())]:
         for family in text_string_to_metric_families(text):
-            if family.name.endswith("_created"):
+            if family.name.endswith("_created") or not (live or family.type in _MONOTONIC):
                 continue
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
             for sample in family.samples:
-                merged.add_sample(sample.name, {"replica": replica, **sample.labels}, sample.value)
+                if live:
+                    merged.add_sample(sample.name, {"replica": replica, **sample.labels}, sample.value)
                 totals[family.name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
 
     def total(counter: str) -> float:
