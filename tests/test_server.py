@@ -170,9 +170,19 @@ def test_stop_strings_streamed_and_not(server, client):
     done = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS,
                                      stop=[stop, "never-seen-stop"])
     assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, "stop")
-    streamed = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS,
-                                         stop=stop, stream=True)
+    assert done.choices[0].stop_reason == stop  # vLLM's field: the stop string, or token id, that ended it
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS,
+                                              stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == expected
+    assert [c.choices[0].stop_reason for c in streamed] == [None] * (len(streamed) - 1) + [stop]
+    stop_id = server.prompt_ref.token_ids[3]
+    by_token = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS,
+                                         extra_body={"stop_token_ids": [stop_id]})
+    assert (by_token.choices[0].finish_reason, by_token.choices[0].stop_reason) == ("stop", stop_id)
+    chat_stop = server.chat_ref.text.split()[1]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=GREEDY_TOKENS,
+                                          stop=chat_stop)
+    assert (chat.choices[0].finish_reason, chat.choices[0].stop_reason) == ("stop", chat_stop)
 
 
 def test_n_max_tokens_and_prompt_lists(server, client):

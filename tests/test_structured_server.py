@@ -175,7 +175,8 @@ def streamed_calls(stream) -> tuple[str, list[dict], str | None]:
     """Content, tool calls and finish_reason of a streamed choice, accumulated as an OpenAI client does."""
     content, calls, finish = "", {}, None
     for chunk in stream:
-        for choice in chunk.choices:
+        for choice in chunk.choices:  # no chunk comes empty (text the call parser holds back sent them before)
+            assert choice.delta.role or choice.delta.content or choice.delta.tool_calls or choice.finish_reason
             content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or []:
                 call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": "", "pieces": 0})

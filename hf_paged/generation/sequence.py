@@ -84,8 +84,8 @@ class Sequence:
     def output(self, delta: bool) -> CompletionOutput | None:
         """This sample's output: all of it, or (``delta``) what was not handed back before (None: nothing new).
 
-        While a stop string could still be completing, its first characters are held back, so text once handed back
-        is never cut again.
+        With stop strings, the last ``len(longest) - 1`` characters are held back until more text follows (they
+        could begin one), so text once handed back is never cut again.
         """
         end = len(self.text) if self.is_finished else max(0, len(self.text) - self.request.stop_holdback)
         first_token, first_char = (self.num_sent_tokens, self.num_sent_chars) if delta else (0, 0)

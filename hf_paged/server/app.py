@@ -32,8 +32,9 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
   the server is full. ``/health`` answers 503 once the engine has stopped after an unrecoverable error.
   A stream that fails after it began sends one ``data: {"error": ...}`` event, then ``data: [DONE]``. Requests still
   running when a shutdown's grace period is about to end fail with 503 (`GracefulServer`).
-* While a stream uses stop strings, the last ``len(longest stop) - 1`` characters are held back until they cannot
-  be the start of a stop string, so no text is ever sent that the stop would have cut.
+* While a stream uses stop strings, its last ``len(longest stop) - 1`` characters are held back until more text
+  follows (as vLLM does, whether or not they could start one), so no text is ever sent that the stop would have cut.
+  Choices carry vLLM's ``stop_reason``: the stop string or token id that ended them, else null.
 * A client that disconnects aborts its requests, which frees their KV blocks (a non-streaming call notices within
   a second).
 """

@@ -521,12 +521,13 @@ class CompletionFormat:
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         return {"index": index, "text": output.text, "logprobs": self.logprobs(output.token_ids, output.logprobs, 0),
-                "finish_reason": output.finish_reason}
+                "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                     text_offset: int, finish_reason: str | None) -> dict:
+                     text_offset: int, finish_reason: str | None, stop_reason: str | int | None = None) -> dict | None:
+        """A stream chunk's choice; None when it would carry nothing."""
         return {"index": index, "text": text, "logprobs": self.logprobs(token_ids, logprobs, text_offset),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
     def opening_choice(self, index: int) -> dict | None:
         return None
@@ -555,12 +556,14 @@ class ChatFormat(CompletionFormat):
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": output.text},
-                "logprobs": self.logprobs(output.token_ids, output.logprobs, 0), "finish_reason": output.finish_reason}
+                "logprobs": self.logprobs(output.token_ids, output.logprobs, 0), "finish_reason": output.finish_reason,
+                "stop_reason": output.stop_reason}
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                     text_offset: int, finish_reason: str | None) -> dict:
+                     text_offset: int, finish_reason: str | None, stop_reason: str | int | None = None) -> dict | None:
         return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self.logprobs(token_ids, logprobs, text_offset), "finish_reason": finish_reason}
+                "logprobs": self.logprobs(token_ids, logprobs, text_offset), "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def opening_choice(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -585,18 +588,20 @@ class ToolChatFormat(ChatFormat):
         return choice
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                     text_offset: int, finish_reason: str | None) -> dict:
+                     text_offset: int, finish_reason: str | None, stop_reason: str | int | None = None) -> dict | None:
         stream = self.streams.setdefault(index, self.parser.stream())
         content, calls = stream.feed(text)
         called = False
         if finish_reason is not None:
             rest, last, called = stream.finish()
             content, calls = content + rest, calls + last
-        choice = super().chunk_choice(index, content, token_ids, logprobs, text_offset, finish_reason)
+        choice = super().chunk_choice(index, content, token_ids, logprobs, text_offset, finish_reason, stop_reason)
         if calls:
             choice["delta"]["tool_calls"] = calls
         if called:
             choice["finish_reason"] = self._finish(finish_reason)
+        if not choice["delta"] and choice["logprobs"] is None and finish_reason is None:
+            return None  # text the call parser holds back: nothing to send yet
         return choice
 
     def _finish(self, finish_reason: str | None) -> str | None:

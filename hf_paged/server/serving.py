@@ -286,8 +286,10 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                     waiting[index] = choice
                     continue
                 offset = text_offset.get(index, 0)
-                yield event([fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
-                                              choice.finish_reason)])
+                chunk_choice = fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
+                                                choice.finish_reason, choice.stop_reason)
+                if chunk_choice is not None:
+                    yield event([chunk_choice])
                 if choice.logprobs is not None:
                     text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
         if include_usage:
