@@ -185,6 +185,23 @@ def test_stop_strings_streamed_and_not(server, client):
     assert (chat.choices[0].finish_reason, chat.choices[0].stop_reason) == ("stop", chat_stop)
 
 
+def test_tokenize_and_detokenize_as_vllm(server, client, smollm2):
+    """vLLM's /tokenize counts what a call would run: a chat's count is its usage's prompt tokens."""
+    _, tokenizer = smollm2
+    answer = post(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
+    assert answer["tokens"] == tokenizer(PROMPT).input_ids and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == server.generator.max_model_len
+    assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"])
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    counted = post(server, "/tokenize", {"model": MODEL, "messages": CHAT}).json()
+    assert counted["count"] == chat.usage.prompt_tokens and counted["token_strs"] is None
+    assert post(server, "/detokenize", {"tokens": answer["tokens"]}).json() == {"prompt": PROMPT}
+    assert_error(post(server, "/detokenize", {"tokens": [10 ** 9]}), 400, "tokens", "outside the model's vocabulary")
+    assert_error(post(server, "/tokenize", {"prompt": ["x"]}), 400, "prompt")
+    assert_error(post(server, "/tokenize", {"prompt": "x", "model": "other"}), 404, "model")
+    assert post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401  # the key guards them, as /v1
+
+
 def test_n_max_tokens_and_prompt_lists(server, client):
     done = client.completions.create(model=MODEL, prompt=PROMPT, n=2, temperature=1.0, seed=3, max_tokens=5)
     assert sorted(c.index for c in done.choices) == [0, 1]

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `create_app` builds a FastAPI app over a `ContinuousBatchGenerator`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
-``GET /health`` and ``GET /metrics`` (Prometheus). Choices made where OpenAI leaves room:
+vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus). Choices made
+where OpenAI leaves room:
 
 * ``temperature`` defaults to 1.0, as OpenAI's does; 0 is greedy. As in vLLM, sampling settings the model's
   generation config recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) stand for
@@ -21,7 +22,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 * ``response_format``, ``structured_outputs`` (and ``guided_*``) and ``tools`` with ``tool_choice`` are served by
   constrained decoding (see ``tool_calls.py`` for the tool-call format). The grammar is compiled before the request
   is queued, so an invalid schema, regex or grammar is a 400 naming the field that carried it.
-* With an API key, every ``/v1`` route wants ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open.
+* With an API key, every ``/v1`` route, ``/tokenize`` and ``/detokenize`` want ``Authorization: Bearer KEY`` (vLLM
+  leaves the last two open; they spend the server's CPU); ``/health`` and ``/metrics`` stay open.
   Browsers may call from any origin unless ``allowed_origins`` says otherwise (CORS preflights need no key).
   The key and the body size are checked from the headers before the body is read (`middleware.Gatekeeper`).
 * What one call may ask is bounded by `ServerLimits` (prompts per call, ``n``, stop strings, ``logit_bias``,
@@ -46,6 +48,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,6 +56,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..generation import ContinuousBatchGenerator, SamplingParams
@@ -60,7 +64,7 @@ from .engine import EngineLoop
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .serving import OpenAIServing
 from .tokenization import PromptEncoder
 
@@ -164,6 +168,19 @@ def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]) -> dict:
+        model = ChatCompletionRequest if "messages" in body else TokenizeRequest
+        try:
+            request = model.model_validate(body)
+        except ValidationError as err:
+            raise RequestValidationError(err.errors()) from err
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await serving.detokenize(body)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -18,6 +18,7 @@ from .limits import ServerLimits
 from .protocol import APIError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # the routes an API key guards
 RETRY_AFTER_S = 1
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Gatekeeper:
         headers = {}
         for name, value in scope["headers"]:  # the first of a repeated header counts, as Starlette reads it
             headers.setdefault(name, value)
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and scope["path"].startswith(KEYED_PATHS):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 return APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",

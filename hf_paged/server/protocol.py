@@ -429,6 +429,24 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 # --------------------------------------------------------------------------------------------------- responses
+class TokenizeRequest(BaseModel):
+    """Body of vLLM's ``POST /tokenize`` for a completion's ``prompt`` (a chat's ``messages`` come as a
+    `ChatCompletionRequest`: its template options and tools render them)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 class APIError(Exception):
     """An error answered in OpenAI's shape."""
 

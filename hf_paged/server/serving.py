@@ -25,7 +25,9 @@ from .protocol import (
     ChatFormat,
     CompletionFormat,
     CompletionRequest,
+    DetokenizeRequest,
     GenerationRequest,
+    TokenizeRequest,
     ToolChatFormat,
     error_body,
     usage,
@@ -74,10 +76,39 @@ class OpenAIServing:
         prompt, fmt = await self.chat_prompt(body, messages, (body.top_logprobs or 0) if body.logprobs else None)
         return await self.serve(body, [prompt], fmt, params, "chatcmpl", "messages", request)
 
-    def check_request(self, body: GenerationRequest) -> None:
-        if body.model is not None and body.model != self.served_model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+    async def tokenize(self, body: TokenizeRequest | ChatCompletionRequest) -> dict:
+        """vLLM's ``/tokenize``: the token ids the server would run for a completion's prompt or a chat's messages
+        (with its template options and tools), their count, the context, and with ``return_token_strs`` each token
+        as the tokenizer spells it."""
+        self.check_model(body.model)
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                messages = [message.to_template_dict() for message in body.messages]
+            except ValueError as err:
+                raise _bad_request(err, "messages") from err
+            prompt, param = (await self.chat_prompt(body, messages, None))[0], "messages"
+        else:
+            prompt, param = body.prompt, "prompt"
+        token_ids = await self.encoder.encode(prompt, param)
+        spelled = None
+        if getattr(body, "return_token_strs", False) is True:
+            spelled = await asyncio.get_running_loop().run_in_executor(
+                self.encoder.start(), lambda: self.encoder.processor().tokenizer.convert_ids_to_tokens(token_ids))
+        return {"count": len(token_ids), "max_model_len": self.generator.max_model_len, "tokens": token_ids,
+                "token_strs": spelled}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        """vLLM's ``/detokenize``: the text of token ids (a 400 for ids outside the vocabulary)."""
+        self.check_model(body.model)
+        return {"prompt": await self.encoder.text(body.tokens, "tokens")}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.served_model_name!r}", param="model", code="model_not_found")
+
+    def check_request(self, body: GenerationRequest) -> None:
+        self.check_model(body.model)
         field = body.unsupported_field()
         if field is not None:
             raise APIError(400, f"{field} is not supported by this server", param=field)
