@@ -166,9 +166,6 @@ def paged_attention_forward(
             key.paged_source = (paged_metadata, layer_idx)
     k_cache, v_cache = paged_metadata.kv.layer(layer_idx, key)
 
-    num_tokens = batch * q_len
-    q = query.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
-    k = key.transpose(1, 2).reshape(num_tokens, key.shape[1], head_dim)
-    v = value.transpose(1, 2).reshape(num_tokens, value.shape[1], head_dim)
+    q, k, v = (x.transpose(1, 2).reshape(batch * q_len, x.shape[1], head_dim) for x in (query, key, value))
     out = paged_attention(q, k, v, k_cache, v_cache, paged_metadata, scale, sliding_window, softcap)
     return out.view(batch, q_len, num_heads, head_dim), None

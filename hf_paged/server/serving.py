@@ -282,10 +282,8 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
 async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int, include_usage: bool,
                continuous_usage: bool = False) -> AsyncIterator[str]:
     """Server-sent events of a streamed call: text deltas per choice (with the usage so far, if continuous), then
-    usage if asked, then ``[DONE]``.
-
-    The engine's deltas never hold a partial stop string; tokens that brought no text yet (an incomplete character)
-    wait, with their logprobs, for the chunk that carries their text."""
+    usage if asked, then ``[DONE]``. Tokens that brought no text yet (an incomplete character) wait, with their
+    logprobs, for the chunk that carries their text."""
     chunk = {**header, "object": fmt.chunk_object, **({"usage": None} if include_usage else {})}  # as OpenAI's
 
     def event(choices: list[dict], last: bool = False) -> str:
@@ -317,10 +315,9 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                     waiting[index] = choice
                     continue
                 offset = text_offset.get(index, 0)
-                chunk_choice = fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
-                                                choice.finish_reason, choice.stop_reason)
-                if chunk_choice is not None:
-                    yield event([chunk_choice])
+                if sent := fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
+                                            choice.finish_reason, choice.stop_reason):
+                    yield event([sent])
                 if choice.logprobs is not None:
                     text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
         if include_usage:
