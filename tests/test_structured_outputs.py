@@ -248,6 +248,40 @@ def test_the_grammar_time_limit_counts_the_engine_threads_own_work_only(smollm2,
     compiler.shutdown()
 
 
+def test_the_draws_of_one_matcher_fill_its_row_once(smollm2):
+    """A prompt's ``n`` draws share its matcher: filled n times, its time counted n times toward the limit."""
+    _, tokenizer = smollm2
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id])
+    matcher = GrammarMatcher.of(compiler.compile(StructuredOutputsParams(choice=["yes", "no"])).result())
+    fills, fill = [], matcher._matcher.fill_next_token_bitmask
+    matcher._matcher = type("Counting", (), {"fill_next_token_bitmask": lambda self, *a: fills.append(fill(*a))})()
+    bitmask = fill_bitmask([matcher, matcher, matcher], [0, 2, 3], 4)
+    assert len(fills) == 1 and (bitmask[0] == bitmask[2]).all() and (bitmask[0] == bitmask[3]).all()
+    assert (bitmask[1] == -1).all() and not (bitmask[0] == -1).all()  # row 1 free, row 0 constrained
+    compiler.shutdown()
+
+
+def test_a_rolled_back_step_forgets_its_grammar_time(generator, monkeypatch):
+    """The retried step fills the same bitmask again: the failed step's work must not count toward the limit."""
+    from hf_paged.generation import generator as generator_module
+
+    def failing_sample(*args):
+        raise RuntimeError("injected after the bitmask was filled")
+
+    generator.add_request(PROMPT, constrained(0, json=PERSON), request_id="timed")
+    generator.step()
+    seq = generator.requests["timed"].seqs[0]
+    while seq.num_output_tokens == 0:
+        generator.step()  # its grammar compiles, then its prompt runs: it has a matcher
+    monkeypatch.setattr(generator_module, "sample", failing_sample)
+    with pytest.raises(RuntimeError, match="injected"):
+        generator.step()
+    assert seq.matcher.spent == 0.0
+    monkeypatch.undo()
+    while generator.has_unfinished_requests():
+        generator.step()
+
+
 def test_a_grammar_that_does_not_compile_fails_only_its_request(generator):
     good, bad = generator.run([PROMPT, PROMPT], [constrained(0, json=PERSON), constrained(0, regex="(unclosed")],
                               use_tqdm=False)

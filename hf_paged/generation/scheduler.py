@@ -345,6 +345,8 @@ class Scheduler:
         """Undo the scheduling of a step whose forward or sampling failed, so the next step recomputes it."""
         for seq in out.seqs:  # the blocks this step was to fill must not serve later prefix matches
             self.kv.uncache_blocks(seq.seq_id, seq.num_computed_tokens)
+            if seq.matcher is not None:  # its grammar work is done again for the same token
+                seq.matcher.spent = 0.0
         # A sequence admitted this step may have matched blocks that another one indexed in the same step, which
         # were never written: it goes back to waiting and matches again.
         for seq in reversed(out.admitted):

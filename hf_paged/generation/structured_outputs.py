@@ -229,10 +229,15 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int)
     """A ``[num_rows, ceil(vocab_size / 32)]`` int32 bitmask whose ``rows`` allow what ``matchers`` allow next.
 
     Rows not in ``rows`` are left all-allowed. Each matcher fills its own row: xgrammar's batch filler owns a thread
-    pool, and one shared by the engine threads of several generators in a process aborted the process.
+    pool, and one shared by the engine threads of several generators in a process aborted the process. A matcher met
+    again (the ``n`` draws of a prompt) copies its first row, so its time counts once.
     """
     bitmask = _xgrammar().allocate_token_bitmask(num_rows, matchers[0].vocab_size)
+    first_rows: dict[int, int] = {}
     for matcher, row in zip(matchers, rows):
+        if (first := first_rows.setdefault(id(matcher), row)) != row:
+            bitmask[row] = bitmask[first]
+            continue
         start = time.thread_time()
         matcher._matcher.fill_next_token_bitmask(bitmask, row)
         matcher.spent += time.thread_time() - start
