@@ -241,6 +241,35 @@ def test_logprobs(server, client):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
+    # The bytes of the tokens that split a character join into it (each token's text alone is U+FFFD).
+    emoji = [{"role": "user", "content": "Reply with emoji only."}, {"role": "assistant", "content": "😀🍣"}]
+    split = client.chat.completions.create(model=MODEL, messages=emoji, temperature=0, max_tokens=8, logprobs=True,
+                                           extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    tokens = split.choices[0].logprobs.content
+    joined, said = bytes(b for t in tokens for b in t.bytes), split.choices[0].message.content.encode()
+    assert any(t.token == "\ufffd" for t in tokens) and said
+    assert joined.startswith(said) and len(joined) - len(said) < 4  # max_tokens may cut the last character
+
+
+def test_token_bytes_are_the_vocabularys(smollm2):
+    """Byte-level BPE (SmolLM2) and SentencePiece-style (Metaspace, byte fallback) vocabularies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_paged.server.tokenization import TokenText
+
+    _, tokenizer = smollm2
+    text = TokenText(tokenizer)
+    for sample in ["😀 café", "東京 naïve", "Hello world"]:
+        ids = tokenizer(sample, add_special_tokens=False).input_ids
+        assert b"".join(map(text.bytes, ids)) == sample.encode()
+    assert text.bytes(tokenizer.eos_token_id) == tokenizer.eos_token.encode()
+    vocab = {"<unk>": 0, "<s>": 1, "\u2581hello": 2, "<0xC3>": 3, "<0xA9>": 4}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    backend.decoder = decoders.Metaspace(prepend_scheme="always")
+    pieces = TokenText(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>"))
+    assert [pieces.bytes(i) for i in (2, 3, 4)] == [b" hello", b"\xc3", b"\xa9"]
 
 
 def test_concurrent_streams_batch_together(server, client):

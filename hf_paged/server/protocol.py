@@ -13,12 +13,15 @@ import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ..generation import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from .tool_calls import TEMPLATE_PARAMETERS, ToolCallParser, calls_schema, tool_functions
+
+if TYPE_CHECKING:
+    from .tokenization import TokenText
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy /v1/completions default
 
@@ -485,7 +488,7 @@ class CompletionFormat:
     prompt_top: int | None = None  # vLLM's ``prompt_logprobs`` of the call (None: not asked)
     prompt_logprobs_at = "choice"  # where they go: in each choice of the prompt, or (chat) in the response
 
-    def __init__(self, decode: Callable[[int], str], top_k: int | None, echo: list[str] | None = None,
+    def __init__(self, decode: TokenText, top_k: int | None, echo: list[str] | None = None,
                  prompt_only: bool = False):
         self.decode, self.top_k = decode, top_k
         self.echo = echo  # with ``echo``: each prompt's text, put before its choices' text
@@ -563,8 +566,7 @@ class ChatFormat(CompletionFormat):
             return None
 
         def entry(token_id: int, logprob: float) -> dict:
-            text = self.decode(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": self.decode(token_id), "logprob": logprob, "bytes": list(self.decode.bytes(token_id))}
 
         content = [
             {**entry(t, top[t]), "top_logprobs": [entry(i, lp) for i, lp in _ranked(top, self.top_k)]}
@@ -591,7 +593,7 @@ class ToolChatFormat(ChatFormat):
     """Chat choices whose text may hold tool calls: those are answered as ``message.tool_calls`` (streamed as
     ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``."""
 
-    def __init__(self, decode: Callable[[int], str], top_k: int | None, parser: ToolCallParser):
+    def __init__(self, decode: TokenText, top_k: int | None, parser: ToolCallParser):
         super().__init__(decode, top_k)
         self.parser = parser
         self.streams = {}

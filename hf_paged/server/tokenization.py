@@ -9,10 +9,10 @@ tokenization.
 
 from __future__ import annotations
 
-import json
-
 import asyncio
 import copy
+import json
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -97,18 +97,10 @@ class PromptEncoder:
         except ValueError as err:
             raise APIError(400, str(err), param=param) from err
 
-    def decoder(self) -> Callable[[int], str]:
-        """``id -> text`` of a single token, cached, on a tokenizer copy of its own: logprobs name every token."""
+    def decoder(self) -> "TokenText":
+        """Each token's text and bytes, on a tokenizer copy of its own: logprobs name every token."""
         with self._copy_lock:
-            tokenizer = copy.deepcopy(self._master)
-        lock = threading.Lock()  # responses are built on the event loop, large ones on a worker thread
-
-        @lru_cache(maxsize=1 << 16)
-        def decode(token_id: int) -> str:
-            with lock:
-                return tokenizer.decode([token_id])
-
-        return decode
+            return TokenText(copy.deepcopy(self._master))
 
     def start(self) -> ThreadPoolExecutor:
         """The worker threads, started on first use (idempotent)."""
@@ -121,6 +113,54 @@ class PromptEncoder:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _bytes_of_byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE vocabularies (GPT-2's scheme) spell byte b as a printable character: b itself where it is
+    printable (and not a space), else chr(256 + k) for the k-th other byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _bytes_of_byte_level_chars()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+class TokenText:
+    """A token's text (``token_text(id)``) and its bytes (``token_text.bytes(id)``), cached. The bytes are those its
+    vocabulary entry stands for, so the tokens that split a character (each "\ufffd" as text) join into its bytes,
+    as OpenAI's chat logprobs promise; a tokenizer whose vocabulary cannot be read so gives its text's UTF-8."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._lock = tokenizer, threading.Lock()  # built on the event loop and on worker threads
+        self._added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = json.dumps(json.loads(backend.to_str()).get("decoder")) if backend is not None else ""
+        self._byte_level, self._metaspace = "ByteLevel" in decoder, "\u2581" in decoder or "Metaspace" in decoder
+        self._text = lru_cache(maxsize=1 << 16)(self._decode)
+        self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
+
+    def __call__(self, token_id: int) -> str:
+        return self._text(token_id)
+
+    def _decode(self, token_id: int) -> str:
+        with self._lock:
+            return self._tokenizer.decode([token_id])
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        with self._lock:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if isinstance(piece, str) and (byte := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(byte.group(1), 16)])
+        if isinstance(piece, str) and self._metaspace:
+            return piece.replace("\u2581", " ").encode()
+        return self(token_id).encode()
 
 
 def check_text(prompt: str | list[dict], param: str) -> None:
