@@ -119,6 +119,21 @@ def test_tokenization_runs_off_the_event_loop(smollm2_path):
     assert max(watch.latencies) < took / 2  # ... while /health kept answering
 
 
+def test_a_repeated_invalid_constraint_keeps_nothing_of_its_requests(smollm2_path):
+    """The failed compile is cached: its one error, raised again for each request repeating it, kept every raise's
+    frames (each request's body with them) in its traceback: 2 MB prompts grew the server by ~1.9 MB a request."""
+    generator = tiny_generator(smollm2_path)
+    body = {"model": MODEL, "prompt": "x " * 5000, "max_tokens": 2, "structured_outputs": {"regex": "([a-z]"}}
+    with live_server(create_app(generator, MODEL)) as live:
+        for _ in range(12):
+            assert_openai_error(post(live, "/v1/completions", body, key=None), 400, "structured_outputs")
+    (failed,) = [future.exception() for future in generator.grammars._cache.values()]
+    frames, tb = 0, failed.__traceback__
+    while tb is not None:
+        frames, tb = frames + 1, tb.tb_next
+    assert frames < 4, f"{frames} frames kept"
+
+
 def test_each_tokenizing_thread_has_its_own_tokenizer(smollm2_path):
     from hf_paged.server.tokenization import PromptEncoder
 

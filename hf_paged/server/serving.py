@@ -124,7 +124,10 @@ class OpenAIServing:
             try:
                 await asyncio.wrap_future(self.generator.grammars.compile(constraint.spec))
             except ValueError as err:
-                raise _bad_request(constraint.error(err), constraint.param) from err
+                # The compile is cached, and its one error raised again for every request repeating the constraint
+                # would keep each raise's frames (request bodies included) in its traceback: a copy goes on.
+                err.__traceback__ = None
+                raise _bad_request(constraint.error(ValueError(str(err))), constraint.param) from None
 
     async def chat_prompt(self, body: ChatCompletionRequest, messages: list[dict],
                           top_k: int | None) -> tuple[list, ChatFormat]:
