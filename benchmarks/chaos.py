@@ -116,8 +116,9 @@ async def stream_answer(client: httpx.AsyncClient, url: str, body: dict, leave_a
 
 class Chaos:
     def __init__(self, base_url: str, model: str, clients: int, max_tokens: int, prompts: list[str], seed: int,
-                 server_pid: int | None):
+                 server_pid: int | None, api_key: str | None = None):
         self.base, self.model, self.prompts = base_url.removesuffix("/v1"), model, prompts
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # a bad input may replace it
         self.url = f"{self.base}/v1/chat/completions"
         self.max_tokens, self.rng, self.pid = max_tokens, random.Random(seed), server_pid
         self.report = ChaosReport(clients)
@@ -195,7 +196,7 @@ class Chaos:
 
     async def run(self) -> ChaosReport:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=self.headers) as client:
             await stream_answer(client, self.url, chat_body(self.model, "Hello!", 4))  # warm-up
             self.report.rss_before_mb = self.rss_mb()
             stop = threading.Event()
@@ -244,5 +245,5 @@ def metric(text: str, name: str) -> float | None:
 
 
 def run_chaos(base_url: str, model: str, clients: int, max_tokens: int, prompts: list[str], seed: int = 0,
-              server_pid: int | None = None) -> ChaosReport:
-    return asyncio.run(Chaos(base_url, model, clients, max_tokens, prompts, seed, server_pid).run())
+              server_pid: int | None = None, api_key: str | None = None) -> ChaosReport:
+    return asyncio.run(Chaos(base_url, model, clients, max_tokens, prompts, seed, server_pid, api_key).run())

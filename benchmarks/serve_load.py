@@ -263,9 +263,11 @@ def main(argv: list[str] | None = None) -> None:
 def chaos_main(args: argparse.Namespace) -> None:
     process, base_url = start_server(args) if args.start_server else (None, args.base_url)
     try:
-        model = args.served_model_name or httpx.get(f"{base_url}/models", timeout=30).json()["data"][0]["id"]
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = args.served_model_name or httpx.get(f"{base_url}/models", timeout=30,
+                                                    headers=headers).json()["data"][0]["id"]
         report = run_chaos(base_url, model, args.clients, args.max_tokens, PROMPTS, args.seed,
-                           process.pid if process else None)
+                           process.pid if process else None, args.api_key)
         report.engine_alive = report.engine_alive and (process is None or process.poll() is None)
     finally:
         if process is not None:

@@ -80,7 +80,7 @@ def run(own, args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.model = resolve_model(args.model)
-    model, tokenizer = throughput.load_model(args.model, args.dtype, "paged", args.round_weights)
+    model, tokenizer = throughput.load_model(args.model, args.dtype, "paged", args.round_weights, args.device)
     workload = throughput.make_workload(args, tokenizer)
     prompts, lengths = workload["prompts"], workload["output_lens"]
     generators = {}

@@ -292,7 +292,9 @@ class StepRecorder:
         execute, step = generator.runner.execute, generator._step  # what step(), run() and stream() all call
 
         def recording_execute(batch):
-            self._batch = (sum(n == 1 for n in batch.num_tokens), sum(n for n in batch.num_tokens if n != 1))
+            # A sequence decodes one token, or verifies its guesses after it (1 + k tokens); the rest are prompts.
+            decodes = [n == 1 or seq.seq_id in batch.spec_token_ids for seq, n in zip(batch.seqs, batch.num_tokens)]
+            self._batch = (sum(decodes), sum(n for n, decode in zip(batch.num_tokens, decodes) if not decode))
             return execute(batch)
 
         def recording_step(only):
@@ -898,7 +900,7 @@ def run_structured(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, args.dtype, "paged", args.round_weights)
+    model, tokenizer = load_model(args.model, args.dtype, "paged", args.round_weights, args.device)
     generator = make_generator(args, model, tokenizer)
     compile_times = time_compiles(generator, SCHEMAS)  # before the run's schemas: none of them is cached yet
     schemas = [array_of(SCHEMAS[i % len(SCHEMAS)], args.structured_items) for i in range(args.num_requests)]

@@ -262,3 +262,19 @@ def test_native_ab_times_each_build_of_the_decoder(smollm2_path, tmp_path):
     steps = json.loads(out.read_text())["median_step_s"]["float32"]
     assert set(steps) == {"1", "3"} and all(len(medians) == 2 and min(medians) > 0 for medians in steps.values())
     assert "float32 B=3:" in proc.stdout
+
+
+def test_the_step_recorder_counts_verifying_steps_as_decodes(smollm2):
+    """A sequence checking k guesses computes 1 + k tokens: a decode, not a prompt, in the efficiency figures."""
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+
+    throughput = load_benchmark("throughput")
+    model, tokenizer = smollm2
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64,
+                                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    recorder = throughput.StepRecorder(gen)
+    prompt = tokenizer("one two three four five six one two three four five six one two three").input_ids
+    gen.run([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert gen.stats().spec_decode_num_drafts > 0
+    assert sum(prefill for _, prefill, _ in recorder.steps) == len(prompt)
+    assert all(decodes == 1 for decodes, _, _ in recorder.steps[1:])
