@@ -41,7 +41,7 @@ _FAMILIES = {
 }
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_QK_NORMS = {"q_norm", "k_norm"}  # Qwen3's per-head norms of queries and keys
+_QK_NORMS = frozenset({"q_norm", "k_norm"})  # per-head norms of queries and keys, Qwen3's only
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class _Classes:
     norm: type
     mlp: type
     attention: type
+    qk_norms: frozenset[str]  # the attention's norm children
 
 
 def _classes(family: str) -> _Classes | None:
@@ -62,7 +63,7 @@ def _classes(family: str) -> _Classes | None:
     except ImportError:
         return None
     found = [getattr(module, name, None) for name in _FAMILIES[family]]
-    return None if None in found else _Classes(*found)
+    return None if None in found else _Classes(*found, qk_norms=_QK_NORMS if family == "qwen3" else frozenset())
 
 
 _structure_changes = 0  # parameters and submodules set on a watched module since the first decoder was built
@@ -218,7 +219,8 @@ class NativeDecoder:
         if type(base.norm) is not classes.norm or len(base.layers) != len(kv.key_cache):
             raise Unsupported("the model's final norm or layer count is not Llama's")
         lm_head = _linear(model.get_output_embeddings(), dtype, "the output projection")
-        window = getattr(config, "sliding_window", None) if family == "mistral" else None  # Mistral's attention reads it from the config
+        # Mistral's attention reads its window from the config
+        window = getattr(config, "sliding_window", None) if family == "mistral" else None
         layers = [cls._layer(layer, i, classes, dtype, window, kv) for i, layer in enumerate(base.layers)]
         packed_from = [lm_head.weight] + [w for layer in layers for w in layer.pop("packed_from")]
         eps = {base.norm.variance_epsilon, *(e for layer in layers for e in layer.pop("eps"))}
@@ -240,13 +242,12 @@ class NativeDecoder:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer) is not classes.layer or {n for n, _ in layer.named_children()} != _LAYER_CHILDREN:
             raise Unsupported(f"layer {index} is not an unmodified {classes.layer.__name__}")
-        qk_norms = _QK_NORMS if classes.layer.__name__.startswith("Qwen3") else set()
         children = {n for n, _ in attn.named_children()}
-        if (type(attn) is not classes.attention or children != _ATTENTION_CHILDREN | qk_norms
+        if (type(attn) is not classes.attention or children != _ATTENTION_CHILDREN | classes.qk_norms
                 or type(mlp) is not classes.mlp):
             raise Unsupported(f"layer {index}'s attention or MLP is not the one the native decoder knows")
         norms = {"input_norm": layer.input_layernorm, "post_norm": layer.post_attention_layernorm,
-                 **{name: getattr(attn, name) for name in sorted(qk_norms)}}
+                 **{name: getattr(attn, name) for name in sorted(classes.qk_norms)}}
         silu = type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU")
         if any(type(norm) is not classes.norm for norm in norms.values()) or not silu:
             raise Unsupported(f"layer {index}'s norms or activation are not RMSNorm and SiLU")
