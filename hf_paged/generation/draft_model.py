@@ -6,6 +6,8 @@ needs no allocator: every step it computes the tokens the target computes (in on
 hold its keys and values wherever the target's hold the target's, through prefix sharing, copy-on-write, forks and
 preemption (also in steps where no sequence speculates: a block computed then may be shared, by a fork or a prefix
 match, with one that does). Sequences that speculate then take one more draft forward per further guess, batched.
+While the batch is too large to speculate the draft sits out (`skip`), and each sequence catches up in the draft's
+first step after: blocks filled meanwhile and then shared by a prefix match hold no draft keys and values.
 Guesses are the draft's greedy choices, so verification (`verify_drafts`) treats them as certain proposals: greedy
 outputs are the target's own and sampled ones keep its distribution. The draft's keys and values only ever help a
 guess: where they are stale (after every guess was kept, the last one's until the next step) fewer guesses are kept,
@@ -76,6 +78,12 @@ class DraftModel:
         if len(self.computed) > 2 * len(running) + 64:
             live = {seq.seq_id for seq in running}
             self.computed = {seq_id: n for seq_id, n in self.computed.items() if seq_id in live}
+
+    def skip(self, out: SchedulerOutput) -> None:
+        """A step the draft does not compute: it only notes where each sequence's draft keys and values end."""
+        self.kv.copy_blocks(out.block_copies)
+        for seq in out.seqs:
+            self.computed[seq.seq_id] = self._first(seq)
 
     def propose(self, out: SchedulerOutput) -> None:
         """Compute the step's tokens in the draft too, then write the guesses of its speculating sequences

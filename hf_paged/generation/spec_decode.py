@@ -115,9 +115,14 @@ class Speculator:
             self.draft.retain(running)
 
     def write_drafts(self, out: SchedulerOutput) -> None:
-        """After the step is scheduled, before it is computed: the draft model's guesses (nothing for ngram)."""
-        if self.draft is not None:
+        """After the step is scheduled, before it is computed: the draft model's guesses (nothing for ngram). A step
+        of more sequences than speculate in a batch, none of them speculating, the draft sits out."""
+        if self.draft is None:
+            return
+        if out.spec_token_ids or len(out.seqs) <= self.config.disable_by_batch_size:
             self.draft.propose(out)
+        else:
+            self.draft.skip(out)
 
     def record(self, seq: Sequence, drafts: list[int], kept: list[int]) -> None:
         """Count a verification: ``kept`` is what ``seq`` took from its ``drafts``, then the model's own token."""
