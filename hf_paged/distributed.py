@@ -272,11 +272,6 @@ def set_cpu_threads() -> list[int] | None:
 
 
 # ------------------------------------------------------------------------------------------------ lockstep
-def _request_fields(request) -> tuple:
-    return (request.request_id, request.prompt, request.prompt_token_ids, request.params, request.seed,
-            request.eos_token_ids)
-
-
 class Lockstep:
     """Keeps the generators of all ranks stepping on the same inputs.
 
@@ -312,11 +307,11 @@ class Lockstep:
         """
         from .generation.sequence import Request
 
-        box = [[(a, _request_fields(x) if a == "add" else x) for a, x in actions] if self.is_driver else None]
+        box = [[(a, x.wire_fields() if a == "add" else x) for a, x in actions] if self.is_driver else None]
         self._collective("the step's input broadcast", dist.broadcast_object_list, box, 0)
         if self.is_driver:
             return actions
-        return [(a, Request(*x) if a == "add" else x) for a, x in box[0]]
+        return [(a, Request(**x) if a == "add" else x) for a, x in box[0]]
 
     @property
     def digest(self) -> str:

@@ -281,3 +281,29 @@ def test_cpu_shares_and_head_layouts(monkeypatch):
     assert not kv_heads_need_replication(smollm2, 3)
     with pytest.raises(ValueError, match="the 9 query heads to split evenly"):
         kv_heads_need_replication(smollm2, 2)
+
+
+def test_the_other_ranks_rebuild_each_request_whole(tokenizer_path):
+    """Ranks rebuild each request from the fields rank 0 sends (`Request.wire_fields`). LongRoPE's cache salt was
+    not among them: on the other ranks a long prompt matched a short one's cached blocks, on rank 0 not, and the
+    schedules parted."""
+    from dataclasses import fields
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+    from hf_paged.generation.sequence import Request
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 16}
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+                         rope_scaling=rope, **COMMON)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    gen = ContinuousBatchGenerator(model, AutoTokenizer.from_pretrained(tokenizer_path), num_blocks=32, block_size=4)
+    gen.add_request(list(range(3, 40)), SamplingParams(temperature=0.5, max_tokens=4, stop=["x"]), request_id="r")
+    action, sent = gen._inbox.get_nowait()  # what rank 0 would send
+    rebuilt = Request(**sent.wire_fields())
+    assert action == "add" and sent.cache_salt is not None
+    kept = {"seqs", "metrics", "arrival_time"}  # a rank's own, made when the request is built
+    assert all(getattr(rebuilt, f.name) == getattr(sent, f.name) for f in fields(Request) if f.name not in kept)
+    assert rebuilt.stop_ids == sent.stop_ids and rebuilt.stop_holdback == sent.stop_holdback

@@ -141,6 +141,11 @@ class Request:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
+    def wire_fields(self) -> dict:
+        """What another rank rebuilds this request from (``Request(**fields)``), before any step touched it."""
+        return dict(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                    params=self.params, seed=self.seed, eos_token_ids=self.eos_token_ids, cache_salt=self.cache_salt)
+
     @property
     def scores_prompt(self) -> bool:
         """Whether prompt tokens still need their logprobs (so none of the prompt is read from the prefix cache)."""
