@@ -311,7 +311,7 @@ class StepRecorder:
         generator._step = recording_step
 
     def _sample_kv(self) -> None:
-        kv = self.generator.kv
+        kv = self.generator.kv_manager
         used = kv.pool.num_used_blocks
         if used <= self.peak["used_blocks"]:
             return
@@ -322,7 +322,7 @@ class StepRecorder:
         self.peak = dict(used_blocks=used, stored_tokens=sum(filled.values()))
 
     def kv_report(self) -> dict:
-        pool = self.generator.kv.pool
+        pool = self.generator.kv_manager.pool
         total = pool.num_blocks * pool.block_size
         allocated = self.peak["used_blocks"] * pool.block_size
         unused = allocated - self.peak["stored_tokens"]
@@ -503,7 +503,7 @@ def run_ours(args, model, tokenizer, workload: dict) -> dict:
             for m, o in zip(metrics, outputs)]
     stats = generator.stats()
     generator.stop_workers()
-    cache = generator.kv_cache
+    cache = generator.kv_storage
     kv_rank = dict(num_blocks=cache.num_blocks, tokens=cache.num_blocks * cache.block_size,
                    num_kv_heads=cache.spec.num_kv_heads,
                    bytes=sum(t.numel() * t.element_size() for t in (*cache.key_cache, *cache.value_cache)))

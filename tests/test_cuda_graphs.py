@@ -76,7 +76,7 @@ def generate(model, tokenizer, capture=None, params=PARAMS, speculative_config=N
                                    max_num_seqs=8, speculative_config=speculative_config)
     if capture is not None:
         max_query_len = 1 + (speculative_config or {}).get("num_speculative_tokens", 0)
-        gen.runner.graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(8), 16, max_query_len,
+        gen.runner.graphs = DecodeGraphs(gen.runner.forward, gen.kv_storage, capture_sizes(8), 16, max_query_len,
                                          capture=capture)
     outputs = gen.run(PROMPTS, params, use_tqdm=False)
     return [out.outputs[0].token_ids for out in outputs], gen
@@ -92,9 +92,9 @@ def test_capture_sizes_are_vllms_buckets():
 def test_a_graph_takes_steps_whose_sequences_have_equal_new_tokens(tokenizer):
     model, _ = tiny_model("llama")
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=16, block_size=4)
-    graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(32), 16, max_query_len=4)
+    graphs = DecodeGraphs(gen.runner.forward, gen.kv_storage, capture_sizes(32), 16, max_query_len=4)
     for seq_id in (0, 1):
-        gen.kv.allocate(seq_id, 0, 16)
+        gen.kv_manager.allocate(seq_id, 0, 16)
 
     def step(*query_lens):
         spans = [(seq_id, 8, [3] * n) for seq_id, n in enumerate(query_lens)]
@@ -105,7 +105,7 @@ def test_a_graph_takes_steps_whose_sequences_have_equal_new_tokens(tokenizer):
     assert graphs.bucket(step(4, 4)) == (2, 4)
     assert graphs.bucket(step(4, 2)) is None  # the sequences' guesses differ in number
     assert graphs.bucket(step(5)) is None  # more than 1 + num_speculative_tokens
-    assert DecodeGraphs(gen.runner.forward, gen.kv_cache, (1, 2, 4), 16, 4).bucket(step(3, 3)) is None  # > 4 tokens
+    assert DecodeGraphs(gen.runner.forward, gen.kv_storage, (1, 2, 4), 16, 4).bucket(step(3, 3)) is None  # > 4 tokens
 
 
 def test_a_verifying_graph_padded_with_empty_sequences_gives_the_eager_logits(tokenizer, monkeypatch):
@@ -113,10 +113,10 @@ def test_a_verifying_graph_padded_with_empty_sequences_gives_the_eager_logits(to
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
     model, _ = tiny_model("llama")
     gen = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, num_blocks=16, block_size=4)
-    graphs = DecodeGraphs(gen.runner.forward, gen.kv_cache, capture_sizes(8), 16, max_query_len=2,
+    graphs = DecodeGraphs(gen.runner.forward, gen.kv_storage, capture_sizes(8), 16, max_query_len=2,
                           capture=ReplayOnCpu())
     for seq_id in range(3):
-        gen.kv.allocate(seq_id, 0, 10)
+        gen.kv_manager.allocate(seq_id, 0, 10)
     step = gen.runner.pack([(seq_id, 8, [5 + seq_id, 9]) for seq_id in range(3)], [0, 1, 2, 3, 4, 5])
     assert graphs.bucket(step) == (4, 2)
     eager = gen.runner.forward(step)

@@ -38,7 +38,7 @@ def run(target, tokenizer, draft=None, params=None, prompts=PROMPTS, schedule="c
                                    speculative_config=spec, **options)
     params = params or SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outputs = gen.run(prompts, params, use_tqdm=False)
-    assert gen.kv.pool.num_used_blocks == 0 and all(count == 0 for count in gen.kv.pool.ref_counts)
+    assert gen.kv_manager.pool.num_used_blocks == 0 and all(count == 0 for count in gen.kv_manager.pool.ref_counts)
     return [[o.token_ids for o in out.outputs] for out in outputs], gen
 
 

@@ -45,8 +45,8 @@ def make_generator(smollm2, **kwargs):
 
 def assert_no_leak(gen):
     assert not gen.has_unfinished_requests()
-    assert gen.kv.pool.num_used_blocks == 0
-    assert all(count == 0 for count in gen.kv.pool.ref_counts)
+    assert gen.kv_manager.pool.num_used_blocks == 0
+    assert all(count == 0 for count in gen.kv_manager.pool.ref_counts)
 
 
 def run_greedy(gen, prompt_ids):
@@ -129,7 +129,7 @@ def test_failed_step_leaves_no_prefix_behind(smollm2, chat_prompts, monkeypatch)
     monkeypatch.setattr(gen.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         gen.step()
-    assert gen.kv.pool.num_cached_blocks == 0
+    assert gen.kv_manager.pool.num_cached_blocks == 0
     monkeypatch.setattr(gen.runner, "execute", original)
     for request_id in list(gen.requests):
         gen.abort_request(request_id)
@@ -154,7 +154,7 @@ def test_a_failed_step_takes_back_its_admissions(smollm2, chat_prompts, monkeypa
     waiting = list(gen.scheduler.waiting)
     assert len(waiting) == 2 and not gen.scheduler.running
     assert all(seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0 for seq in waiting)
-    assert gen.kv.pool.num_used_blocks == 0
+    assert gen.kv_manager.pool.num_used_blocks == 0
     gen.abort_request(a)
     outputs = {}
     while gen.has_unfinished_requests():
@@ -354,11 +354,11 @@ def test_n_samples_share_prompt_blocks(smollm2, chat_prompts):
     while rid not in gen.requests or len(gen.requests[rid].seqs) < 4:
         gen.step()
     seqs = gen.requests[rid].seqs
-    tables = [gen.kv.block_table(s.seq_id) for s in seqs]
+    tables = [gen.kv_manager.block_table(s.seq_id) for s in seqs]
     prompt_blocks = len(seqs[0].request.prompt_token_ids) // 8
     assert prompt_blocks >= 2
     assert all(t[:prompt_blocks] == tables[0][:prompt_blocks] for t in tables)
-    assert all(gen.kv.pool.ref_counts[b] == 4 for b in tables[0][:prompt_blocks])
+    assert all(gen.kv_manager.pool.ref_counts[b] == 4 for b in tables[0][:prompt_blocks])
     final = None
     while gen.has_unfinished_requests():
         for out in gen.step():
@@ -441,11 +441,11 @@ def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
     drop = gen.add_request(chat_prompts[6], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     for _ in range(3):
         gen.step()
-    used_with_both = gen.kv.pool.num_used_blocks
+    used_with_both = gen.kv_manager.pool.num_used_blocks
     gen.abort_request(drop)
     outputs = {o.request_id: o for o in gen.step()}
     assert outputs[drop].finished and outputs[drop].outputs[0].finish_reason == "abort"
-    assert gen.kv.pool.num_used_blocks < used_with_both
+    assert gen.kv_manager.pool.num_used_blocks < used_with_both
     while gen.has_unfinished_requests():
         for out in gen.step():
             outputs[out.request_id] = out
@@ -559,7 +559,7 @@ def test_multibyte_characters_detokenize_whole(smollm2):
         pieces.append(Detokenizer(tokenizer).step(seq, True))
     assert all("\ufffd" not in p for p in pieces)
     assert tokenizer.decode(ids[:1]) + "".join(pieces) == text
-    assert seq.status is SequenceStatus.WAITING and gen.kv.pool.num_used_blocks == 0
+    assert seq.status is SequenceStatus.WAITING and gen.kv_manager.pool.num_used_blocks == 0
 
 
 def test_a_skipped_special_token_inside_a_character_keeps_its_bytes(smollm2):
@@ -761,8 +761,8 @@ def test_bf16_kv_cache_under_an_fp32_model(smollm2, chat_prompts):
     memory = 256 * KVCacheSpec.from_config(model.config).bytes_per_block(16, torch.float32)
     fp32 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory)
     bf16 = make_generator(smollm2, num_blocks=None, kv_cache_memory=memory, kv_cache_dtype="bfloat16")
-    assert bf16.kv_cache.key_cache[0].dtype == torch.bfloat16 and fp32.kv_cache.key_cache[0].dtype == torch.float32
-    assert bf16.kv_cache.num_blocks == 2 * fp32.kv_cache.num_blocks == 512
+    assert bf16.kv_storage.key_cache[0].dtype == torch.bfloat16 and fp32.kv_storage.key_cache[0].dtype == torch.float32
+    assert bf16.kv_storage.num_blocks == 2 * fp32.kv_storage.num_blocks == 512
     params = SamplingParams(temperature=0, max_tokens=12)
     expected = [o.outputs[0].token_ids for o in fp32.run(chat_prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in bf16.run(chat_prompts, params, use_tqdm=False)]

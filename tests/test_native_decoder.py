@@ -480,7 +480,7 @@ def test_pack_lays_weights_out_in_zero_padded_panels(dtype):
 def test_a_bad_block_table_is_refused_not_read(tokenizer):
     gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=8, block_size=4)
     decoder: NativeDecoder = gen.runner.native
-    metadata = PagedMetadata.build(gen.kv_cache, [[99]], [1], [1], [0])
+    metadata = PagedMetadata.build(gen.kv_storage, [[99]], [1], [1], [0])
     with pytest.raises(ValueError, match="block table lists a block outside 0..7"):
         decoder.forward(torch.tensor([[5]]), torch.tensor([[0]]), metadata, torch.tensor([0]))
 
@@ -488,7 +488,7 @@ def test_a_bad_block_table_is_refused_not_read(tokenizer):
 @pytest.mark.parametrize("prompt_lens", [torch.tensor([1, 1], dtype=torch.int32), torch.tensor([1])])
 def test_prompt_lengths_other_than_one_int32_per_sequence_are_refused(tokenizer, prompt_lens):
     gen = ContinuousBatchGenerator(tiny("llama", torch.bfloat16), tokenizer, num_blocks=8, block_size=4)
-    metadata = PagedMetadata.build(gen.kv_cache, [[0]], [1], [1], [0])
+    metadata = PagedMetadata.build(gen.kv_storage, [[0]], [1], [1], [0])
     with pytest.raises(ValueError, match="prompt_lens must be 1 contiguous int32 values, one per sequence"):
         gen.runner.native.forward(torch.tensor([[5]]), torch.tensor([[0]]), metadata, torch.tensor([0]), prompt_lens)
 

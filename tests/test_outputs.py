@@ -77,7 +77,7 @@ def test_a_stream_nobody_reads_holds_one_pending_output(long_generator):
         engine.stop()
     (pending,) = stream.undelivered.values()
     assert most_pending == 1 and pending.finished and len(pending.outputs[0].token_ids) == LONG
-    assert long_generator.kv.pool.num_used_blocks == 0
+    assert long_generator.kv_manager.pool.num_used_blocks == 0
 
 
 def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(long_generator):
@@ -102,7 +102,7 @@ def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(
         engine.stop()
     (pending,) = stream.undelivered.values()
     assert not pending.finished and len(pending.outputs[0].token_ids) < LONG
-    assert long_generator.kv.pool.num_used_blocks == 0 and not long_generator.requests
+    assert long_generator.kv_manager.pool.num_used_blocks == 0 and not long_generator.requests
 
 
 def test_the_write_timeout_counts_from_when_outputs_wait_not_from_the_last_read():

@@ -129,7 +129,7 @@ def test_generator_matches_generate_alone(quantized, chat_prompts):
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=128)
     outputs = gen.run(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert_same_greedy_tokens([o.outputs[0].token_ids for o in outputs], expected, logits, _near_tie(name))
-    assert gen.kv.pool.num_used_blocks == 0
+    assert gen.kv_manager.pool.num_used_blocks == 0
 
 
 # Reference answers to score: a 4-bit 135M model's single greedy answer to a question flips with the machine its

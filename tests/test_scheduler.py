@@ -54,7 +54,7 @@ def run_to_end(scheduler, requests, max_steps=200, **kwargs):
 
 def assert_no_leak(scheduler):
     assert not scheduler.has_work()
-    assert scheduler.kv.pool.num_used_blocks == 0 and not scheduler.kv.tables
+    assert scheduler.kv_manager.pool.num_used_blocks == 0 and not scheduler.kv_manager.tables
 
 
 def test_chunked_prefill_computes_a_long_prompt_over_several_steps_and_samples_once():
@@ -91,7 +91,8 @@ def test_prefix_blocks_are_shared_within_a_step_and_after_it():
     out, _ = step(scheduler)
     # b matched the blocks a indexed when it was scheduled: one token left, so it runs first, as decodes do
     assert [(s.request.request_id, n) for s, n in zip(out.seqs, out.num_tokens)] == [("b", 1), ("a", 17)]
-    assert scheduler.kv.block_table(a.seqs[0].seq_id)[:4] == scheduler.kv.block_table(b.seqs[0].seq_id)[:4]
+    tables = scheduler.kv_manager.block_table
+    assert tables(a.seqs[0].seq_id)[:4] == tables(b.seqs[0].seq_id)[:4]
     run_to_end(scheduler, [])
     c = make_request("c", prefix + [60])
     scheduler.add(c)
@@ -103,7 +104,7 @@ def test_prefix_blocks_are_shared_within_a_step_and_after_it():
 
 def test_running_out_of_blocks_preempts_the_newest_which_is_recomputed():
     scheduler = make_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    scheduler.kv.enable_prefix_caching = False
+    scheduler.kv_manager.enable_prefix_caching = False
     a, b = make_request("a", range(3, 10), max_tokens=12), make_request("b", range(20, 27), max_tokens=12)
     run_to_end(scheduler, [a, b])
     assert scheduler.num_preemptions >= 1
@@ -119,7 +120,7 @@ def test_n_samples_share_the_prompt_then_diverge():
     out, _ = step(scheduler)
     assert [k for _, k in out.draws] == [0, 1, 2] and out.draw_rows == [0, 0, 0]
     assert len(request.seqs) == 3 and len(scheduler.running) == 3
-    tables = [scheduler.kv.block_table(s.seq_id) for s in request.seqs]
+    tables = [scheduler.kv_manager.block_table(s.seq_id) for s in request.seqs]
     assert tables[0] == tables[1] == tables[2]
     run_to_end(scheduler, [])
     assert sorted(s.output_token_ids[0] for s in request.seqs) == [10, 110, 210] and request.is_finished
@@ -159,7 +160,7 @@ def test_a_failed_step_is_rolled_back_and_recomputed():
     out = scheduler.schedule()
     scheduler.rollback(out)  # the forward raised
     assert [s.status for s in (a.seqs[0], b.seqs[0])] == [SequenceStatus.WAITING] * 2
-    assert scheduler.kv.pool.num_cached_blocks == 0 and scheduler.kv.pool.num_used_blocks == 0
+    assert scheduler.kv_manager.pool.num_cached_blocks == 0 and scheduler.kv_manager.pool.num_used_blocks == 0
     assert a.num_cached_tokens == b.num_cached_tokens == 0
     out, _ = step(scheduler)
     assert [(s.request.request_id, n) for s, n in zip(out.seqs, out.num_tokens)] == [("b", 1), ("a", 17)]
@@ -180,7 +181,8 @@ def test_a_rolled_back_step_counts_nothing():
         if fail:
             scheduler.rollback(scheduler.schedule())
         run_to_end(scheduler, [])
-        counts.append((scheduler.kv.prefix_queries, scheduler.kv.prefix_hits, scheduler.num_partial_prefills))
+        kv = scheduler.kv_manager
+        counts.append((kv.prefix_queries, kv.prefix_hits, scheduler.num_partial_prefills))
     assert counts[0] == counts[1] == (17 + 17, 16, 2)
 
 

@@ -114,17 +114,17 @@ def test_rejected_guesses_give_back_their_kv_and_are_never_indexed():
     seq.spec_token_ids = [9, 10, 11, 12, 13]  # fill block 1 and three slots of block 2, then one of block 3
     out = scheduler.schedule()
     assert out.num_tokens == [6] and out.spec_token_ids == {seq.seq_id: [9, 10, 11, 12, 13]}
-    assert len(scheduler.kv.block_table(seq.seq_id)) == 4 and out.draws == [(seq, 0)] and out.draw_rows == [0]
-    assert len(scheduler.kv._hashes[seq.seq_id]) == 2  # only blocks of real tokens are indexed, not guesses
+    assert len(scheduler.kv_manager.block_table(seq.seq_id)) == 4 and out.draws == [(seq, 0)] and out.draw_rows == [0]
+    assert len(scheduler.kv_manager._hashes[seq.seq_id]) == 2  # only blocks of real tokens are indexed, not guesses
     # The model kept guess 9 and chose 20 where 10 was guessed.
     scheduler.update(out, SamplerOutput([20], accepted=[[9]]))
     assert seq.token_ids[7:] == [8, 9, 20] and seq.num_computed_tokens == 9
-    assert len(scheduler.kv.block_table(seq.seq_id)) == 3  # the block that held only guesses is freed
+    assert len(scheduler.kv_manager.block_table(seq.seq_id)) == 3  # the block that held only guesses is freed
     seq.spec_token_ids = []
     out = scheduler.schedule()
     assert out.num_tokens == [1] and not out.spec_token_ids
     scheduler.update(out, SamplerOutput([21]))
-    assert seq.num_computed_tokens == 10 and len(scheduler.kv._hashes[seq.seq_id]) == 2
+    assert seq.num_computed_tokens == 10 and len(scheduler.kv_manager._hashes[seq.seq_id]) == 2
 
 
 def test_guesses_are_dropped_before_anyone_is_preempted():
@@ -138,7 +138,7 @@ def test_guesses_are_dropped_before_anyone_is_preempted():
     out = scheduler.schedule()
     assert scheduler.num_preemptions == 0 and out.seqs == [a.seqs[0], b.seqs[0]] and out.num_tokens == [1, 1]
     assert not out.spec_token_ids and not a.seqs[0].spec_token_ids
-    assert [len(scheduler.kv.block_table(s.seq_id)) for s in out.seqs] == [2, 3]
+    assert [len(scheduler.kv_manager.block_table(s.seq_id)) for s in out.seqs] == [2, 3]
 
 
 def test_a_stop_inside_the_kept_guesses_ends_the_sequence_there():
@@ -151,7 +151,7 @@ def test_a_stop_inside_the_kept_guesses_ends_the_sequence_there():
     out = scheduler.schedule()
     scheduler.update(out, SamplerOutput([53], accepted=[[50, 51, 52]]))
     assert seq.output_token_ids == [8, 50] and seq.finish_reason == "stop" and seq.stop_reason == 50
-    assert not scheduler.has_work() and scheduler.kv.pool.num_used_blocks == 0
+    assert not scheduler.has_work() and scheduler.kv_manager.pool.num_used_blocks == 0
 
 
 # ------------------------------------------------------------------------------------------ the real engine
@@ -170,7 +170,7 @@ def generate(smollm2, prompts, params, one_at_a_time=False, **options):
         outputs = [gen.run([prompt], [p], use_tqdm=False)[0] for prompt, p in zip(prompts, params)]
     else:
         outputs = gen.run(prompts, params, use_tqdm=False)
-    assert gen.kv.pool.num_used_blocks == 0 and all(count == 0 for count in gen.kv.pool.ref_counts)
+    assert gen.kv_manager.pool.num_used_blocks == 0 and all(count == 0 for count in gen.kv_manager.pool.ref_counts)
     return [o.outputs[0].token_ids for o in outputs], gen.stats()
 
 
@@ -302,5 +302,5 @@ def test_n_samples_of_a_prompt_whose_last_chunk_is_one_token_start_without_guess
         (out,) = gen.run([prompt], SamplingParams(temperature=0, max_tokens=6, n=2, ignore_eos=True),
                          use_tqdm=False)
         outputs.append([o.token_ids for o in out.outputs])
-        assert gen.kv.pool.num_used_blocks == 0
+        assert gen.kv_manager.pool.num_used_blocks == 0
     assert outputs[0] == outputs[1]

@@ -287,7 +287,7 @@ def test_a_grammar_that_does_not_compile_fails_only_its_request(generator):
                               use_tqdm=False)
     assert good.error is None and good.outputs[0].finish_reason == "stop"
     assert bad.finished and "structured_outputs.regex is invalid" in bad.error
-    assert not generator.has_unfinished_requests() and generator.kv.pool.num_used_blocks == 0
+    assert not generator.has_unfinished_requests() and generator.kv_manager.pool.num_used_blocks == 0
 
 
 def test_a_failed_step_leaves_the_matchers_as_they_were(generator, monkeypatch):

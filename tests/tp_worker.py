@@ -37,7 +37,7 @@ def run_model(path: str, tensor_parallel_size: int) -> dict:
     # for fewer blocks (as GPUs with less free memory would): every rank gets the fewest.
     blocks = 48 if int(os.environ.get("RANK", 0)) % 2 else 64
     generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=blocks, max_num_batched_tokens=24)
-    result["kv_heads"], result["num_blocks"] = generator.kv_cache.spec.num_kv_heads, generator.kv_cache.num_blocks
+    result["kv_heads"], result["num_blocks"] = generator.kv_storage.spec.num_kv_heads, generator.kv_storage.num_blocks
     if not generator.is_driver:
         generator.run_worker()
         result["digest"] = generator.lockstep.digest

@@ -57,15 +57,15 @@ class ContinuousBatchGenerator:
         switch_to_paged_attention(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.kv_cache = self._kv_storage(model, config)
-        self.kv = KVCacheManager(self.kv_cache.pool, config.enable_prefix_caching)
+        self.kv_storage = self._kv_storage(model, config)
+        self.kv_manager = KVCacheManager(self.kv_storage.pool, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len(config)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         eos_token_ids = model_eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
                                      eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
-        self.scheduler = Scheduler(config, self.kv, Detokenizer(tokenizer), self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv_manager, Detokenizer(tokenizer), self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
@@ -114,7 +114,7 @@ class ContinuousBatchGenerator:
     def _max_model_len(self, config: EngineConfig) -> int:
         """The model's context, capped by what the cache holds; a ``max_model_len`` above either is refused."""
         context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        held = self.kv_cache.num_blocks * config.block_size
+        held = self.kv_storage.num_blocks * config.block_size
         asked = config.max_model_len
         if asked is not None and context is not None and asked > context:
             raise ValueError(f"EngineConfig.max_model_len ({asked}) is longer than the model's context ({context} "
@@ -125,8 +125,8 @@ class ContinuousBatchGenerator:
         return min(limit for limit in (held, asked, context) if limit is not None)
 
     def _runner(self, config: EngineConfig) -> ModelRunner:
-        native = None if config.enforce_eager else NativeDecoder.for_model(self.model, self.kv_cache)
-        runner = ModelRunner(self.model, self.kv_cache, self.kv, native)
+        native = None if config.enforce_eager else NativeDecoder.for_model(self.model, self.kv_storage)
+        runner = ModelRunner(self.model, self.kv_storage, self.kv_manager, native)
         spec = config.speculative_config  # a verifying step holds 1 + k tokens per sequence
         runner.graphs = decode_graphs(runner, config, self.max_model_len,
                                       1 + (spec.num_speculative_tokens if spec else 0))
@@ -140,7 +140,7 @@ class ContinuousBatchGenerator:
         if self.lockstep is not None:
             check_engine_config(config)
         if spec.method == "draft_model":
-            draft = DraftModel(spec.model, self.model, self.kv_cache, self.kv, config, self.max_model_len,
+            draft = DraftModel(spec.model, self.model, self.kv_storage, self.kv_manager, config, self.max_model_len,
                                len(self.tokenizer))
         return Speculator(spec, self.max_model_len, draft)
 
@@ -152,9 +152,9 @@ class ContinuousBatchGenerator:
                 self.step()
         except TypeError as err:
             raise ValueError(f"{type(self.model).__name__} cannot run with the paged backend: {err}") from err
-        assert probe not in self.requests and self.kv.pool.num_used_blocks == 0
-        self.kv.pool.reset()
-        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        assert probe not in self.requests and self.kv_manager.pool.num_used_blocks == 0
+        self.kv_manager.pool.reset()
+        self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = 0
         self._prompt_tokens = self.scheduler.num_generated_tokens = 0
 
     # ------------------------------------------------------------------------------------------- requests
@@ -412,7 +412,7 @@ class ContinuousBatchGenerator:
             self.abort_request(request_id)
 
     def stats(self) -> EngineStats:
-        pool = self.kv.pool
+        pool = self.kv_manager.pool
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.compiling),
@@ -421,8 +421,8 @@ class ContinuousBatchGenerator:
             num_blocks=pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_partial_prefills=self.scheduler.num_partial_prefills,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
+            prefix_cache_queries=self.kv_manager.prefix_queries,
+            prefix_cache_hits=self.kv_manager.prefix_hits,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self.scheduler.num_generated_tokens,
             **self._spec_stats(),

@@ -65,7 +65,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, detokenizer: Detokenizer,
                  max_model_len: int):
         self.config = config
-        self.kv = kv_manager
+        self.kv_manager = kv_manager
         self.detokenizer = detokenizer
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -129,16 +129,16 @@ class Scheduler:
             needed = seq.num_tokens - seq.num_computed_tokens
             guesses = min(len(seq.spec_token_ids), max(0, budget - needed - (len(running) - 1 - i)))
             n = min(needed + guesses, budget)
-            copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            copies = self.kv_manager.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             if copies is None and (seq.spec_token_ids or out.spec_token_ids):  # guesses never cost a preemption
                 seq.spec_token_ids = []
                 budget += self._drop_guesses(out)
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                copies = self.kv_manager.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             while copies is None and seq.status is SequenceStatus.RUNNING:
                 self._preempt(self.running[-1])
                 if seq.status is SequenceStatus.RUNNING:
-                    copies = self.kv.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                    copies = self.kv_manager.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
             if copies is not None:
                 self._take(out, seq, n, copies)
                 budget -= n
@@ -153,7 +153,7 @@ class Scheduler:
                 out.num_tokens[i] -= len(guesses)
                 dropped += len(guesses)
                 seq.spec_token_ids = []
-                self.kv.truncate(seq.seq_id, seq.num_tokens)
+                self.kv_manager.truncate(seq.seq_id, seq.num_tokens)
         return dropped
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -162,14 +162,14 @@ class Scheduler:
             seq = self.waiting[0]
             if seats + seq.num_samples > self.config.max_num_seqs:
                 break
-            num_cached = self.kv.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
+            num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
                                               reuse=not seq.request.scores_prompt)
             n = min(seq.num_tokens - num_cached, budget)
-            needed = self.kv.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
-            room = self.kv.pool.num_free_blocks - (self._headroom() if self.running else 0)
-            copies = self.kv.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
+            needed = self.kv_manager.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
+            room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0)
+            copies = self.kv_manager.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
             if copies is None:
-                self.kv.free(seq.seq_id)
+                self.kv_manager.free(seq.seq_id)
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
@@ -197,7 +197,7 @@ class Scheduler:
             end = min(seq.num_computed_tokens + n, seq.request.num_prompt_tokens - 1)
             if end > first:
                 out.prompt_logprob_spans.append((seq, first, end - first))
-        self.kv.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens + n, seq.num_tokens),
+        self.kv_manager.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens + n, seq.num_tokens),
                              seq.request.cache_salt)
 
     @staticmethod
@@ -212,7 +212,7 @@ class Scheduler:
 
     def _headroom(self) -> int:
         """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""
-        return len(self.running) // 2 + self.kv.pool.num_blocks // 100
+        return len(self.running) // 2 + self.kv_manager.pool.num_blocks // 100
 
     def _preempt(self, seq: Sequence) -> None:
         self._requeue(seq)
@@ -220,7 +220,7 @@ class Scheduler:
 
     def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
+        self.kv_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -235,7 +235,7 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_tokens):
             seq.num_computed_tokens += n
         for num_tokens, num_cached in out.prefix_matches:  # counted once the step stands (`rollback` repeats them)
-            self.kv.record_prefix_match(num_tokens, num_cached)
+            self.kv_manager.record_prefix_match(num_tokens, num_cached)
         self.num_partial_prefills += out.num_partial_prefills
         changed: dict[str, Request] = {}
         if sampled is not None and sampled.prompt_logprobs is not None:
@@ -265,7 +265,7 @@ class Scheduler:
 
     def _fork(self, parent: Sequence, k: int) -> Sequence:
         child = parent.fork(k)
-        self.kv.fork(parent.seq_id, child.seq_id)
+        self.kv_manager.fork(parent.seq_id, child.seq_id)
         self.running.append(child)
         return child
 
@@ -279,7 +279,7 @@ class Scheduler:
         blocks past them are freed (their slots are overwritten later, nothing is copied)."""
         if seq.seq_id in out.spec_token_ids and not seq.is_finished:
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-            self.kv.truncate(seq.seq_id, seq.num_computed_tokens)
+            self.kv_manager.truncate(seq.seq_id, seq.num_computed_tokens)
 
     def _append(self, seq: Sequence, token: int, row: int, sampled: SamplerOutput, now: float) -> None:
         params, metrics = seq.request.params, seq.request.metrics
@@ -317,7 +317,7 @@ class Scheduler:
             self.waiting.remove(seq)
         else:
             self.compiling.pop(seq.request.request_id, None)
-        self.kv.free(seq.seq_id)
+        self.kv_manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq.request.is_finished:
@@ -344,7 +344,7 @@ class Scheduler:
     def rollback(self, out: SchedulerOutput) -> None:
         """Undo the scheduling of a step whose forward or sampling failed, so the next step recomputes it."""
         for seq in out.seqs:  # the blocks this step was to fill must not serve later prefix matches
-            self.kv.uncache_blocks(seq.seq_id, seq.num_computed_tokens)
+            self.kv_manager.uncache_blocks(seq.seq_id, seq.num_computed_tokens)
             if seq.matcher is not None:  # its grammar work is done again for the same token
                 seq.matcher.spent = 0.0
         # A sequence admitted this step may have matched blocks that another one indexed in the same step, which
