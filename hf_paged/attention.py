@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .cache.metadata import PagedMetadata
@@ -10,7 +12,8 @@ from .kernels import paged_attention
 from .kernels.torch_ops import dense_attention
 
 # Keyword arguments some models pass for attention features the paged kernels do not implement.
-_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
+_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks",
+                       "position_bias": "an additive position bias"}
 
 
 def _closure_value(function, name: str):
@@ -104,6 +107,31 @@ def _check_supported(module: torch.nn.Module, attention_mask, dropout: float, kw
         )
 
 
+def _claim_layer(module: torch.nn.Module, metadata: PagedMetadata) -> int:
+    """The layer whose blocks this attention call writes: each layer once a forward."""
+    if module.layer_idx in metadata.layers_written:
+        raise NotImplementedError(
+            f"{type(module).__name__}: layer {module.layer_idx}'s attention ran twice in one forward (differential "
+            "attention, or one module reused for several layers); the paged KV cache holds one set of keys and values "
+            "per layer")
+    metadata.layers_written.add(module.layer_idx)
+    return module.layer_idx
+
+
+class _NoGradients(torch.autograd.Function):
+    """The paged kernels read keys and values back from the blocks, outside autograd: an output that would carry
+    gradients carries this instead, whose backward refuses (the forward's values are right)."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("no gradients flow through the paged KV cache: run a forward that needs them "
+                                  "without a PagedCache (no cache, or use_cache=False)")
+
+
 def _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap):
     """Attention without a PagedCache (a plain forward, or `generate(use_cache=False)`)."""
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -160,12 +188,14 @@ def paged_attention_forward(
     elif paged_metadata is None:
         return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
     else:
-        layer_idx = module.layer_idx
-        paged_metadata.attended = True
+        layer_idx = _claim_layer(module, paged_metadata)
         if paged_metadata.kv.spec.num_shared_layers:
             key.paged_source = (paged_metadata, layer_idx)
-    k_cache, v_cache = paged_metadata.kv.layer(layer_idx, key)
-
-    q, k, v = (x.transpose(1, 2).reshape(batch * q_len, x.shape[1], head_dim) for x in (query, key, value))
-    out = paged_attention(q, k, v, k_cache, v_cache, paged_metadata, scale, sliding_window, softcap)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    with torch.no_grad() if grad else contextlib.nullcontext():  # the blocks stay out of any autograd graph
+        k_cache, v_cache = paged_metadata.kv.layer(layer_idx, key)
+        q, k, v = (x.transpose(1, 2).reshape(batch * q_len, x.shape[1], head_dim) for x in (query, key, value))
+        out = paged_attention(q, k, v, k_cache, v_cache, paged_metadata, scale, sliding_window, softcap)
+    if grad:
+        out = _NoGradients.apply(out, query, key, value)
     return out.view(batch, q_len, num_heads, head_dim), None

@@ -189,6 +189,32 @@ def test_a_hybrid_model_generates_with_transformers_cache_and_the_engine_refuses
         ContinuousBatchGenerator(model, smollm2[1], num_blocks=4)
 
 
+def test_the_engine_refuses_what_it_would_serve_wrong_and_serves_llama4_tuning_below_its_floor(smollm2):
+    """Mamba has no attention to page (an AttributeError before). Llama 4's attention temperature tuning counts
+    positions from a cache the engine does not pass, so it is exact only below ``floor_scale``: refused past it
+    (wrong tokens before), token-equal to `generate` below."""
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+
+    tokenizer = smollm2[1]
+    mamba = AutoModelForCausalLM.from_config(_small("mamba"), attn_implementation="paged")
+    with pytest.raises(NotImplementedError, match="mamba has no attention heads"):
+        ContinuousBatchGenerator(mamba, tokenizer, num_blocks=8)
+    config = _small("llama4_text", intermediate_size_mlp=128, attention_chunk_size=None, no_rope_layers=[1, 0],
+                    attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5, interleave_moe_layer_step=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    with pytest.raises(NotImplementedError, match=r"floor_scale \(16\): set max_model_len and max_num_batched"):
+        ContinuousBatchGenerator(model, tokenizer, num_blocks=16, block_size=4)
+    prompt = [17, 93, 41, 200, 8, 77]
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=16, block_size=4, max_model_len=15,
+                                   max_num_batched_tokens=15)
+    [out] = gen.run([prompt], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+    ids = torch.tensor([prompt])
+    expected = generate_with(model, "sdpa", input_ids=ids, max_new_tokens=9, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
 def test_a_large_max_length_does_not_reserve_its_worst_case():
     """The cache `generate` builds starts at INITIAL_TOKENS_PER_ROW tokens per row and doubles as it fills."""
     from transformers import StoppingCriteria, StoppingCriteriaList
@@ -298,6 +324,68 @@ def test_unsupported_feature_is_named():
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, output_attentions=True,
                        return_dict_in_generate=True, pad_token_id=0)
+
+
+def _small(model_type: str, **extra):
+    """A tiny config of ``model_type`` from the fields it knows of a common small shape."""
+    from transformers import CONFIG_MAPPING
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+                 num_local_experts=2, num_experts_per_tok=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config_class = CONFIG_MAPPING[model_type]
+    known = config_class()
+    return config_class(**{k: v for k, v in {**shape, **extra}.items() if hasattr(known, k)})
+
+
+@pytest.mark.parametrize("model_type, extra, words", [
+    ("diffllama", {}, "layer 0's attention ran twice in one forward"),  # two attention calls a layer (two value sets)
+    ("hrm_text", {}, "layer 0's attention ran twice in one forward"),  # one module attends for several cache layers
+    ("inkling_text", {}, "an additive position bias"),
+    # It repeats its keys per expert after cache.update: 2 KV heads cached, 4 attended.
+    ("jetmoe", {"num_local_experts": 4, "num_experts_per_tok": 2}, "gets other keys than its config describes"),
+])
+def test_models_whose_attention_the_blocks_cannot_hold_are_refused_at_the_first_forward(model_type, extra, words):
+    """Each gave wrong tokens without a word (the first three) or a bare shape error (JetMoe)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_small(model_type, **extra), attn_implementation="paged").eval()
+    with pytest.raises((NotImplementedError, ValueError), match=words):
+        model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def test_a_paged_cache_under_another_attention_is_refused():
+    """After ``set_attn_implementation("sdpa")`` the model's attention would read only the new keys a PagedCache
+    hands on: wrong tokens on a one-layer model, a misleading error on others."""
+    model, _ = tiny_model("llama")
+    first = model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False,
+                           pad_token_id=0, return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="a PagedCache is read only by attn_implementation='paged'.*'sdpa'"):
+        model.generate(first.sequences, cache=first.cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def test_gradients_flow_without_a_cache_and_are_refused_through_one():
+    """Training-style forwards (no cache) give eager's gradients, softcapping included; a forward through a
+    PagedCache gives the right logits but refuses backward (its kernels read keys back from the blocks, outside
+    autograd: the gradients came out silently wrong, and the blocks joined the graph)."""
+    model, reference = tiny_model("gemma2")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def grads(implementation):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    expected, got = grads(reference), grads("paged")
+    assert got.keys() == expected.keys() and all(torch.allclose(got[k], expected[k], atol=1e-5) for k in got)
+    cache = PagedCache(model.config, num_blocks=8, block_size=4)
+    out = model(ids, labels=ids, cache=cache)
+    model.set_attn_implementation(reference)
+    torch.testing.assert_close(out.logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    assert not any(k.requires_grad for k in cache.key_cache)
+    with pytest.raises(NotImplementedError, match="no gradients flow through the paged KV cache"):
+        out.loss.backward()
 
 
 def test_mask_patterns_other_than_causal_are_refused():

@@ -74,7 +74,10 @@ class KVCacheSpec:
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> "KVCacheSpec":
         config = config.get_text_config(decoder=True)
-        num_heads = config.num_attention_heads
+        num_heads = getattr(config, "num_attention_heads", None)
+        if num_heads is None:
+            raise NotImplementedError(f"{config.model_type} has no attention heads (a state-space or recurrent "
+                                      "model): a paged KV cache has nothing to hold for it")
         head_dim = kv_head_dim(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         shared = getattr(config, "num_kv_shared_layers", None) or 0
@@ -175,7 +178,9 @@ class PagedKVStorage:
         if key.shape[1] != k_cache.shape[1] or key.shape[3] != k_cache.shape[3]:
             raise ValueError(
                 f"layer {layer_idx} produced keys with {key.shape[1]} heads of dim {key.shape[3]}, but the KV cache "
-                f"was sized for {k_cache.shape[1]} heads of dim {k_cache.shape[3]}"
+                f"was sized for {k_cache.shape[1]} heads of dim {k_cache.shape[3]} from the config (num_key_value_heads, "
+                "head_dim); a model whose attention gets other keys than its config describes (JetMoe repeats them) "
+                "cannot be paged"
             )
         return k_cache.transpose(1, 2), self.value_cache[layer_idx].transpose(1, 2)
 

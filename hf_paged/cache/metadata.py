@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +29,8 @@ class PagedMetadata:
     max_query_len: int
     num_decodes: int
     kv: PagedKVStorage | None = None
-    attended: bool = False  # set by the attention layers that read it: a forward that drops its kwargs never does
+    # The layers whose attention wrote this step's keys and values (none: a forward that dropped its kwargs).
+    layers_written: set[int] = field(default_factory=set)
 
     @classmethod
     def build(cls, kv: PagedKVStorage, tables: list[list[int]], seq_lens: list[int], query_lens: list[int],

@@ -44,6 +44,7 @@ class PagedCache(Cache):
         spec: KVCacheSpec | None = None,
     ):
         super().__init__(layers=[])
+        self._text_config = config.get_text_config(decoder=True)  # whose attention implementation must be "paged"
         self.kv = PagedKVStorage(config, num_blocks, block_size, memory_budget, dtype, device, spec)
         self.growable = growable
         self.rows = KVCacheManager(self.kv.pool, enable_prefix_caching=False)
@@ -70,6 +71,11 @@ class PagedCache(Cache):
         """
         if layer_idx == 0:
             self._step, self._unclaimed = None, None  # a new forward: plan it at its first attention layer
+            implementation = getattr(self._text_config, "_attn_implementation", None)  # None: a config of its own
+            if implementation not in (None, "paged"):
+                raise ValueError(f"a PagedCache is read only by attn_implementation='paged', and this model's "
+                                 f"attention is {implementation!r}: switch it back (model.set_attn_implementation"
+                                 "('paged')) or pass it another cache")
         if self._unclaimed is not None:
             raise TypeError(f"layer {self._unclaimed}'s attention did not receive the PagedCache its `cache.update` "
                             "handed on (the model changed its keys between them); hf_paged cannot page this model")

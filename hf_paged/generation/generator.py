@@ -40,6 +40,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_MEMORY = 2 << 30
 
 
+def _check_temperature_tuning(text_config, max_model_len: int, config: EngineConfig) -> None:
+    """Llama 4 scales some layers' attention by each token's position, which it counts from a cache the engine does
+    not pass (from 0 at the step's first token): exact only while positions and steps stay below ``floor_scale``."""
+    floor = getattr(text_config, "floor_scale", None) if getattr(text_config, "attn_temperature_tuning", False) else None
+    if floor and max(max_model_len, config.max_num_batched_tokens) >= floor:
+        raise NotImplementedError(
+            f"{text_config.model_type}'s attention temperature tuning counts positions the engine cannot give it past "
+            f"floor_scale ({floor}): set max_model_len and max_num_batched_tokens below {floor}")
+
+
 class ContinuousBatchGenerator:
     """Serves many requests at once over one model: requests join the running batch at every step and leave when done.
 
@@ -113,9 +123,11 @@ class ContinuousBatchGenerator:
 
     def _max_model_len(self, config: EngineConfig) -> int:
         """The model's context, capped by what the cache holds; a ``max_model_len`` above either is refused."""
-        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        text = self.model.config.get_text_config(decoder=True)
+        context = getattr(text, "max_position_embeddings", None)
         held = self.kv_storage.num_blocks * config.block_size
         asked = config.max_model_len
+        _check_temperature_tuning(text, min(limit for limit in (held, asked, context) if limit is not None), config)
         if asked is not None and context is not None and asked > context:
             raise ValueError(f"EngineConfig.max_model_len ({asked}) is longer than the model's context ({context} "
                              "tokens, its max_position_embeddings)")

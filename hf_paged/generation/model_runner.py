@@ -156,7 +156,7 @@ class ModelRunner:
         if self._keeps_logits:
             inputs["logits_to_keep"] = step.sample_rows
         logits = self.model(**inputs).logits[0]
-        if not step.metadata.attended:  # its attention ran without the cache: the logits are wrong
+        if not step.metadata.layers_written:  # its attention ran without the cache: the logits are wrong
             raise TypeError(f"{type(self.model).__name__}'s forward does not pass its keyword arguments (the step's "
                             "paged_metadata) on to its attention layers")
         return logits if self._keeps_logits else logits[step.sample_rows]
