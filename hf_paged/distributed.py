@@ -281,11 +281,10 @@ class Lockstep:
     tokens sampled since the last check.
     """
 
-    def __init__(self, timeout_s: float | None = None):
-        timeout_s = timeout_s or _timeout_s
+    def __init__(self):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_timeout_s))
         self._digest = hashlib.sha256()
         self._steps = 0
 

@@ -7,11 +7,10 @@ from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import padding_mask, paged_attention_forward
-from .cache import KVCacheSpec, PagedCache, unpaged_layer_types
+from .cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedCache, unpaged_layer_types
 from .cache.kv_storage import kv_head_dim
 
 ATTN_IMPLEMENTATION = "paged"
-DEFAULT_BLOCK_SIZE = 16
 # Tokens per row the cache `generate` builds starts with; it doubles when they run out, so a large max_length does
 # not reserve its worst case up front.
 INITIAL_TOKENS_PER_ROW = 512

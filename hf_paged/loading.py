@@ -7,9 +7,10 @@ import os
 import torch
 
 from .default_model import resolve_model
+from .generation.config import KV_CACHE_DTYPES
 from .quantization import quantized_load_kwargs, run_dequantize_eagerly
 
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": "auto", **KV_CACHE_DTYPES}  # the dtypes a model loads in
 
 
 def resolve_device(device: str) -> str:
@@ -28,7 +29,8 @@ def load_model(
     ``dtype`` is that of activations and the KV cache; GPTQ/AWQ weights stay 4-bit whatever it is, computed by the
     gptqmodel kernel ``quant_backend`` (see :mod:`hf_paged.quantization` for the default).
     ``tensor_parallel_size > 1`` shards the model across that many ranks (this process is one of them, started by
-    torchrun or `hf_paged.launch`; see :mod:`hf_paged.distributed`), ``device`` then being each rank's own.
+    torchrun or `hf_paged.distributed.launch`; see :mod:`hf_paged.distributed`); each rank then places its shard
+    itself (`hf_paged.distributed.load_tensor_parallel_kwargs`), whatever ``device`` says.
     """
     from transformers import AutoTokenizer
 

@@ -202,7 +202,7 @@ def test_delta_outputs_carry_only_the_step_and_hold_back_a_possible_stop_string(
     deltas = []
     for _ in range(40):
         _, changed = step(scheduler)
-        deltas += [o for o in (r.output() for r in changed) if o is not None]
+        deltas += [o for o in (r.take_output() for r in changed) if o is not None]
         if request.is_finished:
             break
     assert all(len(o.outputs[0].token_ids) <= 1 for o in deltas)

@@ -1,13 +1,13 @@
 """KV cache storage: the block pool, per-sequence block tables, the per-layer block tensors, one step's metadata,
 and the Transformers-facing `PagedCache` that `generate` uses."""
 
-from .block_pool import BlockPool, NoFreeBlocksError
+from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool, NoFreeBlocksError
 from .kv_cache_manager import KVCacheManager
 from .kv_storage import KVCacheSpec, PagedKVStorage, unpaged_layer_types
 from .metadata import PagedMetadata
 from .paged_cache import PagedCache
 
 __all__ = [
-    "BlockPool", "NoFreeBlocksError", "KVCacheManager", "KVCacheSpec", "PagedCache", "PagedKVStorage",
+    "DEFAULT_BLOCK_SIZE", "BlockPool", "NoFreeBlocksError", "KVCacheManager", "KVCacheSpec", "PagedCache", "PagedKVStorage",
     "PagedMetadata", "unpaged_layer_types",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per block, wherever none is given
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are requested than the pool has free. The pool is left unchanged."""
@@ -23,7 +25,7 @@ class BlockPool:
     recently released, so allocation evicts the least recently used cached block only when no plain block is left.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PretrainedConfig
 
-from .block_pool import BlockPool
+from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from .kv_cache_manager import BlockCopy
 
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -116,7 +116,7 @@ class PagedKVStorage:
         self,
         config: PretrainedConfig,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         memory_budget: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,

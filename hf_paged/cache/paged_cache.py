@@ -8,7 +8,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from .block_pool import NoFreeBlocksError
+from .block_pool import DEFAULT_BLOCK_SIZE, NoFreeBlocksError
 from .kv_cache_manager import BlockCopy, KVCacheManager
 from .kv_storage import KVCacheSpec, PagedKVStorage
 from .metadata import PagedMetadata
@@ -36,7 +36,7 @@ class PagedCache(Cache):
         self,
         config: PretrainedConfig,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         memory_budget: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,

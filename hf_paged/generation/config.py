@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache import DEFAULT_BLOCK_SIZE
+
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -128,7 +130,7 @@ def _option(help_text: str, default=None, flag: str | None = None, type_=None):
 class EngineConfig:
     """Engine options, with vLLM's names. Invalid values raise ``ValueError`` naming the field."""
 
-    block_size: int = _option("tokens per KV block (default: 16)", 16)
+    block_size: int = _option(f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})", DEFAULT_BLOCK_SIZE)
     num_blocks: int | None = _option("KV cache size in blocks (default: what --kv-cache-memory holds; not with it)")
     kv_cache_memory: int | None = _option(
         "KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, half the free memory on GPU)",

@@ -85,7 +85,7 @@ class DraftModel:
         for seq in out.seqs:
             self.computed[seq.seq_id] = self._first(seq)
 
-    def propose(self, out: SchedulerOutput) -> None:
+    def write_guesses(self, out: SchedulerOutput) -> None:
         """Compute the step's tokens in the draft too, then write the guesses of its speculating sequences
         (``out.spec_token_ids``, as many as the scheduler gave room for) before the target computes the step."""
         self.kv.copy_blocks(out.block_copies)  # the draft's blocks follow the target's copy-on-write

@@ -271,7 +271,7 @@ class ContinuousBatchGenerator:
             if done:
                 self.requests.pop(rid, None)
                 self._unread.discard(rid)
-            output = request.output()
+            output = request.take_output()
             if output is not None and not unread and not mine(rid):
                 self._hold(output, request.params.output_kind)
                 continue
@@ -372,7 +372,7 @@ class ContinuousBatchGenerator:
         """Yield each request's outputs as its ``output_kind`` asks (by default cumulative, every time it grows);
         refused prompts come first with ``error`` set."""
         submitted = self._submit(prompts, sampling_params)
-        yield from self._until_finished({rid for rid, _ in submitted if rid is not None}, final_only=False,
+        yield from self._until_finished({rid for rid, _ in submitted if rid is not None}, finished_only=False,
                                         first=[failed for _, failed in submitted if failed is not None])
 
     def run(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -389,14 +389,14 @@ class ContinuousBatchGenerator:
         results = {rid: None for rid, _ in submitted if rid is not None}
         with tqdm(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:
             bar.update(len(submitted) - len(results))
-            for output in self._until_finished(set(results), final_only=True):
+            for output in self._until_finished(set(results), finished_only=True):
                 results[output.request_id] = output
                 bar.update(1)
         return [failed if rid is None else results[rid] for rid, failed in submitted]
 
-    def _until_finished(self, request_ids: set[str], final_only: bool,
+    def _until_finished(self, request_ids: set[str], finished_only: bool,
                         first: Iterable[RequestOutput] = ()) -> Iterator[RequestOutput]:
-        """Yield ``first``, then step until the given requests finish, yielding their outputs (with ``final_only``,
+        """Yield ``first``, then step until the given requests finish, yielding their outputs (with ``finished_only``,
         the finished ones). Other requests' outputs are kept for the next `step`; requests left unfinished (the
         caller stopped reading, or an error) are aborted."""
         pending = set(request_ids)
@@ -407,7 +407,7 @@ class ContinuousBatchGenerator:
                 for output in self._step(only=pending):
                     if output.finished:
                         pending.discard(output.request_id)
-                    if output.finished or not final_only:
+                    if output.finished or not finished_only:
                         yield output
         finally:
             self._claimed -= request_ids

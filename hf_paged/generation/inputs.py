@@ -97,11 +97,9 @@ class InputProcessor:
                                  f"got {value}")
 
 
-def final_only(params: SamplingParams | None) -> SamplingParams | GenerationConfig | None:
+def final_only(params: SamplingParams | GenerationConfig | None) -> SamplingParams:
     """``params`` asking for one output per request, when it finishes (what `run` collects)."""
-    if isinstance(params, SamplingParams):
-        return params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
-    return params
+    return InputProcessor.sampling_params(params).replace(output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def one_params_per_prompt(prompts, sampling_params) -> tuple[list[Prompt], list]:

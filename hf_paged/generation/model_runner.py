@@ -45,8 +45,9 @@ class ModelRunner:
     """Runs the model on a flat batch: ``input_ids [1, T]`` holding every scheduled token, no padding.
 
     The step's block tables and slots reach the attention layers as the forward argument ``paged_metadata``
-    (Transformers hands its keyword arguments on to the attention function). Only the last token of sequences that
-    finish their pending tokens this step produces logits. Steps of at most ``native.max_tokens`` tokens go through
+    (Transformers hands its keyword arguments on to the attention function). Logits are computed only for the sample
+    rows: the last token of each sequence that finishes its pending tokens this step (and each speculative guess it
+    verifies), then the prompt positions whose logprobs are asked for. Steps of at most ``native.max_tokens`` tokens go through
     the `NativeDecoder` instead, when the model has one; on GPU, decode steps replay CUDA graphs (``graphs``, set by
     `hf_paged.generation.cuda_graphs.decode_graphs`).
     """
@@ -120,8 +121,8 @@ class ModelRunner:
         )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step (its block copies made); returns ``logits [sampled rows, vocab]`` in step order: one row per
-        sampled sequence, and one more per speculative guess it verifies."""
+        """Run the step (its block copies made); returns ``logits [sample rows, vocab]``: in step order one row per
+        sampled sequence and one more per speculative guess it verifies, then the prompt-logprob rows."""
         return self.run(self.prepare(out))
 
     @torch.inference_mode()

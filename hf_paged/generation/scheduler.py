@@ -48,10 +48,6 @@ class SchedulerOutput:
     def num_prompt_logprob_rows(self) -> int:
         return sum(count for _, _, count in self.prompt_logprob_spans)
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
 
 class Scheduler:
     """Each step: which sequences compute how many tokens; after it: what their sampled tokens do to them.

@@ -81,7 +81,7 @@ class Sequence:
         self.request.seqs.append(child)
         return child
 
-    def output(self, delta: bool) -> CompletionOutput | None:
+    def take_output(self, delta: bool) -> CompletionOutput | None:
         """This sample's output: all of it, or (``delta``) what was not handed back before (None: nothing new).
 
         With stop strings, the last ``len(longest) - 1`` characters are held back until more text follows (they
@@ -175,13 +175,13 @@ class Request:
         return all(seq.is_finished for seq in self.seqs) and (
             len(self.seqs) == self.params.n or any(seq.finish_reason == "abort" for seq in self.seqs))
 
-    def output(self) -> RequestOutput | None:
+    def take_output(self) -> RequestOutput | None:
         """The output this request hands back now, per its ``output_kind`` (None: nothing to hand back yet)."""
         kind, finished = self.params.output_kind, self.is_finished or self.error is not None
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        outputs = [seq.output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
+        outputs = [seq.take_output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
         prompt_logprobs = prompt_ranks = None
         if self.prompt_logprobs is not None and not self.scores_prompt and not (delta and self.sent_prompt_logprobs):
             prompt_logprobs, prompt_ranks, self.sent_prompt_logprobs = self.prompt_logprobs, self.prompt_ranks, True

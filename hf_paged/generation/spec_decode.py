@@ -76,7 +76,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, draft: DraftModel | None = None):
         self.config = config
-        self.max_len = min(max_model_len, draft.max_positions) if draft is not None else max_model_len
+        self.max_len = draft.max_positions if draft is not None else max_model_len  # the draft's is the shorter
         self.draft = draft
         self.num_drafts = 0  # verifications of at least one guess
         self.num_draft_tokens = 0
@@ -120,7 +120,7 @@ class Speculator:
         if self.draft is None:
             return
         if out.spec_token_ids or len(out.seqs) <= self.config.disable_by_batch_size:
-            self.draft.propose(out)
+            self.draft.write_guesses(out)
         else:
             self.draft.skip(out)
 

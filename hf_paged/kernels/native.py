@@ -21,6 +21,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from ..default_model import cache_root
+
 _HERE = Path(__file__).parent
 _HEADERS = (_HERE / "cpu_kernels.h",)
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++17"]
@@ -58,11 +60,11 @@ def kernel_dir() -> Path:
     The server loads and runs the library found there, so a relative root (which would depend on the directory the
     server was started in) is refused, and so is a directory that another user could write to.
     """
-    root = os.environ.get("HF_PAGED_CACHE") or str(Path.home() / ".cache" / "hf_paged")
-    if not os.path.isabs(root):
-        raise RuntimeError(f"HF_PAGED_CACHE must be an absolute path, got {root!r}: the native kernel would be loaded "
+    root = cache_root()
+    if not root.is_absolute():
+        raise RuntimeError(f"HF_PAGED_CACHE must be an absolute path, got {str(root)!r}: the native kernel would be loaded "
                            "from a directory relative to wherever the server starts")
-    directory = Path(root) / "kernels"
+    directory = root / "kernels"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_private(directory)
     return directory

@@ -3,7 +3,7 @@
 Layout shared by every implementation:
 
 * ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` (any strides); token ``i`` of a
-  sequence lives at block ``block_tables[s, i // block_size]``, row ``i % block_size``. `PagedCache` stores them
+  sequence lives at block ``block_tables[s, i // block_size]``, row ``i % block_size``. `PagedKVStorage` stores them
   ``[num_blocks, num_kv_heads, block_size, head_dim]`` in memory (transposed views): one head's rows of a block are
   contiguous, and so are all the heads of a block, which the CPU kernel reads as one run.
 * Queries are packed without padding: ``query[query_start_loc[s]:query_start_loc[s + 1]]`` belong to sequence ``s``.
@@ -29,7 +29,7 @@ def reshape_and_cache(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    # (block, row) indices rather than one flat slot axis: in PagedCache's layout the two do not flatten to a view.
+    # (block, row) indices rather than one flat slot axis: in PagedKVStorage's layout the two do not flatten to a view.
     block_size = k_cache.shape[1]
     index = (slot_mapping.div(block_size, rounding_mode="floor"), slot_mapping.remainder(block_size))
     k_cache.index_put_(index, key.to(k_cache.dtype))
@@ -116,9 +116,9 @@ def paged_decode_attention(
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``[num_kv_heads, len(blocks), block_size, head_dim]``, contiguous: the listed blocks of every head.
 
-    Advanced indexing, not ``index_select``: on a transposed view of PagedCache's storage ``index_select`` is about
+    Advanced indexing, not ``index_select``: on a transposed view of PagedKVStorage's blocks ``index_select`` is about
     10x slower (64 of 2048 blocks: 3.0 against 0.13 ms on CPU)."""
-    return cache.permute(2, 0, 1, 3)[:, blocks].contiguous()  # already contiguous in PagedCache's layout
+    return cache.permute(2, 0, 1, 3)[:, blocks].contiguous()  # already contiguous in PagedKVStorage's layout
 
 
 def _decode_gathered(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap):

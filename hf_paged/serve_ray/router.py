@@ -1,8 +1,8 @@
 """`PrefixAffinityRouter`: Ray Serve's request router for the engine replicas.
 
 A request carries its prompt's block hashes (``prefix=`` keyword, computed by the ingress). It goes to the replica
-that was last sent the longest prefix of them, unless that replica has ``max_imbalance`` more requests in flight
-from this router than the least busy one; otherwise, and when no replica was sent its first block, to the less
+that was last sent the longest prefix of them, unless that replica has more than ``max_imbalance`` requests in flight
+from this router beyond the least busy one's; otherwise, and when no replica was sent its first block, to the less
 loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only (the ingress reads each
 replica's metrics that way).
 
@@ -29,11 +29,6 @@ class RoutingStats:
     affinity_requests: int = 0  # sent to a replica that was sent at least the prompt's first block
     prompt_blocks: int = 0
     matched_blocks: int = 0  # of those, blocks the chosen replica was sent before: the predicted prefix hits
-
-    @property
-    def hit_rate(self) -> float:
-        """Predicted prefix hit rate, in blocks."""
-        return self.matched_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
 
 
 class PrefixAffinityRouter(RequestRouter):

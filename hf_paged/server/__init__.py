@@ -4,10 +4,11 @@
 or use ``hf-paged serve``.
 """
 
-from .app import APIError, create_app
+from .app import create_app
 from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, RequestStream
 from .limits import ServerLimits
 from .metrics import ServerMetrics
+from .protocol import APIError
 
 __all__ = ["APIError", "EngineDead", "EngineError", "EngineLoop", "EngineOverloaded", "RequestStream",
            "ServerLimits", "ServerMetrics", "create_app"]

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ..distributed import HEARTBEAT_S, DistributedError
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
-from ..generation.generator import Prompt
+from ..generation.inputs import Prompt
 from .metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class EngineLoop:
         self.metrics = metrics
         self.write_timeout = write_timeout
         self.max_num_seqs_in_flight = None if max_num_waiting is None else \
-            generator.scheduler.config.max_num_seqs + max_num_waiting
+            generator.config.max_num_seqs + max_num_waiting
         self.fatal: BaseException | None = None
         self.on_fatal: list[Callable[[], None]] = []
         self._routes: dict[str, RequestStream] = {}
@@ -166,10 +166,6 @@ class EngineLoop:
         """Whether the engine can serve: no unrecoverable error, and its thread runs unless it was never started."""
         thread = self._thread
         return self.fatal is None and (thread is None or thread.is_alive() or self._stopping)
-
-    @property
-    def num_seqs_in_flight(self) -> int:
-        return self._num_seqs
 
     def start(self) -> None:
         """Start the engine thread (idempotent)."""

@@ -114,7 +114,7 @@ class OpenAIServing:
             raise APIError(400, f"{field} is not supported by this server", param=field)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        self.limits.check_body(body, self.generator.scheduler.config.max_num_seqs)
+        self.limits.check_body(body, self.generator.config.max_num_seqs)
 
     async def compile_constraint(self, body: GenerationRequest) -> None:
         """Compile the request's structured-output grammar (off the loop) so that an invalid one is a 400."""
