@@ -19,6 +19,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .generation.config import EngineConfig, parse_memory  # noqa: F401  (parse_memory: part of the CLI's API)
+from .generation.sampling_params import InvalidParameter
 from .loading import DTYPES
 
 if TYPE_CHECKING:
@@ -167,9 +168,8 @@ def server_limits(parser: argparse.ArgumentParser, args: argparse.Namespace):
     given = {field: getattr(args, field) for field in _LIMITS if getattr(args, field) is not None}
     try:
         return ServerLimits(**given)
-    except ValueError as err:
-        option = next((_LIMITS[f][0] for f in _LIMITS if str(err).startswith(f + " ")), "a limit")
-        parser.error(f"{option}: {err}")
+    except InvalidParameter as err:
+        parser.error(f"{_LIMITS[err.param][0]}: {err}")
 
 
 def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:

@@ -128,3 +128,17 @@ def test_the_write_timeout_counts_from_when_outputs_wait_not_from_the_last_read(
 
     stream = asyncio.run(late_first_outputs())
     assert stream.error is None and not aborted and set(stream.undelivered) == {"a", "b"}
+
+
+def test_a_refusal_names_the_parameter_at_fault(long_generator):
+    """`InvalidParameter.param` and `RequestOutput.error_param`: what the server's 400s name, read from the error
+    itself (the server parsed "SamplingParams.<field>" out of its text)."""
+    from hf_paged import InvalidParameter
+
+    with pytest.raises(InvalidParameter) as raised:
+        SamplingParams(temperature=-1.0)
+    assert raised.value.param == "temperature" and "SamplingParams.temperature must be" in str(raised.value)
+    fine = SamplingParams(temperature=0, max_tokens=2)
+    outputs = long_generator.run([[5, 6], [5, 6], [5, 6]], [SamplingParams(n=10**4), fine,
+                                                             SamplingParams(stop_token_ids=[10**6])], use_tqdm=False)
+    assert [(o.error_param, o.error is None) for o in outputs] == [("n", False), (None, True), ("stop_token_ids", False)]

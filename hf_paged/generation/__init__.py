@@ -4,13 +4,14 @@ from .config import EngineConfig
 from .generator import ContinuousBatchGenerator
 from .stats import EngineStats
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from .sampling_params import SamplingParams, StructuredOutputsParams
+from .sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "CompletionOutput",
     "ContinuousBatchGenerator",
     "EngineConfig",
     "EngineStats",
+    "InvalidParameter",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",

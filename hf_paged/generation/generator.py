@@ -29,7 +29,7 @@ from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
-from .sampling_params import SamplingParams
+from .sampling_params import InvalidParameter, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from .stats import EngineStats
@@ -181,7 +181,8 @@ class ContinuousBatchGenerator:
             request.cache_salt = self.runner.long_rope.cache_salt(request.num_prompt_tokens)
         if request.params.structured_outputs is not None and self.lockstep is not None:
             # Ranks would admit it when their own compile ends, at different steps, and leave lockstep.
-            raise ValueError("SamplingParams.structured_outputs is not supported on a tensor-parallel engine yet")
+            raise InvalidParameter("structured_outputs", "SamplingParams.structured_outputs is not supported on a "
+                                   "tensor-parallel engine yet")
         if request.params.structured_outputs is not None:  # compiles on another thread; the request waits for it
             request.grammar = self.grammars.compile(request.params.structured_outputs)
         with self._ids_lock:
@@ -361,7 +362,8 @@ class ContinuousBatchGenerator:
                     submitted.append((self.add_request(prompt, params), None))
                 except ValueError as err:
                     failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [],
-                                           True, RequestMetrics(time.monotonic()), error=str(err))
+                                           True, RequestMetrics(time.monotonic()), error=str(err),
+                                           error_param=getattr(err, "param", None))
                     submitted.append((None, failed))
         except BaseException:
             self._withdraw({rid for rid, _ in submitted if rid is not None})

@@ -7,7 +7,7 @@ import random
 from transformers import GenerationConfig
 
 from .outputs import RequestOutputKind
-from .sampling_params import SamplingParams
+from .sampling_params import InvalidParameter, SamplingParams
 from .sequence import Request
 
 Prompt = str | list[int] | list[dict]
@@ -78,22 +78,21 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check on its own: the limits of this engine and this vocabulary."""
-        # Worded as SamplingParams' own checks ("SamplingParams.<field> must be ..."), so callers can name the field.
         if params.n > self.max_num_seqs:
-            raise ValueError(f"SamplingParams.n must be at most this engine's max_num_seqs ({self.max_num_seqs}), the "
+            raise InvalidParameter("n", f"SamplingParams.n must be at most this engine's max_num_seqs ({self.max_num_seqs}), the "
                              f"most sequences it runs at once, got {params.n}")
         bad = self._outside_vocabulary(params.stop_token_ids)
         if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids must be in the vocabulary (0 to {self.vocab_size - 1}), "
+            raise InvalidParameter("stop_token_ids", f"SamplingParams.stop_token_ids must be in the vocabulary (0 to {self.vocab_size - 1}), "
                              f"got {bad[:5]}")
         bad = self._outside_vocabulary(params.logit_bias)
         if bad:
-            raise ValueError(f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
+            raise InvalidParameter("logit_bias", f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
                              f"{self.vocab_size - 1}), got {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
-                raise ValueError(f"SamplingParams.{name} must be at most the vocabulary's {self.vocab_size} tokens, "
+                raise InvalidParameter(name, f"SamplingParams.{name} must be at most the vocabulary's {self.vocab_size} tokens, "
                                  f"got {value}")
 
 

@@ -60,7 +60,8 @@ class RequestOutput:
 
     ``prompt_token_ids`` is the request's own list, shared and not copied: do not change it. ``error`` is set when
     the request was refused (``outputs`` empty; e.g. a prompt longer than the model's context) or failed while
-    running; the other requests are unaffected.
+    running; the other requests are unaffected. ``error_param`` names the request parameter at fault when the
+    failure was the request's own doing (an invalid constraint, one too slow to enforce).
     """
 
     request_id: str
@@ -71,6 +72,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None
     # With ``prompt_logprobs``: one {token id: logprob} per prompt token, None for the first; in every output once the
     # prompt is computed (a DELTA request's: in the first such output only).
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -88,4 +90,5 @@ class RequestOutput:
                 self.outputs.append(output)
         self.outputs.sort(key=lambda output: output.index)
         self.finished, self.metrics, self.error = later.finished, later.metrics, later.error
+        self.error_param = later.error_param
         self.num_cached_tokens = later.num_cached_tokens

@@ -38,6 +38,15 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+class InvalidParameter(ValueError):
+    """A bad value of the request parameter ``param`` (a `SamplingParams` field, or a field of a server request):
+    the caller's fault, told to the caller."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """A constraint on the output, with vLLM's names; exactly one field is given.
@@ -57,7 +66,7 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"SamplingParams.structured_outputs must set exactly one of json, regex, choice, grammar "
+            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs must set exactly one of json, regex, choice, grammar "
                              f"and json_object, got {given or 'none'}")
         if self.json is not None:
             schema = self.json
@@ -65,13 +74,13 @@ class StructuredOutputsParams:
                 try:
                     schema = json.loads(schema)
                 except (ValueError, RecursionError) as err:
-                    raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
+                    raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
             self._require(isinstance(schema, dict), "json", "a JSON schema (an object)")
             self._require(not json_too_deep(schema), "json", f"a JSON schema nested at most {MAX_JSON_DEPTH} levels")
             try:
                 json.dumps(schema)
             except (TypeError, ValueError) as err:
-                raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
+                raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
             object.__setattr__(self, "json", schema)
         self._require(self.regex is None or isinstance(self.regex, str), "regex", "a string")
         self._require(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()), "grammar",
@@ -86,7 +95,7 @@ class StructuredOutputsParams:
     @staticmethod
     def _require(ok: bool, name: str, allowed: str) -> None:
         if not ok:
-            raise ValueError(f"SamplingParams.structured_outputs.{name} must be {allowed}")
+            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.{name} must be {allowed}")
 
     @property
     def kind(self) -> str:
@@ -210,7 +219,7 @@ class SamplingParams:
     @staticmethod
     def _check(ok: bool, name: str, value, allowed: str) -> None:
         if not ok:
-            raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+            raise InvalidParameter(name, f"SamplingParams.{name} must be {allowed}, got {value!r}")
 
     @property
     def greedy(self) -> bool:

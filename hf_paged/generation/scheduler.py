@@ -93,7 +93,7 @@ class Scheduler:
             del self.compiling[request.request_id]
             error = request.grammar.exception()
             if error is not None:
-                self.fail(request, str(error))
+                self.fail(request, str(error), getattr(error, "param", None))
                 failed.append(request)
             else:
                 request.seqs[0].matcher = GrammarMatcher.of(request.grammar.result())
@@ -253,7 +253,7 @@ class Scheduler:
                 self._settle_guesses(seq, out)
             except GrammarTooSlow as err:
                 logger.warning("request %s failed: %s", request.request_id, err)
-                self.fail(request, str(err))
+                self.fail(request, str(err), err.param)
             except Exception as err:  # noqa: BLE001 - any failure here is this request's alone
                 logger.exception("request %s failed while appending a token", request.request_id)
                 self.fail(request, f"generation failed: {type(err).__name__}: {err}")
@@ -325,9 +325,10 @@ class Scheduler:
             self.finish(seq, "abort")
         request.metrics.finished_time = request.metrics.finished_time or time.monotonic()
 
-    def fail(self, request: Request, error: str) -> None:
-        """Abort ``request`` because it broke; ``error`` is what its caller is told."""
-        request.error = error
+    def fail(self, request: Request, error: str, param: str | None = None) -> None:
+        """Abort ``request`` because it broke; ``error`` is what its caller is told, ``param`` the request's parameter
+        at fault, if the failure is its own doing."""
+        request.error, request.error_param = error, param
         self.abort(request)
 
     def fail_all(self, out: SchedulerOutput, error: str) -> list[Request]:

@@ -126,6 +126,7 @@ class Request:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None  # the parameter at fault when ``error`` is the request's own doing
     grammar: Future | None = None  # the compiled constraint of structured outputs (compiling, then compiled)
     cache_salt: bytes | None = None  # prefix-cache blocks are shared only among requests with the same salt
     prompt_logprobs: list[dict[int, float] | None] | None = None  # as computed so far (``params.prompt_logprobs``)
@@ -194,6 +195,7 @@ class Request:
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            error_param=self.error_param,
             prompt_logprobs=prompt_logprobs,
             prompt_ranks=prompt_ranks,
         )

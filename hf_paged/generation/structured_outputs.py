@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .sampling_params import StructuredOutputsParams
+from .sampling_params import InvalidParameter, StructuredOutputsParams
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:42: " before a message
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.M)  # a grammar with such a rule is EBNF, else Lark
@@ -29,7 +29,7 @@ def _xgrammar():
     return xgrammar
 
 
-class GrammarTooSlow(ValueError):
+class GrammarTooSlow(InvalidParameter):
     """A constraint whose grammar work for one token took longer than `GrammarMatcher.max_seconds_per_token`."""
 
 
@@ -69,7 +69,7 @@ class GrammarMatcher:
         accepted = self.accept(token_id)
         spent, self.spent = self.spent + time.thread_time() - start, 0.0
         if spent > self.max_seconds_per_token:
-            raise GrammarTooSlow(f"SamplingParams.structured_outputs took {spent:.3g} s of grammar work for one token "
+            raise GrammarTooSlow("structured_outputs", f"SamplingParams.structured_outputs took {spent:.3g} s of grammar work for one token "
                                  f"(at most {self.max_seconds_per_token} s): a constraint this ambiguous would stall "
                                  "every other request")
         return accepted and not self.is_terminated()
@@ -101,7 +101,7 @@ class GrammarCompiler:
         """A future of the compiled grammar; it raises ``ValueError`` naming the field if the constraint is invalid.
         A schema the backend would compile but not enforce is refused at once (``ValueError``)."""
         if spec.json is not None and (unsupported := unenforced_schema_keywords(spec.json)):
-            raise ValueError(f"SamplingParams.structured_outputs.json uses {', '.join(unsupported)}, which the grammar "
+            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.json uses {', '.join(unsupported)}, which the grammar "
                              "backend cannot enforce (outputs could break the schema)")
         key = spec.key
         with self._lock:
@@ -135,7 +135,7 @@ class GrammarCompiler:
             return compiler.compile_lark(spec.grammar)
         except Exception as err:  # noqa: BLE001 - whatever the backend refuses is this constraint's fault
             message = _LOG_PREFIX.sub("", str(err)).strip()
-            raise ValueError(f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
+            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..generation import InvalidParameter
 from .protocol import APIError, GenerationRequest
 
 OPENAI_MAX_N = 128
@@ -38,7 +39,7 @@ class ServerLimits:
         for field in fields(self):
             value = getattr(self, field.name)
             if not (value is None and field.name == "max_n") and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+                raise InvalidParameter(field.name, f"{field.name} must be a positive integer, got {value!r}")
 
     def resolved_max_n(self, max_num_seqs: int) -> int:
         """The most samples per prompt: by default half the batch, so one call never takes every seat."""

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from ..generation import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from ..generation import (
+    CompletionOutput, InvalidParameter, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams,
+)
 from .tool_calls import TEMPLATE_PARAMETERS, ToolCallParser, calls_schema, tool_functions
 
 if TYPE_CHECKING:
@@ -53,14 +55,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-class RequestFieldError(ValueError):
-    """A bad value of the request field ``param``."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 _SPEC_NAME = re.compile(r"^SamplingParams\.structured_outputs(\.\w+)?")
 
 
@@ -75,7 +69,7 @@ class Constraint:
     label: str
     spec: StructuredOutputsParams
 
-    def error(self, err: ValueError) -> RequestFieldError:
+    def error(self, err: ValueError) -> InvalidParameter:
         return _field_error(self.param, self.label, err)
 
     @classmethod
@@ -86,9 +80,9 @@ class Constraint:
             raise _field_error(param, label, err) from None
 
 
-def _field_error(param: str, label: str, err: ValueError) -> RequestFieldError:
+def _field_error(param: str, label: str, err: ValueError) -> InvalidParameter:
     """``err`` from `StructuredOutputsParams` or its compilation, worded after the request field."""
-    return RequestFieldError(param, _SPEC_NAME.sub(lambda m: label.format(kind=m.group(1) or ""), str(err)))
+    return InvalidParameter(param, _SPEC_NAME.sub(lambda m: label.format(kind=m.group(1) or ""), str(err)))
 
 
 class JsonSchemaFormat(BaseModel):
@@ -153,14 +147,14 @@ class GenerationRequest(BaseModel):
     guided_grammar: str | None = None
 
     def constraints(self) -> list[Constraint]:
-        """Every structured-output constraint the request asks for (raises ``RequestFieldError`` for a bad one)."""
+        """Every structured-output constraint the request asks for (raises ``InvalidParameter`` for a bad one)."""
         asked = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             asked.append(Constraint.of("response_format", "response_format", json_object=True))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
-                raise RequestFieldError("response_format", "response_format of type json_schema needs its json_schema")
+                raise InvalidParameter("response_format", "response_format of type json_schema needs its json_schema")
             schema = fmt.json_schema.schema_
             asked.append(Constraint.of("response_format", "response_format.json_schema.schema",
                                        json=schema if schema is not None else {}))
@@ -178,7 +172,7 @@ class GenerationRequest(BaseModel):
         """The one structured-output constraint of the request, or None."""
         asked = self.constraints()
         if len(asked) > 1:
-            raise RequestFieldError(asked[1].param, f"{asked[0].param} and {asked[1].param} cannot be combined")
+            raise InvalidParameter(asked[1].param, f"{asked[0].param} and {asked[1].param} cannot be combined")
         return asked[0] if asked else None
 
     def token_limit(self) -> tuple[str, int | None]:
@@ -214,7 +208,7 @@ class GenerationRequest(BaseModel):
         """vLLM's ``prompt_logprobs``, which a stream cannot carry: a count above 0 is refused with ``stream``, as
         vLLM's, and 0 computes nothing there."""
         if self.stream and self.prompt_logprobs:
-            raise RequestFieldError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+            raise InvalidParameter("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         return None if self.stream else self.prompt_logprobs
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -223,7 +217,8 @@ class GenerationRequest(BaseModel):
             return None
         bad = [token for token in self.logit_bias if not (token.isascii() and token.isdigit() and len(token) <= 18)]
         if bad:
-            raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {[t[:20] for t in bad[:5]]}")
+            raise InvalidParameter("logit_bias", f"SamplingParams.logit_bias keys must be token ids, got "
+                                   f"{[t[:20] for t in bad[:5]]}")
         return {int(token): bias for token, bias in self.logit_bias.items()}
 
     @property
@@ -343,17 +338,17 @@ class ChatCompletionRequest(GenerationRequest):
 
     def tool_choice_mode(self) -> tuple[str, str | None]:
         """``("none" | "auto" | "required", None)``, or ``("named", the function's name)``; raises
-        ``RequestFieldError``."""
+        ``InvalidParameter``."""
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
         mode, name = choice, None
         if isinstance(choice, dict):
             function = choice.get("function") if choice.get("type", "function") == "function" else None
             mode, name = "named", function.get("name") if isinstance(function, dict) else None
             if not isinstance(name, str):
-                raise RequestFieldError("tool_choice", 'a named tool_choice is {"type": "function", "function": '
+                raise InvalidParameter("tool_choice", 'a named tool_choice is {"type": "function", "function": '
                                                        '{"name": ...}}')
         if mode != "none" and not self.tools:
-            raise RequestFieldError("tool_choice", f"tool_choice {name or mode!r} needs tools")
+            raise InvalidParameter("tool_choice", f"tool_choice {name or mode!r} needs tools")
         return mode, name
 
     def tool_parser(self, tokenizer, prompt: str) -> ToolCallParser | None:
@@ -370,11 +365,11 @@ class ChatCompletionRequest(GenerationRequest):
         try:  # checked whatever the choice: the tools go into the prompt
             functions = tool_functions(self.tools or [])
         except ValueError as err:
-            raise RequestFieldError("tools", str(err)) from None
+            raise InvalidParameter("tools", str(err)) from None
         if mode in ("none", "auto"):
             return asked
         if mode == "named" and name not in functions:
-            raise RequestFieldError("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+            raise InvalidParameter("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
         schema = calls_schema(functions, name)
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
@@ -382,14 +377,14 @@ class ChatCompletionRequest(GenerationRequest):
 
     def template_options(self) -> dict:
         """What the chat template is asked beyond the messages and tools, as vLLM's fields ask it (empty: nothing);
-        raises ``RequestFieldError``."""
+        raises ``InvalidParameter``."""
         if self.continue_final_message and self.add_generation_prompt:
-            raise RequestFieldError("continue_final_message", "continue_final_message continues the last message "
+            raise InvalidParameter("continue_final_message", "continue_final_message continues the last message "
                                                               "instead of opening a new one: set add_generation_prompt "
                                                               "to false with it")
         reserved = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_PARAMETERS)
         if reserved:
-            raise RequestFieldError("chat_template_kwargs", f"chat_template_kwargs are the template's variables; "
+            raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs are the template's variables; "
                                                             f"{', '.join(reserved)} cannot be set through them")
         options = dict(self.chat_template_kwargs or {})
         if not self.add_generation_prompt:
@@ -405,17 +400,18 @@ class ChatCompletionRequest(GenerationRequest):
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("SamplingParams.logprobs must be true when top_logprobs is given")
+            raise InvalidParameter("logprobs", "SamplingParams.logprobs must be true when top_logprobs is given")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.max_completion_tokens is None:
             max_tokens = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens")
             return self.sampling_params(max_tokens, logprobs, defaults)
         try:
             return self.sampling_params(self.max_completion_tokens, logprobs, defaults)
-        except ValueError as err:
-            if not str(err).startswith("SamplingParams.max_tokens "):
+        except InvalidParameter as err:
+            if err.param != "max_tokens":
                 raise
-            raise RequestFieldError("max_completion_tokens", "max_completion_tokens" + str(err)[25:]) from None
+            message = str(err).removeprefix("SamplingParams.max_tokens")
+            raise InvalidParameter("max_completion_tokens", "max_completion_tokens" + message) from None
 
 
     def logprobs_param(self) -> tuple[str, int | None]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -200,14 +199,8 @@ class OpenAIServing:
 
 
 def _bad_request(err: Exception, param: str | None) -> APIError:
-    """A 400 for a ValueError, naming the SamplingParams field it came from when there is one."""
-    message = str(err)
-    if getattr(err, "param", None) is not None:  # a protocol.RequestFieldError
-        return APIError(400, message, param=err.param)
-    field = re.match(r"SamplingParams\.(\w+) ", message)
-    if field:
-        param, message = field.group(1), message[len("SamplingParams."):]
-    return APIError(400, message, param=param)
+    """A 400 for a ValueError, naming the parameter at fault: its own (an `InvalidParameter`), else ``param``."""
+    return APIError(400, str(err).removeprefix("SamplingParams."), param=getattr(err, "param", None) or param)
 
 
 def _check_room(body: GenerationRequest, prompt_tokens: int, context: int) -> None:
@@ -238,26 +231,25 @@ async def _finished_outputs(stream: RequestStream, request_ids: list[str],
         stream.close()
     if not all(output.finished for output in finals.values()) or len(finals) < len(request_ids):
         return None
-    error = next((output.error for output in finals.values() if output.error is not None), None)
-    if error is not None and _request_fault(error):
-        raise _bad_request(ValueError(error), None)
-    if error is not None:
-        raise APIError(500, REQUEST_FAILED, "server_error", code=500)
+    failed = next((output for output in finals.values() if output.error is not None), None)
+    if failed is not None:
+        raise _failure(failed)
     return [finals[request_id] for request_id in request_ids]
 
 
-def _error_event(err: EngineError) -> dict:
-    """The error a stream ends with: the request's own fault (400's shape), or the server's."""
-    message = str(err)
-    if _request_fault(message):
-        return _bad_request(ValueError(message), None).body()
-    return error_body(message, "server_error", code=503 if isinstance(err, EngineStopping) else 500)
+def _failure(output: RequestOutput) -> APIError:
+    """A failed request's error: its own parameters' doing (a 400 naming the parameter, its message the client's to
+    read), or the server's (a 500; the cause is told only to the log)."""
+    if output.error_param is not None:
+        return _bad_request(ValueError(output.error), output.error_param)
+    return APIError(500, REQUEST_FAILED, "server_error", code=500)
 
 
-def _request_fault(error: str) -> bool:
-    """Whether a failed request's error is its own parameters' doing (the engine words those "SamplingParams.<field>
-    ..."), and so its message is the client's to read; any other failure is told only to the log."""
-    return error.startswith("SamplingParams.")
+def _error_event(err: EngineError | APIError) -> dict:
+    """The error a stream ends with."""
+    if isinstance(err, APIError):
+        return err.body()
+    return error_body(str(err), "server_error", code=503 if isinstance(err, EngineStopping) else 500)
 
 
 def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
@@ -304,7 +296,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
             yield event([opening])
         async for output in stream:
             if output.error is not None:
-                raise EngineError(output.error if _request_fault(output.error) else REQUEST_FAILED)
+                raise _failure(output)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
                 completion_tokens += 0 if fmt.prompt_only else len(choice.token_ids)
@@ -326,7 +318,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
         if include_usage:
             yield event([], last=True)
         yield "data: [DONE]\n\n"
-    except EngineError as err:
+    except (EngineError, APIError) as err:
         yield f"data: {json.dumps(_error_event(err))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
