@@ -10,6 +10,8 @@ from .sampling_params import FLOAT32_MAX
 from .sequence import Sequence
 from .structured_outputs import apply_bitmask, fill_bitmask
 
+CANDIDATES = 512  # the likeliest tokens a top-k / top-p row looks for its kept ones among before sorting whole
+
 _MASK31 = (1 << 31) - 1
 
 
@@ -207,15 +209,43 @@ def _draw_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tenso
         scaled, probs = scaled.masked_fill(below, float("-inf")), probs.masked_fill(below, 0.0)
     rows, order = batch.sort_rows, None
     if rows is not None:  # these rows' probabilities are replaced by their top-k / top-p ones, in sorted order
-        top, order = scaled[rows].sort(dim=-1, descending=True)
-        k = batch.top_k[rows]
-        k = torch.where(k > 0, k, torch.full_like(k, top.shape[1]))
-        positions = torch.arange(top.shape[1], device=top.device)
-        top = top.masked_fill(positions >= k.unsqueeze(1), float("-inf")).softmax(dim=-1)
-        before = top.cumsum(dim=-1) - top  # a token is dropped once those before it reach top_p (as vLLM)
-        top_p = batch.top_p[rows].unsqueeze(1)
-        probs = probs.index_copy(0, rows, top.masked_fill((before >= top_p) & (top_p < 1), 0.0))
+        top, order = _sorted_top(scaled[rows], batch.top_k[rows], batch.top_p[rows].unsqueeze(1))
+        probs = probs.index_copy(0, rows, top)
     return probs, order
+
+
+def _top_k_top_p(top: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    """Descending scores ``top`` as probabilities (``exp(score - normalizer)``), past each row's top ``k`` and once
+    those before a token reach ``top_p`` (as vLLM) zero."""
+    positions = torch.arange(top.shape[1], device=top.device)
+    probs = (top - normalizer).exp().masked_fill(positions >= k.unsqueeze(1), 0.0)
+    before = probs.cumsum(dim=-1) - probs
+    return probs.masked_fill((before >= top_p) & (top_p < 1), 0.0)
+
+
+def _sorted_top(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' top-k / top-p probabilities in descending order with the token ids of that order, both ``[R, vocab]``.
+    A row's kept tokens are looked for among its `CANDIDATES` likeliest (a partial sort, ~20x cheaper than sorting a
+    49k vocabulary): a row keeping more is sorted whole. Past a row's candidates its probabilities are 0 (ids 0)."""
+    vocab = scaled.shape[1]
+    k = torch.where(k > 0, k, torch.full_like(k, vocab))
+    width = min(CANDIDATES, vocab)
+    values, ids = scaled.topk(width, dim=-1)
+    whole = k == vocab  # normalised over the whole row, else over its top k (held by the candidates if k <= width)
+    normalizer = torch.where(whole, scaled.logsumexp(dim=-1), values.masked_fill(
+        torch.arange(width, device=k.device) >= k.unsqueeze(1), float("-inf")).logsumexp(dim=-1)).unsqueeze(1)
+    probs = _top_k_top_p(values, k, top_p, normalizer)
+    held = (k <= width) | (whole & (top_p.squeeze(1) < 1) & ((values - normalizer).exp().sum(dim=-1) >= top_p.squeeze(1)))
+    top = torch.zeros_like(scaled)
+    order = torch.zeros(scaled.shape, dtype=torch.long, device=scaled.device)
+    top[:, :width], order[:, :width] = probs, ids
+    rest = (~held).nonzero().squeeze(1)
+    if rest.numel():
+        values, ids = scaled[rest].sort(dim=-1, descending=True)
+        masked = values.masked_fill(torch.arange(vocab, device=k.device) >= k[rest].unsqueeze(1), float("-inf"))
+        top[rest] = _top_k_top_p(values, k[rest], top_p[rest], masked.logsumexp(dim=-1, keepdim=True))
+        order[rest] = ids
+    return top, order
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -224,7 +254,8 @@ def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     probs, order = _draw_probs(_adjusted(logits.float(), batch), batch)
     if order is not None:
         rows = batch.sort_rows
-        probs = probs.index_copy(0, rows, torch.zeros_like(order, dtype=probs.dtype).scatter(1, order, probs[rows]))
+        placed = torch.zeros_like(order, dtype=probs.dtype).scatter_add(1, order, probs[rows])  # padding adds 0s
+        probs = probs.index_copy(0, rows, placed)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
