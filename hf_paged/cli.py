@@ -244,9 +244,12 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=args.tensor_parallel_size or 1)
-        return ContinuousBatchGenerator(model, tokenizer, config)
-    except Exception as err:  # any reason a model cannot be served is the user's to read, not a traceback
+    except Exception as err:  # any reason a model cannot be loaded is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
+    try:
+        return ContinuousBatchGenerator(model, tokenizer, config)
+    except Exception as err:
+        parser.error(f"cannot serve {path}: {err or type(err).__name__}")
 
 
 def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:

@@ -330,6 +330,24 @@ def test_a_stream_given_up_at_a_refused_prompt_aborts_the_others(smollm2, chat_p
     assert_no_leak(gen)
 
 
+def test_prompt_tokens_count_the_prompts_computed(smollm2):
+    """`prompt_tokens` (and /metrics' prompt_tokens_total) counts a prompt once its first token comes, as vLLM counts
+    the prefill tokens processed: a request aborted while queued counted 300 prompt tokens it never computed; a
+    preempted one recomputed is not counted again."""
+    gen = make_generator(smollm2, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = gen.add_request([5] * 100, params)
+    queued = gen.add_request([6] * 300, params)
+    gen.step()
+    gen.abort_request(queued)
+    while gen.has_unfinished_requests():
+        gen.step()
+    assert first and gen.stats().prompt_tokens == 100
+    gen = make_generator(smollm2, num_blocks=10, block_size=4)
+    gen.run([[5] * 12, [6] * 12], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), use_tqdm=False)
+    assert gen.stats().num_preemptions > 0 and gen.stats().prompt_tokens == 24
+
+
 def test_a_prompt_that_raises_withdraws_the_prompts_before_it(smollm2, chat_prompts, monkeypatch):
     gen = make_generator(smollm2)
     add = gen.add_request
@@ -469,13 +487,15 @@ def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
         (dict(engine_params=SamplingParams(n=1000)), "max_num_seqs"),
         (dict(params=lambda: SamplingParams(stop_token_ids=5)), "stop_token_ids must be a list of integers"),
         (dict(params=lambda: SamplingParams(logit_bias=[1, 2])), "logit_bias must be a map"),
+        (dict(params=lambda: SamplingParams(ignore_eos="false")), "ignore_eos must be True or False"),
         (dict(params=lambda: StructuredOutputsParams(json={"enum": {1, 2}})), "json is not valid JSON"),
         (dict(prompt=[{"role": "user"}]), "cannot be rendered by the tokenizer's chat template"),
         (dict(prompt=[{"role": "user", "content": 5}]), "cannot be rendered by the tokenizer's chat template"),
         (dict(engine_params={"temperature": 0}), "sampling_params must be SamplingParams or GenerationConfig"),
     ],
     ids=["empty", "temperature", "top_p", "max_tokens", "seed", "n-float", "nan", "too-long", "stop-token-id",
-         "logprobs", "n-too-many", "stop-token-ids-int", "logit-bias-list", "schema-not-json", "chat-no-content",
+         "logprobs", "n-too-many", "stop-token-ids-int", "logit-bias-list", "bool-string", "schema-not-json",
+         "chat-no-content",
          "chat-int-content", "params-dict"],
 )
 def test_bad_input_fails_alone(smollm2, chat_prompts, bad, message):

@@ -483,13 +483,17 @@ def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsy
     broken = tmp_path / "broken"
     shutil.copytree(smollm2_path, broken)
     (broken / "model.safetensors").write_bytes(b"\0" * 64)
-    for name in ("hybrid", "broken"):
+    for name, words in (("hybrid", "cannot serve"), ("broken", "cannot load")):
         for file in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(f"{smollm2_path}/{file}", tmp_path / name / file)
         with pytest.raises(SystemExit) as exit_info:
             main(["generate", str(tmp_path / name), "hi", "--max-tokens", "2"])
         err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and f"cannot load {tmp_path / name}" in err and "Traceback" not in err
+        assert exit_info.value.code == 2 and f"{words} {tmp_path / name}" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:  # a bare MemoryError (an empty message) before
+        main(["generate", smollm2_path, "hi", "--num-blocks", str(10**12)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "num_blocks asks for a 6.87e+08 GiB KV cache, more than this machine" in err
 
 
 def test_cli_generate_with_engine_options(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import signal
 import threading
@@ -43,11 +44,23 @@ DEFAULT_CPU_KV_MEMORY = 2 << 30
 def _check_temperature_tuning(text_config, max_model_len: int, config: EngineConfig) -> None:
     """Llama 4 scales some layers' attention by each token's position, which it counts from a cache the engine does
     not pass (from 0 at the step's first token): exact only while positions and steps stay below ``floor_scale``."""
-    floor = getattr(text_config, "floor_scale", None) if getattr(text_config, "attn_temperature_tuning", False) else None
+    tuning = getattr(text_config, "attn_temperature_tuning", False)
+    floor = getattr(text_config, "floor_scale", None) if tuning else None
     if floor and max(max_model_len, config.max_num_batched_tokens) >= floor:
         raise NotImplementedError(
             f"{text_config.model_type}'s attention temperature tuning counts positions the engine cannot give it past "
             f"floor_scale ({floor}): set max_model_len and max_num_batched_tokens below {floor}")
+
+
+def _check_memory(size: int, option: str, device: torch.device) -> None:
+    """Refuse a KV cache larger than the machine's memory (on CPU; a GPU's allocator says so itself): the zeroed
+    blocks would be overcommitted, then the process killed, or a bare MemoryError raised."""
+    if device.type != "cpu":
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if size > total:
+        raise ValueError(f"EngineConfig.{option} asks for a {size / 2**30:.3g} GiB KV cache, more than this machine's "
+                         f"{total / 2**30:.3g} GiB of memory")
 
 
 class ContinuousBatchGenerator:
@@ -80,7 +93,6 @@ class ContinuousBatchGenerator:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
         self._ids_lock = threading.Lock()
-        self._prompt_tokens = 0
         self._held: dict[str, RequestOutput] = {}  # other requests' outputs seen by `run` or `stream`, for `step`
         self._unread: set[str] = set()  # requests `run` or `stream` gave up on: their outputs are dropped
         self._claimed: set[str] = set()  # requests a `run` or `stream` is waiting for: `step` leaves their outputs
@@ -109,10 +121,15 @@ class ContinuousBatchGenerator:
         if config.num_blocks is None and memory is None:
             memory = torch.cuda.mem_get_info(model.device)[0] // 2 if model.device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
         dtype = config.kv_dtype(model.dtype)
+        spec = KVCacheSpec.from_model(model)
+        if config.num_blocks is None:
+            _check_memory(memory, "kv_cache_memory", model.device)
+        else:
+            _check_memory(config.num_blocks * spec.bytes_per_block(config.block_size, dtype), "num_blocks", model.device)
 
         def make(blocks: int | None, budget: int | None) -> PagedKVStorage:
             return PagedKVStorage(model.config, num_blocks=blocks, block_size=config.block_size, memory_budget=budget,
-                                  dtype=dtype, device=model.device, spec=KVCacheSpec.from_model(model))
+                                  dtype=dtype, device=model.device, spec=spec)
 
         storage = make(config.num_blocks, memory)
         if is_tensor_parallel(model):  # every rank schedules alike only over as many blocks (each GPU's free memory)
@@ -167,7 +184,7 @@ class ContinuousBatchGenerator:
         assert probe not in self.requests and self.kv_manager.pool.num_used_blocks == 0
         self.kv_manager.pool.reset()
         self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = 0
-        self._prompt_tokens = self.scheduler.num_generated_tokens = 0
+        self.scheduler.num_prompt_tokens = self.scheduler.num_generated_tokens = 0
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
@@ -217,7 +234,6 @@ class ContinuousBatchGenerator:
             elif action == "add":
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
-                self._prompt_tokens += item.num_prompt_tokens
             elif item in self.requests and item not in asked:  # asked twice: reported once
                 asked.add(item)
                 self.scheduler.abort(self.requests[item])
@@ -437,7 +453,7 @@ class ContinuousBatchGenerator:
             num_partial_prefills=self.scheduler.num_partial_prefills,
             prefix_cache_queries=self.kv_manager.prefix_queries,
             prefix_cache_hits=self.kv_manager.prefix_hits,
-            prompt_tokens=self._prompt_tokens,
+            prompt_tokens=self.scheduler.num_prompt_tokens,
             generation_tokens=self.scheduler.num_generated_tokens,
             **self._spec_stats(),
         )

@@ -210,6 +210,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             self._check(_is_real(value) and abs(value) <= FLOAT32_MAX, name, value, "a finite float32 number")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):  # "false" would read as True
+            self._check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")
         self._check(all(isinstance(t, str) for t in self.stop), "stop", self.stop, "a string or a list of strings")

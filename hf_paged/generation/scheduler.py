@@ -69,6 +69,7 @@ class Scheduler:
         self.compiling: dict[str, Request] = {}  # constrained requests whose grammar is not compiled yet, by id
         self.num_preemptions = 0
         self.num_partial_prefills = 0  # prompt chunks that left the rest of their prompt for later steps
+        self.num_prompt_tokens = 0  # of the requests whose prompt was computed (their first token came)
         self.num_generated_tokens = 0
 
     def add(self, request: Request) -> None:
@@ -281,7 +282,9 @@ class Scheduler:
         params, metrics = seq.request.params, seq.request.metrics
         seq.token_ids.append(token)
         self.num_generated_tokens += 1
-        metrics.first_token_time = metrics.first_token_time or now
+        if metrics.first_token_time is None:
+            self.num_prompt_tokens += seq.request.num_prompt_tokens
+            metrics.first_token_time = now
         metrics.num_output_tokens = max(metrics.num_output_tokens, seq.num_output_tokens)
         if seq.logprobs is not None:
             top = dict(zip(sampled.top_ids[row][: params.logprobs], sampled.top_logprobs[row][: params.logprobs]))
