@@ -158,3 +158,14 @@ def test_grow_adds_free_blocks_first_in_line():
     assert pool.allocate(3) == [2, 3, 4]
     with pytest.raises(NoFreeBlocksError):
         pool.allocate(1)
+
+
+def test_a_freed_sequence_evicts_its_last_block_first():
+    """Evicting the head of a cached chain would make every block after it unreachable."""
+    kv = KVCacheManager(BlockPool(4, 4), enable_prefix_caching=True)
+    tokens = list(range(12))
+    assert kv.allocate("a", 0, 12) == []
+    kv.cache_blocks("a", tokens, 12)
+    kv.free("a")
+    assert kv.allocate("b", 0, 8) == []  # the one plain free block, then one cached block evicted
+    assert kv.match_prefix("c", tokens + [99]) == 8

@@ -348,6 +348,16 @@ def test_prompt_tokens_count_the_prompts_computed(smollm2):
     assert gen.stats().num_preemptions > 0 and gen.stats().prompt_tokens == 24
 
 
+def test_stop_tokens_are_banned_for_exactly_min_tokens(smollm2):
+    model, tokenizer = smollm2
+    gen = make_generator(smollm2)
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(temperature=0, min_tokens=2, max_tokens=10, logit_bias={eos: 100})
+    [out] = gen.run([[5, 6, 7]], params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 3 and eos not in tokens[:2] and tokens[2] == eos and out.outputs[0].finish_reason == "stop"
+
+
 def test_a_prompt_that_raises_withdraws_the_prompts_before_it(smollm2, chat_prompts, monkeypatch):
     gen = make_generator(smollm2)
     add = gen.add_request

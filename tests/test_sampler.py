@@ -166,3 +166,13 @@ def _row(batch: SamplingBatch, i: int) -> SamplingBatch:
     one = batch_for(1, top_k=1, top_p=0.5, seeds=[int(batch.seeds[i])])
     one.top_k, one.top_p = batch.top_k[i : i + 1], batch.top_p[i : i + 1]
     return one
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_ones_and_min_p_1_keeps_it():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    logits[:, 0] = -10  # the argmax is never token 0
+    batch = batch_for(64, seeds=list(range(64)))
+    batch.temperature = torch.tensor([0.0, 1.0] * 32)
+    tokens = sample(logits, batch).token_ids
+    assert tokens[::2] == logits[::2].argmax(-1).tolist() and tokens[1::2] != logits[1::2].argmax(-1).tolist()
+    assert sample(logits, batch_for(64, min_p=1.0)).token_ids == logits.argmax(-1).tolist()

@@ -232,3 +232,47 @@ def test_check_stop_is_a_pure_function_of_its_inputs(token, produced, total, par
     params = SamplingParams(**params)
     stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {EOS})
     assert check_stop(token, produced, total, "Paris end", len(" end"), params, stop_ids, max_model_len=32) == expected
+
+
+def test_stop_strings_end_in_the_new_text_and_the_earliest_wins():
+    from hf_paged.generation.stopping import find_stop_string
+
+    assert find_stop_string("xSTOPy", 1, ["STOP"], include_stop=False) is None  # it ended before the new text
+    assert find_stop_string("xSTOP", 1, ["STOP"], include_stop=False) == Stop("stop", "STOP", 1)
+    assert find_stop_string("abcd", 4, ["cd", "ab"], include_stop=False) == Stop("stop", "ab", 0)
+    params = SamplingParams(min_tokens=3, stop=["<5>"])  # the token that reaches min_tokens may complete one
+    assert check_stop(5, 3, 10, "<4><5>", 3, params, frozenset(), 256) == Stop("stop", "<5>", 3)
+    assert check_stop(5, 2, 10, "<4><5>", 3, params, frozenset(), 256) is None
+
+
+def test_a_prompt_waiting_on_a_matched_prefix_gives_its_blocks_back_each_step():
+    """B shares A's first two blocks but waits for room while A grows: each step's match takes references on them,
+    which must be given back when B is not admitted (else the blocks never free)."""
+    scheduler = make_scheduler(num_blocks=8, block_size=4)
+    a = make_request("a", range(20, 32), max_tokens=14)
+    b = make_request("b", list(range(20, 28)) + list(range(60, 76)), max_tokens=2)
+    scheduler.add(a)
+    step(scheduler)
+    waited = 0
+    scheduler.add(b)
+    for _ in range(100):
+        if not scheduler.has_work():
+            break
+        step(scheduler)
+        waited += bool(scheduler.waiting)
+    assert a.is_finished and b.is_finished and waited > 5
+    assert_no_leak(scheduler)
+    assert all(count == 0 for count in scheduler.kv_manager.pool.ref_counts)
+
+
+def test_guesses_leave_a_token_for_every_later_sequence():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    for name in ("a", "b"):
+        scheduler.add(make_request(name, range(20, 22), max_tokens=10))
+    step(scheduler)
+    assert len(scheduler.running) == 2
+    first, second = scheduler.running
+    first.spec_token_ids = [7, 8, 9]
+    out = scheduler.schedule()
+    assert dict(zip([s.seq_id for s in out.seqs], out.num_tokens)) == {first.seq_id: 3, second.seq_id: 1}
+    assert out.spec_token_ids == {first.seq_id: [7, 8]}

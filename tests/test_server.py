@@ -319,6 +319,18 @@ def test_a_token_limit_past_the_context_is_refused_as_vllm_refuses_it(server):
     assert_error(post(server, "/v1/chat/completions", chat), 400, "max_completion_tokens", "is too large")
 
 
+def test_a_call_of_several_prompts_counts_them_all_and_indexes_their_choices(server, smollm2):
+    """Choices ``2i`` and ``2i + 1`` answer prompt ``i`` (n = 2), and usage counts every prompt's tokens."""
+    _, tokenizer = smollm2
+    prompts = ["The sky is", "A much longer prompt, about the sea and its waves, is"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 3, "echo": True, "seed": 1}
+    answer = post(server, "/v1/completions", body).json()
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert all(c["text"].startswith(prompts[c["index"] // 2]) for c in choices)
+    assert answer["usage"]["prompt_tokens"] == sum(len(tokenizer(p).input_ids) for p in prompts)
+
+
 def test_errors_have_openai_shape(server):
     chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
     assert_error(post(server, "/v1/chat/completions", {**chat, "temperature": -1}), 400, "temperature", "temperature")

@@ -304,3 +304,13 @@ def test_n_samples_of_a_prompt_whose_last_chunk_is_one_token_start_without_guess
         outputs.append([o.token_ids for o in out.outputs])
         assert gen.kv_manager.pool.num_used_blocks == 0
     assert outputs[0] == outputs[1]
+
+
+def test_a_verification_counts_the_guesses_kept_before_the_models_own_token():
+    from types import SimpleNamespace
+
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=64)
+    seq = SimpleNamespace(spec_window=1)
+    speculator.record(seq, [1, 2, 3], [1, 9])  # kept the first guess, then the model's 9
+    speculator.record(seq, [], [4])  # no guesses: no verification
+    assert (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens) == (1, 3, 1)

@@ -160,7 +160,7 @@ class Scheduler:
             if seats + seq.num_samples > self.config.max_num_seqs:
                 break
             num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
-                                              reuse=not seq.request.scores_prompt)
+                                                      reuse=not seq.request.scores_prompt)
             n = min(seq.num_tokens - num_cached, budget)
             needed = self.kv_manager.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
             room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0)
