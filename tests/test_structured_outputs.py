@@ -125,7 +125,8 @@ def test_the_text_of_the_end_token_a_grammar_ends_with_is_cut(generator):
             extra["max_tokens"] = len(out.outputs[0].token_ids)
         (out,) = generator.run([PROMPT], params.replace(**extra), use_tqdm=False)
         assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop", extra
-    (out,) = generator.run([PROMPT], params.replace(include_stop_str_in_output=True), use_tqdm=False)
+    kept = params.replace(include_stop_str_in_output=True, ignore_eos=True)  # the grammar, not EOS, ends it
+    (out,) = generator.run([PROMPT], kept, use_tqdm=False)
     end = generator.tokenizer.decode([out.outputs[0].token_ids[-1]], skip_special_tokens=False)
     assert out.outputs[0].text in ("yes" + end, "no" + end) and end  # kept, as a stop string's would be
 
