@@ -237,8 +237,8 @@ def test_speculation_is_off_while_the_batch_is_large(smollm2, chat_prompts, monk
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(smollm2, grounded_prompts):
-    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7),
-              SamplingParams(temperature=0.5, max_tokens=40, seed=3)]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=7, ignore_eos=True),
+              SamplingParams(temperature=0.5, max_tokens=40, seed=3, ignore_eos=True)]
     spec = dict(num_speculative_tokens=3)
     first, stats = generate(smollm2, grounded_prompts, params, speculative_config=spec)
     again, _ = generate(smollm2, grounded_prompts, params, speculative_config=spec)

@@ -125,8 +125,9 @@ class PagedKVStorage:
         unpaged = unpaged_layer_types(config)
         if unpaged:
             raise NotImplementedError(
-                f"a paged KV cache holds attention keys and values only; this model also has {unpaged} layers, whose "
-                "states it cannot keep (hybrid models are not supported by the paged backend's cache)"
+                f"a paged KV cache holds the keys and values of full and sliding-window attention only; this model "
+                f"also has {unpaged} layers (recurrent or convolution states, linear or chunked attention: hybrid "
+                "models are not supported by the paged backend's cache)"
             )
         self.spec = spec or KVCacheSpec.from_config(config)
         if not isinstance(block_size, int) or block_size < 1:

@@ -96,9 +96,13 @@ class InputProcessor:
                                  f"got {value}")
 
 
-def final_only(params: SamplingParams | GenerationConfig | None) -> SamplingParams:
-    """``params`` asking for one output per request, when it finishes (what `run` collects)."""
-    return InputProcessor.sampling_params(params).replace(output_kind=RequestOutputKind.FINAL_ONLY)
+def final_only(params):
+    """``params`` asking for one output per request, when it finishes (what `run` collects); parameters that cannot
+    be read are left for `add_request` to refuse, so that only their request fails."""
+    try:
+        return InputProcessor.sampling_params(params).replace(output_kind=RequestOutputKind.FINAL_ONLY)
+    except ValueError:
+        return params
 
 
 def one_params_per_prompt(prompts, sampling_params) -> tuple[list[Prompt], list]:

@@ -15,6 +15,9 @@ CANDIDATES = 512  # the likeliest tokens a top-k / top-p row looks for its kept 
 _MASK31 = (1 << 31) - 1
 
 
+_STREAM_KEYS = (0x2545F491, 0x5BD1E995)
+
+
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """A 31-bit integer hash (xor-shift-multiply rounds); products stay below 2**63."""
     x = x ^ (x >> 16)
@@ -33,7 +36,7 @@ def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor, stream: in
     """
     h = _mix((seeds & _MASK31) ^ _mix(((seeds >> 31) & _MASK31) ^ _mix((seeds >> 62) & 3)))  # all 64 bits
     h = _mix(h ^ (counters & _MASK31))
-    h = _mix(h ^ (0x2545F491 + stream))
+    h = _mix(_mix(h ^ _STREAM_KEYS[stream]))  # keys far apart in every bit, mixed twice: streams independent
     return (h.double() + 0.5) / float(1 << 31)
 
 
