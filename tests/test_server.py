@@ -331,6 +331,16 @@ def test_a_call_of_several_prompts_counts_them_all_and_indexes_their_choices(ser
     assert answer["usage"]["prompt_tokens"] == sum(len(tokenizer(p).input_ids) for p in prompts)
 
 
+def test_top_logprobs_hold_the_sampled_token_when_it_is_not_among_them(server):
+    """As OpenAI's: the ``logprobs`` likeliest tokens, and the one sampled after them when it is not one of them."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "logprobs": 1, "temperature": 1.5, "seed": 3,
+            "ignore_eos": True}
+    logprobs = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    pairs = list(zip(logprobs["tokens"], logprobs["top_logprobs"]))
+    assert all(token in top and 1 <= len(top) <= 2 for token, top in pairs)
+    assert any(len(top) == 2 for _, top in pairs)  # a draw outside the top 1 happened
+
+
 def test_errors_have_openai_shape(server):
     chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
     assert_error(post(server, "/v1/chat/completions", {**chat, "temperature": -1}), 400, "temperature", "temperature")
@@ -704,6 +714,10 @@ def test_echo_with_logprobs_scores_the_prompt(server, smollm2):
         assert len(tokens) == len(ids) + 3 and "".join(p["text"] for p in pieces).startswith(PROMPT)
     alone = post(server, "/v1/completions", {**body, "max_tokens": 0}).json()  # the prompt alone: scoring only
     assert alone["choices"][0]["text"] == PROMPT and alone["usage"]["completion_tokens"] == 0
+    streamed = post(server, "/v1/completions", {**body, "max_tokens": 0, "stream": True,
+                                                "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 0 and events[-1]["usage"]["prompt_tokens"] == len(ids)
     assert len(alone["choices"][0]["logprobs"]["tokens"]) == len(ids)
     assert alone["choices"][0]["logprobs"]["token_logprobs"][1:] == logprobs["token_logprobs"][1:len(ids)]
     assert_error(post(server, "/v1/completions", {**body, "prompt": [1, -5]}), 400, "prompt", "vocabulary")

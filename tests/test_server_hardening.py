@@ -262,6 +262,25 @@ def test_limits_are_400s_naming_the_field(served, path, extra, param):
     wait_until_idle(served.generator)
 
 
+def test_every_bound_takes_its_own_value(served):
+    """Each limit above refuses one more than it allows, and allows that much (a `>=` for `>` went unnoticed), the
+    body size and the API key's scheme too."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    for extra in ({"stop": ["a", "b", "c", "d"]}, {"stop": "x" * 256}, {"stop_token_ids": [5] * 64},
+                  {"logit_bias": {str(i): 1 for i in range(300)}}, {"n": 4}, {"logprobs": 20}, {"prompt": ["hi"] * 32}):
+        response = post(served, "/v1/completions", {**body, **extra})
+        assert response.status_code == 200, (extra, response.text[:200])
+    raw = json.dumps(body).encode()
+    limit = ServerLimits().max_body_bytes
+    for size, status in ((limit, 200), (limit + 1, 413)):
+        response = httpx.post(f"{served.base}/v1/completions", content=raw + b" " * (size - len(raw)),
+                              headers={"Content-Type": "application/json", **AUTH}, timeout=30)
+        assert response.status_code == status, size
+    token = httpx.post(f"{served.base}/v1/completions", json=body, headers={"Authorization": f"Token {KEY}"}, timeout=30)
+    assert token.status_code == 401  # the right key under another scheme than Bearer
+    wait_until_idle(served.generator)
+
+
 def test_odd_bodies_are_400s_naming_their_field(served):
     headers = {"Content-Type": "application/json", **AUTH}
     chat = {"model": MODEL, "messages": CHAT}

@@ -36,7 +36,7 @@ def test_calls_schema_accepts_only_calls_of_the_tools():
     jsonschema.validate(ok, required)
     jsonschema.validate(ok[:1], named)
     for bad, schema in [([], required), ([{"name": "nope", "arguments": {}}], required), (ok, named),
-                        ([{"name": "get_weather", "arguments": {}}], named)]:
+                        ([{"name": "get_weather", "arguments": {}}], named), (ok[:1] * 2, named)]:  # exactly once
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     with pytest.raises(ValueError, match="needs a name"):
