@@ -472,21 +472,19 @@ def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespa
 
     from . import distributed
     from .default_model import resolve_model
-    from .quantization import quantization_method
 
     args.check(parser, args)
     try:
         path = resolve_model(args.model)
         config = EngineConfig.from_cli_args(args)
         distributed.check_engine_config(config)
+        distributed.check_checkpoint(path)
         _check_draft(parser, config)
         distributed.load_tensor_parallel_kwargs(AutoConfig.from_pretrained(path), size)  # its plan, its heads
         for local_rank in range(size):
             distributed.cpu_share(local_rank, size, distributed.cpu_bind_setting(args.cpu_bind))
     except Exception as err:  # noqa: BLE001 - whatever the ranks would fail on is the user's to read
         parser.error(str(err))
-    if quantization_method(path) is not None:
-        parser.error("tensor parallelism is not supported for quantized (GPTQ/AWQ) checkpoints")
     if not any(name.endswith((".safetensors", ".bin")) for name in os.listdir(path)):
         parser.error(f"cannot load {path}: it holds no weights (*.safetensors or *.bin)")
 

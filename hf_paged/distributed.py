@@ -139,6 +139,14 @@ def kv_heads_need_replication(config, tp_size: int) -> bool:
     return kv_heads % tp_size != 0
 
 
+def check_checkpoint(path) -> None:
+    """Refuse a checkpoint no rank could shard: a quantized (GPTQ/AWQ) one."""
+    from .quantization import quantization_method
+
+    if quantization_method(path) is not None:
+        raise ValueError("tensor parallelism is not supported for quantized (GPTQ/AWQ) checkpoints")
+
+
 def check_engine_config(config) -> None:
     """Refuse (``ValueError``) the `EngineConfig` options that tensor parallelism does not serve."""
     spec = config.speculative_config

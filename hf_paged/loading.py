@@ -36,8 +36,9 @@ def load_model(
 
     path = resolve_model(name_or_path)
     if tensor_parallel_size > 1:
-        if quantized_load_kwargs(path, device, quant_backend):
-            raise ValueError("tensor parallelism is not supported for quantized (GPTQ/AWQ) checkpoints")
+        from .distributed import check_checkpoint
+
+        check_checkpoint(path)
         return _load_tensor_parallel(path, _dtype(dtype), tensor_parallel_size)
     return load_causal_lm(path, dtype, device, quant_backend), AutoTokenizer.from_pretrained(path)
 
