@@ -14,6 +14,7 @@ import torch
 
 from ..cache import DEFAULT_BLOCK_SIZE
 
+DEFAULT_CPU_KV_MEMORY = 2 << 30
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -185,6 +186,13 @@ class EngineConfig:
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_cache_dtype else model_dtype
+
+    def kv_memory(self, device: torch.device) -> int | None:
+        """The KV cache's bytes: ``kv_cache_memory``, else (unless ``num_blocks`` sizes it) 2 GiB on CPU and half the
+        free memory on GPU."""
+        if self.num_blocks is not None or self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        return torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
 
     # --------------------------------------------------------------------------------------------- command line
     @classmethod

@@ -38,7 +38,6 @@ from .spec_decode import Speculator, verify_drafts
 from .structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
-DEFAULT_CPU_KV_MEMORY = 2 << 30
 
 
 def _check_temperature_tuning(text_config, max_model_len: int, config: EngineConfig) -> None:
@@ -117,9 +116,7 @@ class ContinuousBatchGenerator:
     # ---------------------------------------------------------------------------------------------- set-up
     @staticmethod
     def _kv_storage(model: torch.nn.Module, config: EngineConfig) -> PagedKVStorage:
-        memory = config.kv_cache_memory
-        if config.num_blocks is None and memory is None:
-            memory = torch.cuda.mem_get_info(model.device)[0] // 2 if model.device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
+        memory = config.kv_memory(model.device)
         dtype = config.kv_dtype(model.dtype)
         spec = KVCacheSpec.from_model(model)
         if config.num_blocks is None:
