@@ -46,11 +46,7 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(token_ids)} tokens long but this engine's context (max_model_len) is "
-                f"{self.max_model_len} tokens, prompt and output together"
-            )
+        self.check_prompt_length(len(token_ids))
         self.check_params(params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         return Request(request_id, text, token_ids, params, seed, self.eos_token_ids)
@@ -67,11 +63,20 @@ class InputProcessor:
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        # A tokenizer can know more tokens than the model embeds; such a prompt would fail every step it joins.
+        self.check_token_ids(token_ids)
+        return text, token_ids
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """A tokenizer can know more tokens than the model embeds; a prompt of them would fail every step it joins."""
         bad = self._outside_vocabulary(token_ids)
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary (size {self.vocab_size})")
-        return text, token_ids
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """A prompt must leave room for one new token in the context."""
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt is {num_tokens} tokens long but this engine's context (max_model_len) is "
+                             f"{self.max_model_len} tokens, prompt and output together")
 
     def _outside_vocabulary(self, token_ids) -> list[int]:
         return [t for t in token_ids if not 0 <= t < self.vocab_size]

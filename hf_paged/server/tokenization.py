@@ -80,16 +80,17 @@ class PromptEncoder:
         return token_ids
 
     def _check_tokens(self, num_tokens: int, param: str) -> None:
-        if num_tokens >= self.max_model_len:
-            raise APIError(400, f"the prompt is {num_tokens} tokens long but this engine's context (max_model_len) "
-                                f"is {self.max_model_len} tokens, prompt and output together", param=param)
+        try:
+            self.inputs.check_prompt_length(num_tokens)
+        except ValueError as err:
+            raise APIError(400, str(err), param=param) from None
 
     async def text(self, token_ids: list[int], param: str) -> str:
         """The text of a token-id prompt (checked, then decoded on a tokenizing thread); a 400 naming ``param``
         for ids the model does not know."""
         def decode() -> str:
             processor = self.processor()
-            processor.tokenize(token_ids)
+            processor.check_token_ids(token_ids)
             return processor.tokenizer.decode(token_ids)
 
         try:
