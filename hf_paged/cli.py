@@ -249,7 +249,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     try:
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:
-        parser.error(f"cannot serve {path}: {err or type(err).__name__}")
+        parser.error(f"cannot serve {path}: {str(err) or type(err).__name__}")
 
 
 def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:

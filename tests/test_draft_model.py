@@ -218,15 +218,16 @@ def test_a_draft_that_fails_in_a_step_with_a_block_copy_leaves_the_copy_made(tok
 def test_the_draft_sits_out_a_large_batch_and_catches_up_after(tokenizer):
     """A step of more than ``disable_by_batch_size`` sequences, none speculating, runs no draft forward (it computed
     every token of the batch, for guesses nobody took); once sequences speculate again their draft keys and values
-    are caught up in one forward, so a draft that is the target has every guess kept, through preemption as well."""
+    are caught up (in forwards of at most max_num_batched_tokens), so a draft that is the target has every guess kept,
+    through preemption as well."""
     target = llama(tokenizer, seed=0)
     prompts = PROMPTS + [[70, 71, 72, 73, 74], [80, 81]]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 36, 8, 10, 12)]
     plain, _ = run(target, tokenizer, prompts=prompts, params=params)
-    gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=14, block_size=4,
+    gen = ContinuousBatchGenerator(target, tokenizer, num_blocks=14, block_size=4, max_num_batched_tokens=12,
                                    speculative_config={"model": target, "num_speculative_tokens": 4,
                                                        "disable_by_batch_size": 2})
-    draft, steps, drafted = gen.speculator.draft.runner, [], set()
+    draft, steps, drafted, sizes = gen.speculator.draft.runner, [], set(), []
     draft_run, schedule = draft.run, gen.scheduler.schedule
 
     def scheduling():
@@ -236,6 +237,7 @@ def test_the_draft_sits_out_a_large_batch_and_catches_up_after(tokenizer):
 
     def counting(step):
         drafted.add(len(steps) - 1)
+        sizes.append(step.num_tokens)
         return draft_run(step)
 
     gen.scheduler.schedule, draft.run = scheduling, counting
@@ -244,5 +246,6 @@ def test_the_draft_sits_out_a_large_batch_and_catches_up_after(tokenizer):
     assert [[o.token_ids for o in out.outputs] for out in outputs] == plain
     idle = {i for i, large in enumerate(steps) if large}
     assert idle and drafted and not idle & drafted
+    assert max(sizes) == 12  # a catch-up is cut into forwards of at most max_num_batched_tokens
     assert stats.num_preemptions > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0

@@ -176,3 +176,4 @@ def test_greedy_rows_take_the_argmax_beside_sampled_ones_and_min_p_1_keeps_it():
     tokens = sample(logits, batch).token_ids
     assert tokens[::2] == logits[::2].argmax(-1).tolist() and tokens[1::2] != logits[1::2].argmax(-1).tolist()
     assert sample(logits, batch_for(64, min_p=1.0)).token_ids == logits.argmax(-1).tolist()
+

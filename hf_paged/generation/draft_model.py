@@ -2,12 +2,13 @@
 ``"draft_model"``), written into a step after the scheduler has allocated its blocks.
 
 The draft keeps KV tensors of its own, addressed by the target's block tables and slots (the same block ids), so it
-needs no allocator: every step it computes the tokens the target computes (in one forward of its own), so its blocks
-hold its keys and values wherever the target's hold the target's, through prefix sharing, copy-on-write, forks and
-preemption (also in steps where no sequence speculates: a block computed then may be shared, by a fork or a prefix
-match, with one that does). Sequences that speculate then take one more draft forward per further guess, batched.
-While the batch is too large to speculate the draft sits out (`skip`), and each sequence catches up in the draft's
-first step after: blocks filled meanwhile and then shared by a prefix match hold no draft keys and values.
+needs no allocator: in every step of a batch small enough to speculate it computes the tokens the target computes
+(in one forward of its own), so its blocks hold its keys and values wherever the target's hold the target's, through
+prefix sharing, copy-on-write, forks and preemption (also in steps where no sequence speculates: a block computed
+then may be shared, by a fork or a prefix match, with one that does). Sequences that speculate then take one more
+draft forward per further guess, batched. While the batch is too large to speculate the draft sits out (`skip`), and
+each sequence catches up in the draft's first step after, in forwards of at most ``max_num_batched_tokens``: blocks
+filled meanwhile and then shared by a prefix match hold no draft keys and values.
 Guesses are the draft's greedy choices, so verification (`verify_drafts`) treats them as certain proposals: greedy
 outputs are the target's own and sampled ones keep its distribution. The draft's keys and values only ever help a
 guess: where they are stale (after every guess was kept, the last one's until the next step) fewer guesses are kept,
@@ -16,6 +17,7 @@ and no output changes.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -63,6 +65,7 @@ class DraftModel:
         self.runner = ModelRunner(model, self.kv, kv_manager, native)
         self.runner.graphs = decode_graphs(self.runner, config, max_model_len)
         self.computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft keys and values are written
+        self.max_tokens = config.max_num_batched_tokens  # per draft forward
 
     @staticmethod
     def _load(model, target: torch.nn.Module) -> torch.nn.Module:
@@ -90,20 +93,18 @@ class DraftModel:
         (``out.spec_token_ids``, as many as the scheduler gave room for) before the target computes the step."""
         self.kv.copy_blocks(out.block_copies)  # the draft's blocks follow the target's copy-on-write
         spans: list[Span] = []
-        rows, speculating, end = [], [], 0
         for seq, n in zip(out.seqs, out.num_tokens):
             first = self._first(seq)  # through its known tokens; the guesses follow
             last = min(seq.num_computed_tokens + n, seq.num_tokens, self.max_positions)
             if last > first:
                 spans.append((seq.seq_id, first, [t if t < self.vocab_size else 0 for t in seq.token_ids[first:last]]))
                 self.computed[seq.seq_id] = last
-                end += last - first
-            if seq.seq_id in out.spec_token_ids:
-                rows.append(end - 1)
-                speculating.append(seq)
         if not spans:
             return
-        logits = self.runner.run(self.runner.pack(spans, rows))
+        spans = self._catch_up(spans)
+        ends = dict(zip((seq_id for seq_id, _, _ in spans), itertools.accumulate(len(t) for _, _, t in spans)))
+        speculating = [seq for seq in out.seqs if seq.seq_id in out.spec_token_ids]
+        logits = self.runner.run(self.runner.pack(spans, [ends[seq.seq_id] - 1 for seq in speculating]))
         guesses = [[token] for token in greedy_tokens(logits).tolist()]
         wanted = [len(out.spec_token_ids[seq.seq_id]) for seq in speculating]
         for j in range(1, max(wanted, default=0)):  # guess j + 1 from guess j, at the position after the last token + j
@@ -115,11 +116,31 @@ class DraftModel:
             out.spec_token_ids[seq.seq_id] = seq.spec_token_ids = tokens
             self.computed[seq.seq_id] = seq.num_tokens - 1 + len(tokens)  # through the last token and guesses[:-1]
 
+    def _catch_up(self, spans: list[Span]) -> list[Span]:
+        """Compute the spans' leading tokens in forwards of at most ``max_tokens`` until the rest fits one (each
+        span keeps its last token for it); returns the rest."""
+        while sum(len(tokens) for _, _, tokens in spans) > self.max_tokens:
+            head, rest, room = [], [], self.max_tokens
+            for seq_id, first, tokens in spans:
+                take = max(0, min(room, len(tokens) - 1))
+                if take:
+                    head.append((seq_id, first, tokens[:take]))
+                    room -= take
+                rest.append((seq_id, first + take, tokens[take:]))
+            if not head:
+                break
+            self.runner.run(self.runner.pack(head, [len(head[0][2]) - 1]))  # its keys and values only
+            spans = rest
+        return spans
+
     def _first(self, seq: Sequence) -> int:
         """The first of ``seq``'s tokens whose draft keys and values are not written yet. An unseen sequence starts
         where the target does: blocks it shares were computed by the draft as well. A preempted one starts over."""
         start = seq.num_computed_tokens
-        return min(self.computed.get(seq.seq_id, start), start)
+        known = self.computed.get(seq.seq_id)
+        if known is None and seq.index > 0:  # a fork of the prompt's sequence: its blocks were that one's
+            known = self.computed.get(seq.request.seqs[0].seq_id)
+        return start if known is None else min(known, start)
 
     def _greedy(self, spans: list[Span]) -> list[int]:
         """The draft's most likely next token after each one-token span."""

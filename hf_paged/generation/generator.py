@@ -119,10 +119,10 @@ class ContinuousBatchGenerator:
         memory = config.kv_memory(model.device)
         dtype = config.kv_dtype(model.dtype)
         spec = KVCacheSpec.from_model(model)
-        if config.num_blocks is None:
-            _check_memory(memory, "kv_cache_memory", model.device)
-        else:
+        if config.num_blocks is not None:
             _check_memory(config.num_blocks * spec.bytes_per_block(config.block_size, dtype), "num_blocks", model.device)
+        elif config.kv_cache_memory is not None:  # the default is the caller's to size, not this machine's to refuse
+            _check_memory(memory, "kv_cache_memory", model.device)
 
         def make(blocks: int | None, budget: int | None) -> PagedKVStorage:
             return PagedKVStorage(model.config, num_blocks=blocks, block_size=config.block_size, memory_budget=budget,

@@ -36,7 +36,9 @@ def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor, stream: in
     """
     h = _mix((seeds & _MASK31) ^ _mix(((seeds >> 31) & _MASK31) ^ _mix((seeds >> 62) & 3)))  # all 64 bits
     h = _mix(h ^ (counters & _MASK31))
-    h = _mix(_mix(h ^ _STREAM_KEYS[stream]))  # keys far apart in every bit, mixed twice: streams independent
+    # Stream 0's numbers are those of earlier versions; another stream's key differs in many bits and is mixed once
+    # more, so that a position's accept test and token pick are independent.
+    h = _mix(h ^ _STREAM_KEYS[0]) if stream == 0 else _mix(_mix(h ^ _STREAM_KEYS[stream]))
     return (h.double() + 0.5) / float(1 << 31)
 
 

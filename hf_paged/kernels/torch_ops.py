@@ -59,7 +59,9 @@ def dense_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(v.dtype)  # a row that sees no key gives zeros
+    probs = torch.softmax(scores, dim=-1)
+    # A row that sees no key gives zeros; in place unless autograd needs the softmax's output for backward.
+    probs = (probs.nan_to_num(0.0) if probs.requires_grad else probs.nan_to_num_(0.0)).to(v.dtype)
     return torch.matmul(probs, v)
 
 
