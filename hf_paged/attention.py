@@ -107,14 +107,17 @@ def _check_supported(module: torch.nn.Module, attention_mask, dropout: float, kw
         )
 
 
-def _claim_layer(module: torch.nn.Module, metadata: PagedMetadata) -> int:
-    """The layer whose blocks this attention call writes: each layer once a forward."""
+def _claim_layer(module: torch.nn.Module, metadata: PagedMetadata, key: torch.Tensor) -> int:
+    """The layer whose blocks this attention call writes: each layer once a forward (its keys carry it on to the
+    layers that reuse them, in Gemma3n)."""
     if module.layer_idx in metadata.layers_written:
         raise NotImplementedError(
             f"{type(module).__name__}: layer {module.layer_idx}'s attention ran twice in one forward (differential "
             "attention, or one module reused for several layers); the paged KV cache holds one set of keys and values "
             "per layer")
     metadata.layers_written.add(module.layer_idx)
+    if metadata.kv.spec.num_shared_layers:
+        key.paged_source = (metadata, module.layer_idx)
     return module.layer_idx
 
 
@@ -188,9 +191,7 @@ def paged_attention_forward(
     elif paged_metadata is None:
         return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
     else:
-        layer_idx = _claim_layer(module, paged_metadata)
-        if paged_metadata.kv.spec.num_shared_layers:
-            key.paged_source = (paged_metadata, layer_idx)
+        layer_idx = _claim_layer(module, paged_metadata, key)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     with torch.no_grad() if grad else contextlib.nullcontext():  # the blocks stay out of any autograd graph
         k_cache, v_cache = paged_metadata.kv.layer(layer_idx, key)
