@@ -539,7 +539,10 @@ def test_cli_generate_with_engine_options(capsys):
 def test_cli_generate_interrupted_ends_without_a_traceback(smollm2_path):
     command = [sys.executable, "-m", "hf_paged.cli", "generate", smollm2_path, "Tell a long story.", "--max-tokens",
                "2000", "--temperature", "0", "--no-chat"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Started from a shell's background job, this process ignores SIGINT and so would the child: Python then keeps
+    # it ignored instead of raising KeyboardInterrupt.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.stdout.read(5)  # it is generating
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
