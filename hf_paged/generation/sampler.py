@@ -219,11 +219,11 @@ def _draw_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tenso
     return probs, order
 
 
-def _top_k_top_p(top: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
-    """Descending scores ``top`` as probabilities (``exp(score - normalizer)``), past each row's top ``k`` and once
-    those before a token reach ``top_p`` (as vLLM) zero."""
-    positions = torch.arange(top.shape[1], device=top.device)
-    probs = (top - normalizer).exp().masked_fill(positions >= k.unsqueeze(1), 0.0)
+def _top_k_top_p(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Descending probabilities ``probs``, past each row's top ``k`` and once those before a token reach ``top_p``
+    (as vLLM) zero."""
+    positions = torch.arange(probs.shape[1], device=probs.device)
+    probs = probs.masked_fill(positions >= k.unsqueeze(1), 0.0)
     before = probs.cumsum(dim=-1) - probs
     return probs.masked_fill((before >= top_p) & (top_p < 1), 0.0)
 
@@ -239,8 +239,10 @@ def _sorted_top(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
     whole = k == vocab  # normalised over the whole row, else over its top k (held by the candidates if k <= width)
     normalizer = torch.where(whole, scaled.logsumexp(dim=-1), values.masked_fill(
         torch.arange(width, device=k.device) >= k.unsqueeze(1), float("-inf")).logsumexp(dim=-1)).unsqueeze(1)
-    probs = _top_k_top_p(values, k, top_p, normalizer)
-    held = (k <= width) | (whole & (top_p.squeeze(1) < 1) & ((values - normalizer).exp().sum(dim=-1) >= top_p.squeeze(1)))
+    mass = (values - normalizer).exp()
+    probs = _top_k_top_p(mass, k, top_p)
+    p = top_p.squeeze(1)
+    held = (k <= width) | (whole & (p < 1) & (mass.sum(dim=-1) >= p))  # the first token past them would be dropped
     top = torch.zeros_like(scaled)
     order = torch.zeros(scaled.shape, dtype=torch.long, device=scaled.device)
     top[:, :width], order[:, :width] = probs, ids
@@ -248,7 +250,7 @@ def _sorted_top(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
     if rest.numel():
         values, ids = scaled[rest].sort(dim=-1, descending=True)
         masked = values.masked_fill(torch.arange(vocab, device=k.device) >= k[rest].unsqueeze(1), float("-inf"))
-        top[rest] = _top_k_top_p(values, k[rest], top_p[rest], masked.logsumexp(dim=-1, keepdim=True))
+        top[rest] = _top_k_top_p((values - masked.logsumexp(dim=-1, keepdim=True)).exp(), k[rest], top_p[rest])
         order[rest] = ids
     return top, order
 
