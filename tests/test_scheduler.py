@@ -240,9 +240,12 @@ def test_stop_strings_end_in_the_new_text_and_the_earliest_wins():
     assert find_stop_string("xSTOPy", 1, ["STOP"], include_stop=False) is None  # it ended before the new text
     assert find_stop_string("xSTOP", 1, ["STOP"], include_stop=False) == Stop("stop", "STOP", 1)
     assert find_stop_string("abcd", 4, ["cd", "ab"], include_stop=False) == Stop("stop", "ab", 0)
-    params = SamplingParams(min_tokens=3, stop=["<5>"])  # the token that reaches min_tokens may complete one
-    assert check_stop(5, 3, 10, "<4><5>", 3, params, frozenset(), 256) == Stop("stop", "<5>", 3)
-    assert check_stop(5, 2, 10, "<4><5>", 3, params, frozenset(), 256) is None
+    # As vLLM: the first min_tokens tokens' text is not searched, but a stop string may begin in it.
+    params = SamplingParams(min_tokens=3, stop=["<5>", "4><6"])
+    assert check_stop(5, 3, 10, "<4><5>", 3, params, frozenset(), 256) is None
+    assert check_stop(5, 4, 10, "<4><5>", 3, params, frozenset(), 256) == Stop("stop", "<5>", 3)
+    assert check_stop(6, 4, 10, "<4><6>", 3, params, frozenset(), 256) == Stop("stop", "4><6", 1)
+    assert check_stop(2, 3, 10, "<4><5>", 3, params, frozenset({2}), 256) == Stop("stop", None, 3)  # a stop token
 
 
 def test_a_prompt_waiting_on_a_matched_prefix_gives_its_blocks_back_each_step():

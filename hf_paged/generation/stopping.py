@@ -39,14 +39,16 @@ def check_stop(
     """Whether a sequence that just appended ``token`` (now ``num_output_tokens`` generated, ``num_tokens`` in all,
     its text ending in ``num_new_chars`` new characters) stops, and why.
 
-    Stop tokens (``stop_ids``: the request's stop_token_ids, and EOS unless ignored) and stop strings count only
-    once ``min_tokens`` are generated; ``max_tokens`` and the context (``max_model_len``) always do. As with a stop
-    string, a stop token's text is cut from the output unless ``include_stop_str_in_output`` (its id stays).
+    Stop tokens (``stop_ids``: the request's stop_token_ids, and EOS unless ignored) count only once ``min_tokens``
+    are generated, and stop strings only when they end in the text of a later token (vLLM's rule: the first
+    ``min_tokens`` tokens' text is never searched, though a stop string may begin in it); ``max_tokens`` and the
+    context (``max_model_len``) always count. As with a stop string, a stop token's text is cut from the output
+    unless ``include_stop_str_in_output`` (its id stays).
     """
-    if num_output_tokens >= params.min_tokens:
-        if token in stop_ids:
-            text_end = None if params.include_stop_str_in_output else len(text) - num_new_chars
-            return Stop("stop", token if token in params.stop_token_ids else None, text_end)
+    if num_output_tokens >= params.min_tokens and token in stop_ids:
+        text_end = None if params.include_stop_str_in_output else len(text) - num_new_chars
+        return Stop("stop", token if token in params.stop_token_ids else None, text_end)
+    if num_output_tokens > params.min_tokens:
         stop = find_stop_string(text, num_new_chars, params.stop, params.include_stop_str_in_output)
         if stop is not None:
             return stop
