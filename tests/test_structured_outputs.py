@@ -374,3 +374,29 @@ def test_the_scheduler_keeps_compiling_requests_out_of_the_batch():
     run_to_end(scheduler, [])
     assert free.is_finished and not pending.seqs[0].num_computed_tokens
     assert_no_leak(scheduler)
+
+
+def test_a_compile_nobody_waits_for_is_cancelled_and_compiled_again_when_asked(smollm2):
+    """Aborting the last request that waits for a queued compile cancels it (a client sending many grammars and
+    leaving would otherwise hold the compile thread); the cache then compiles that constraint afresh."""
+    scheduler = make_scheduler()
+    queued = Future()
+    first, second = make_request("a", [5, 6]), make_request("b", [7, 8])
+    first.grammar = second.grammar = queued
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.abort(first)
+    assert not queued.cancelled()  # the other request still waits for it
+    scheduler.abort(second)
+    assert queued.cancelled() and not scheduler.compiling
+    _, tokenizer = smollm2
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    release = threading.Event()
+    busy = compiler._pool.submit(release.wait, 30)  # the compile thread is taken
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    assert compiler.compile(spec).cancel()
+    again = compiler.compile(spec)
+    assert not again.cancelled()
+    release.set()
+    assert busy.result() and again.result(timeout=60) is not None
+    compiler.shutdown()

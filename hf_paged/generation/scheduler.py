@@ -314,8 +314,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        else:
-            self.compiling.pop(seq.request.request_id, None)
+        elif (request := self.compiling.pop(seq.request.request_id, None)) is not None:
+            if all(other.grammar is not request.grammar for other in self.compiling.values()):
+                request.grammar.cancel()  # a compile nobody waits for any more: dropped if it has not started
         self.kv_manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason

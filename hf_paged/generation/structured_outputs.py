@@ -106,7 +106,7 @@ class GrammarCompiler:
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
-            if future is None:
+            if future is None or future.cancelled():
                 future = self._cache[key] = self._pool.submit(self._compile, spec)
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
