@@ -131,9 +131,11 @@ _LIMITS = {
                         "queue more gets a 503 with Retry-After (default: 1024)"),
     "max_n": ("--max-n", int, "most samples (n) per prompt (default: half of --max-num-seqs, at most 128)"),
     "max_stop_sequences": ("--max-stop-sequences", int, "most stop strings per call (default: 4, as OpenAI)"),
-    "max_stop_length": ("--max-stop-length", int, "most characters in one stop string (default: 256)"),
+    "max_stop_length": ("--max-stop-length", int, "most characters in one stop string or bad word (default: 256)"),
     "max_stop_token_ids": ("--max-stop-token-ids", int, "most stop_token_ids per call (default: 64)"),
     "max_logit_bias": ("--max-logit-bias", int, "most logit_bias entries per call (default: 300, as OpenAI)"),
+    "max_bad_words": ("--max-bad-words", int, "most bad_words per call, each of at most --max-stop-length "
+                                              "characters (default: 64)"),
     "max_logprobs": ("--max-logprobs", int, "most logprobs / top_logprobs per token (default: 20)"),
     "max_logprob_entries": ("--max-logprob-entries", int,
                             "most log-probabilities one call may return, n x (logprobs + 1) x new tokens over its "

@@ -195,6 +195,37 @@ def test_logit_bias(smollm2, chat_prompts):
     assert_no_leak(gen)
 
 
+def test_bad_words_and_allowed_token_ids_match_generate(smollm2, chat_prompts):
+    """vLLM's ``bad_words`` and ``allowed_token_ids``, greedy, against `generate` with the same bans
+    (``bad_words_ids``) and restriction (``prefix_allowed_tokens_fn``), beside an unconstrained request."""
+    model, tokenizer = smollm2
+    gen = make_generator(smollm2)
+    prompt = tokenizer(chat_prompts[0]).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)  # as generate's min_new_tokens
+    free = gen.run([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    text = tokenizer.decode(free[4:6])  # a word of two tokens the free output completes, and one of one
+    words = [text, tokenizer.decode(free[1])]
+    banned = greedy.replace(bad_words=words)
+    ids = banned.bad_words_token_ids(tokenizer)
+    assert free[4:6] in ids and any(len(w) == 1 for w in ids)
+    allowed = sorted(set(free) | set(range(100, 400)))
+    restricted = greedy.replace(allowed_token_ids=allowed)
+    outs = gen.run([prompt] * 3, [banned, restricted, greedy], use_tqdm=False)
+    assert outs[2].outputs[0].token_ids == free
+    args = dict(input_ids=torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    expected = generate_with(model, "sdpa", bad_words_ids=ids, **args)[0, len(prompt):].tolist()
+    assert outs[0].outputs[0].token_ids == expected != free
+    assert all(expected[i + 1 - len(w):i + 1] != w for w in ids for i in range(len(expected)))
+    expected = generate_with(model, "sdpa", prefix_allowed_tokens_fn=lambda *_: allowed, **args)[0, len(prompt):]
+    assert outs[1].outputs[0].token_ids == expected.tolist()
+    sampled = gen.run([prompt] * 4, [restricted.replace(temperature=1.0, seed=s) for s in range(4)],
+                      use_tqdm=False)
+    assert {t for o in sampled for t in o.outputs[0].token_ids} <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids must be in the vocabulary"):
+        gen.add_request(prompt, SamplingParams(allowed_token_ids=[10**7]))
+    assert_no_leak(gen)
+
+
 def test_tiny_temperatures_are_greedy_and_huge_values_refused(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     greedy = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
@@ -498,13 +529,18 @@ def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
         (dict(params=lambda: SamplingParams(stop_token_ids=5)), "stop_token_ids must be a list of integers"),
         (dict(params=lambda: SamplingParams(logit_bias=[1, 2])), "logit_bias must be a map"),
         (dict(params=lambda: SamplingParams(ignore_eos="false")), "ignore_eos must be True or False"),
+        (dict(params=lambda: SamplingParams(allowed_token_ids=[])), "allowed_token_ids must be a non-empty list"),
+        (dict(params=lambda: SamplingParams(allowed_token_ids=[1.0])), "allowed_token_ids must be a non-empty list"),
+        (dict(params=lambda: SamplingParams(bad_words="bad")), "bad_words must be a list of non-empty strings"),
+        (dict(params=lambda: SamplingParams(bad_words=[" "])), "bad_words must be a list of non-empty strings"),
         (dict(params=lambda: StructuredOutputsParams(json={"enum": {1, 2}})), "json is not valid JSON"),
         (dict(prompt=[{"role": "user"}]), "cannot be rendered by the tokenizer's chat template"),
         (dict(prompt=[{"role": "user", "content": 5}]), "cannot be rendered by the tokenizer's chat template"),
         (dict(engine_params={"temperature": 0}), "sampling_params must be SamplingParams or GenerationConfig"),
     ],
     ids=["empty", "temperature", "top_p", "max_tokens", "seed", "n-float", "nan", "too-long", "stop-token-id",
-         "logprobs", "n-too-many", "stop-token-ids-int", "logit-bias-list", "bool-string", "schema-not-json",
+         "logprobs", "n-too-many", "stop-token-ids-int", "logit-bias-list", "bool-string", "allowed-empty",
+         "allowed-float", "bad-words-string", "bad-words-blank", "schema-not-json",
          "chat-no-content",
          "chat-int-content", "params-dict"],
 )

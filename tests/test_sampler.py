@@ -3,7 +3,7 @@
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from hf_paged.generation.sampler import SamplingBatch, sample, uniform_from_counter
+from hf_paged.generation.sampler import SamplingBatch, completing_tokens, sample, uniform_from_counter
 
 
 def batch_for(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None, **extra):
@@ -77,6 +77,24 @@ def test_banned_tokens_are_never_drawn():
     logits = torch.tensor([[10.0, 0.0, 0.0]]).expand(100, 3)
     banned = (torch.arange(100), torch.zeros(100, dtype=torch.long))
     assert 0 not in sample(logits, batch_for(100, banned=banned)).token_ids
+
+
+def test_a_bad_word_bans_its_last_token_once_its_other_tokens_end_the_output():
+    words = [[7], [1, 2], [3, 1, 2, 9]]
+    assert completing_tokens([], words) == [7]
+    assert completing_tokens([5, 1], words) == [7, 2]
+    assert completing_tokens([1, 2], words) == [7]
+    assert completing_tokens([3, 1, 2], words) == [7, 9]
+    assert completing_tokens([1, 2, 1], words) == [7, 2]
+
+
+def test_allowed_tokens_are_the_only_ones_drawn_in_their_rows():
+    logits = torch.tensor([[10.0, 0.0, 1.0, 2.0]]).expand(200, 4)
+    rows = torch.arange(100).repeat_interleave(2)  # the first 100 rows allow tokens 1 and 2
+    allowed = (rows, torch.tensor([1, 2]).repeat(100))
+    drawn = sample(logits, batch_for(200, allowed=allowed)).token_ids
+    assert set(drawn[:100]) == {1, 2} and 0 in drawn[100:]
+    assert sample(logits[:2], batch_for(2, temperature=0, allowed=(rows[:2], allowed[1][:2]))).token_ids == [2, 0]
 
 
 def test_extreme_values_draw_real_tokens():

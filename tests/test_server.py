@@ -56,6 +56,8 @@ def server(smollm2):
     generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=512)
     greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS)
     chat_ref, prompt_ref = generator.run([CHAT, PROMPT], greedy, use_tqdm=False)
+    bad_words = prompt_ref.outputs[0].text.split()[:1]  # the first word the prompt's greedy output says
+    bad_words_ref = generator.run([PROMPT], greedy.replace(bad_words=bad_words), use_tqdm=False)[0].outputs[0]
     app = create_app(generator, MODEL, api_key=API_KEY)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -66,7 +68,7 @@ def server(smollm2):
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base, timeout=30)
     yield SimpleNamespace(base=base, generator=generator, app=app, chat_ref=chat_ref.outputs[0],
-                          prompt_ref=prompt_ref.outputs[0])
+                          prompt_ref=prompt_ref.outputs[0], bad_words=bad_words, bad_words_ref=bad_words_ref)
     uv.should_exit = True
     thread.join(30)
     sock.close()
@@ -453,6 +455,23 @@ def test_logit_bias(server, client):
         assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {key: 1}}), 400, "logit_bias")
     assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {"10000000": 1}}), 400, "logit_bias")
     assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {"42": 500}}), 400, "logit_bias")
+
+
+def test_bad_words_and_allowed_token_ids_as_vllm(server, client):
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS,
+                                       extra_body={"bad_words": server.bad_words}).choices[0].text
+    assert banned == server.bad_words_ref.text != server.prompt_ref.text
+    token = server.generator.tokenizer(" Rome", add_special_tokens=False).input_ids[0]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=1.0, max_tokens=3,
+                                          extra_body={"allowed_token_ids": [token]})
+    assert chat.choices[0].message.content == " Rome" * 3
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    for value in ([], [10**7], ["1"], [True]):
+        assert_error(post(server, "/v1/completions", {**completion, "allowed_token_ids": value}), 400,
+                     "allowed_token_ids")
+    for value in ([""], "Paris", ["x"] * 65, ["x" * 257]):
+        assert_error(post(server, "/v1/completions", {**completion, "bad_words": value}), 400, "bad_words")
+    assert post(server, "/v1/completions", {**completion, "bad_words": ["x"] * 64}).status_code == 200
 
 
 def test_a_refused_prompt_list_leaves_nothing_queued(server):

@@ -267,6 +267,20 @@ def test_constrained_requests_do_not_speculate(smollm2, grounded_prompts):
     assert stats.spec_decode_num_drafts == 0
 
 
+def test_bad_words_keep_greedy_tokens_and_words_of_several_tokens_do_not_speculate(smollm2, grounded_prompts):
+    """A one-token bad word is banned at every position a step verifies; a longer one depends on the tokens before
+    it, so its sequence decodes one token a step."""
+    tokenizer = smollm2[1]
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    (free,), _ = generate(smollm2, grounded_prompts[:1], [greedy])
+    for words, speculates in ([tokenizer.decode(free[6])], True), ([tokenizer.decode(free[6:8])], False):
+        params = greedy.replace(bad_words=words)
+        (plain,), _ = generate(smollm2, grounded_prompts[:1], [params])
+        (fast,), stats = generate(smollm2, grounded_prompts[:1], [params], speculative_config=dict())
+        assert fast == plain != free
+        assert (stats.spec_decode_num_drafts > 0) == speculates
+
+
 def test_metrics_report_acceptance(smollm2, grounded_prompts):
     model, tokenizer = smollm2
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=256, speculative_config=dict())

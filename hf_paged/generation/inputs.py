@@ -49,7 +49,8 @@ class InputProcessor:
         self.check_prompt_length(len(token_ids))
         self.check_params(params)
         seed = params.seed if params.seed is not None else random.getrandbits(62)
-        return Request(request_id, text, token_ids, params, seed, self.eos_token_ids)
+        return Request(request_id, text, token_ids, params, seed, self.eos_token_ids,
+                       bad_words_token_ids=params.bad_words_token_ids(self.tokenizer))
 
     @staticmethod
     def sampling_params(params: SamplingParams | GenerationConfig | None) -> SamplingParams:
@@ -59,6 +60,7 @@ class InputProcessor:
             return SamplingParams.from_generation_config(params)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams or GenerationConfig, got {type(params)}")
+        params.validate()  # again: a field may have been set since the parameters were made
         return params
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -94,6 +96,14 @@ class InputProcessor:
         if bad:
             raise InvalidParameter("logit_bias", f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
                              f"{self.vocab_size - 1}), got {bad[:5]}")
+        bad = self._outside_vocabulary(params.allowed_token_ids or ())
+        if bad:
+            raise InvalidParameter("allowed_token_ids", f"SamplingParams.allowed_token_ids must be in the vocabulary (0 "
+                                   f"to {self.vocab_size - 1}), got {bad[:5]}")
+        bad = [t for ids in params.bad_words_token_ids(self.tokenizer) for t in self._outside_vocabulary(ids)]
+        if bad:
+            raise InvalidParameter("bad_words", f"SamplingParams.bad_words tokenize to ids outside the model's "
+                                   f"vocabulary (size {self.vocab_size}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:

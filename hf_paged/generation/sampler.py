@@ -71,8 +71,10 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None = None  # [R]
     prompt_tokens: torch.Tensor | None = None  # [R, P] padded with -1
     output_tokens: torch.Tensor | None = None  # [R, O] padded with -1
-    # Tokens forbidden for a row this step (min_tokens not reached): (row indices, token ids).
+    # Tokens forbidden for a row this step (stop tokens before min_tokens, bad words): (row indices, token ids).
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids of the rows that have them: (row indices, token ids); every other token of theirs is masked.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     # logit_bias entries of all rows: (row indices, token ids, biases).
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Structured outputs: a bitmask of the tokens each constrained row allows next (CPU), and those rows.
@@ -111,13 +113,14 @@ def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device
     rows = [row for row, (seq, _) in enumerate(draws) if seq.matcher is not None]
     if rows:  # every draw of a sequence (n > 1 at its prompt) has its state: one bitmask row per draw
         batch.token_bitmask = (fill_bitmask([draws[row][0].matcher for row in rows], rows, len(draws)), rows)
-    # Stop tokens are banned until min_tokens are out; not in a constrained row, whose grammar says when it may end
-    # (banning its end token could leave nothing allowed).
-    rows = [row for row, (seq, _) in enumerate(draws)
-            if seq.num_output_tokens < seq.request.params.min_tokens and seq.matcher is None]
-    if rows:
-        ids = [draws[row][0].request.stop_ids_tensor for row in rows]
+    banned = [(row, ids) for row, (seq, _) in enumerate(draws) if (ids := _banned_ids(seq)) is not None]
+    if banned:
+        rows, ids = zip(*banned)
         batch.banned = (_rows_of(rows, ids, device), torch.cat(ids).to(device))
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if rows:
+        ids = [draws[row][0].request.allowed_ids_tensor for row in rows]
+        batch.allowed = (_rows_of(rows, ids, device), torch.cat(ids).to(device))
     rows = [row for row, p in enumerate(params) if p.logit_bias]
     if rows:
         tokens, values = zip(*(draws[row][0].request.logit_bias_tensors for row in rows))
@@ -126,6 +129,27 @@ def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device
     if wanted:
         batch.max_logprobs = max(1, *wanted)
     return batch
+
+
+def _banned_ids(seq: Sequence) -> torch.Tensor | None:
+    """The tokens ``seq`` may not take next: its stop tokens until min_tokens are out (not under a grammar, which
+    says when it may end: banning its end token could leave nothing allowed), and the last token of each bad word
+    whose other tokens end the output."""
+    request = seq.request
+    ids = []
+    if seq.num_output_tokens < request.params.min_tokens and seq.matcher is None:
+        ids.append(request.stop_ids_tensor)
+    if request.bad_words_token_ids:
+        ids.append(torch.tensor(completing_tokens(seq.output_token_ids, request.bad_words_token_ids),
+                                dtype=torch.long))
+    return torch.cat(ids) if ids else None
+
+
+def completing_tokens(output_token_ids: list[int], words: list[list[int]]) -> list[int]:
+    """The last token of each of ``words`` (token sequences) whose other tokens end ``output_token_ids``."""
+    return [word[-1] for word in words
+            if len(word) <= len(output_token_ids) + 1 and output_token_ids[len(output_token_ids) - len(word) + 1:]
+            == word[:-1]]
 
 
 def _rows_of(rows: list[int], per_row: list[torch.Tensor], device) -> torch.Tensor:
@@ -193,6 +217,10 @@ def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.token_bitmask is not None:  # first: penalties, temperature and top-k/p only see allowed tokens
         logits = logits.clone() if batch.max_logprobs else logits  # logprobs are the model's own distribution
         apply_bitmask(logits, *batch.token_bitmask)
+    if batch.allowed is not None:
+        rows, ids = batch.allowed
+        kept = logits[rows, ids]
+        logits = logits.index_fill(0, rows.unique(), float("-inf")).index_put((rows, ids), kept)
     if batch.logit_bias is not None:
         rows, ids, bias = batch.logit_bias
         logits = logits.index_put((rows, ids), bias, accumulate=True)

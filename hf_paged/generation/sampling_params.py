@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from transformers import GenerationConfig
 
@@ -134,6 +134,9 @@ class SamplingParams:
     ``prompt_logprobs``, whose first entry is None, and ``prompt_ranks``, each prompt token's rank; such a prompt is
     computed whole, not read from the prefix cache).
     ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
+    ``allowed_token_ids`` restricts every output token to those ids. ``bad_words`` are never completed: a word's
+    last token is masked whenever the output ends with the tokens before it (each word is tokenized alone and, where
+    that gives as many tokens, after a space too; vLLM's rule).
     ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
     and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.
@@ -159,10 +162,20 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # (the bad_words it was made from, their token sequences): see `bad_words_token_ids`
+    _bad_words_token_ids: tuple[tuple[str, ...], list[list[int]]] | None = field(default=None, init=False,
+                                                                                  repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalise and check every field; raises `InvalidParameter` naming the first bad one. Runs on creation, and
+        again when the engine takes the parameters (a field may have been changed since)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._check(isinstance(self.stop, (list, tuple, type(None))), "stop", self.stop, "a string or a list of strings")
@@ -170,7 +183,13 @@ class SamplingParams:
                     "a list of integers")
         self._check(isinstance(self.logit_bias, (dict, type(None))), "logit_bias", self.logit_bias,
                     "a map of token ids to numbers in [-100, 100]")
+        self._check(isinstance(self.allowed_token_ids, (list, tuple, type(None))), "allowed_token_ids",
+                    self.allowed_token_ids, "a non-empty list of token ids")
+        self._check(isinstance(self.bad_words, (list, tuple, type(None))), "bad_words", self.bad_words,
+                    "a list of non-empty strings")
         self.stop = list(self.stop or [])
+        self.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
         self._check_types()
@@ -193,6 +212,10 @@ class SamplingParams:
         self._check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
                     self.prompt_logprobs, ">= 0")
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
+        self._check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+                    self.allowed_token_ids, "a non-empty list of token ids")
+        self._check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
+                    "a list of non-empty strings")
         self._check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias", self.logit_bias,
                     "a map of token ids to numbers in [-100, 100]")
         self._check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -215,6 +238,8 @@ class SamplingParams:
         self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")
         self._check(all(isinstance(t, str) for t in self.stop), "stop", self.stop, "a string or a list of strings")
+        self._check(all(_is_int(t) for t in self.allowed_token_ids or ()), "allowed_token_ids",
+                    self.allowed_token_ids, "a non-empty list of token ids")
         self._check(all(_is_int(t) and _is_real(v) for t, v in self.logit_bias.items()), "logit_bias",
                     self.logit_bias, "a map of token ids to numbers in [-100, 100]")
 
@@ -274,8 +299,24 @@ class SamplingParams:
             stop_token_ids=[config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id,
         )
 
+    def bad_words_token_ids(self, tokenizer) -> list[list[int]]:
+        """The token sequences of ``bad_words``: each word with its leading spaces stripped, and again after one
+        space where that starts with another token but has as many (vLLM's rule). Tokenized once per parameters
+        object (the server does it on a tokenizing thread, so the engine's lock never waits for a tokenizer)."""
+        words = tuple(self.bad_words)
+        if self._bad_words_token_ids is None or self._bad_words_token_ids[0] != words:
+            sequences = []
+            for word in words:
+                plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+                spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+                sequences.append(plain)
+                if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                    sequences.append(spaced)
+            self._bad_words_token_ids = (words, sequences)
+        return self._bad_words_token_ids[1]
+
     def replace(self, **changes) -> "SamplingParams":
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         values.update(changes)
         return SamplingParams(**values)
 

@@ -132,6 +132,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # as computed so far (``params.prompt_logprobs``)
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank, alongside
     sent_prompt_logprobs: bool = False
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # ``params.bad_words``, tokenized
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -145,7 +146,8 @@ class Request:
     def wire_fields(self) -> dict:
         """What another rank rebuilds this request from (``Request(**fields)``), before any step touched it."""
         return dict(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                    params=self.params, seed=self.seed, eos_token_ids=self.eos_token_ids, cache_salt=self.cache_salt)
+                    params=self.params, seed=self.seed, eos_token_ids=self.eos_token_ids, cache_salt=self.cache_salt,
+                    bad_words_token_ids=self.bad_words_token_ids)
 
     @property
     def scores_prompt(self) -> bool:
@@ -164,6 +166,10 @@ class Request:
     @cached_property
     def stop_ids_tensor(self) -> torch.Tensor:
         return torch.tensor(sorted(self.stop_ids), dtype=torch.long)
+
+    @cached_property
+    def allowed_ids_tensor(self) -> torch.Tensor:
+        return torch.tensor(sorted(set(self.params.allowed_token_ids)), dtype=torch.long)
 
     @cached_property
     def logit_bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:

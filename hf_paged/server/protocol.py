@@ -3,7 +3,7 @@
 Fields that OpenAI marks optional may also be sent as ``null``; either way the documented default applies. Besides
 OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``prompt_logprobs`` and ``structured_outputs`` (with its older spellings ``guided_json``, ``guided_regex``,
+``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` and ``structured_outputs`` (with its older spellings ``guided_json``, ``guided_regex``,
 ``guided_choice`` and ``guided_grammar``).
 """
 
@@ -46,8 +46,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda value: not value,
     "function_call": lambda value: value in (None, "none", "auto"),
     "use_beam_search": lambda value: not value,
-    "bad_words": lambda value: not value,
-    "allowed_token_ids": lambda value: value is None,
     "truncate_prompt_tokens": lambda value: value is None,
     "echo": lambda value: not value,
     "chat_template": lambda value: value is None,
@@ -138,6 +136,8 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -190,6 +190,7 @@ class GenerationRequest(BaseModel):
             "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias(),
+            "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
         }
         values = {**defaults, **{name: value for name, value in given.items() if value is not None}}
         values.pop("max_tokens", None)

@@ -160,6 +160,7 @@ class OpenAIServing:
                      prompt_param: str) -> RequestStream:
         """Tokenize the prompts off the event loop, check what the call would cost, and queue it."""
         token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param) for prompt in prompts))
+        await self.encoder.tokenize_bad_words(params)
         context = self.generator.max_model_len
         for ids in token_ids:
             _check_room(body, len(ids), context)

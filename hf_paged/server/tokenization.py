@@ -20,6 +20,7 @@ from functools import lru_cache
 
 from jinja2 import TemplateError
 
+from ..generation import SamplingParams
 from ..generation.inputs import InputProcessor, Prompt
 from .protocol import APIError
 
@@ -78,6 +79,12 @@ class PromptEncoder:
             raise APIError(400, str(err), param=param) from err
         self._check_tokens(len(token_ids), param)
         return token_ids
+
+    async def tokenize_bad_words(self, params: SamplingParams) -> None:
+        """Tokenize ``params.bad_words`` on a tokenizing thread; the engine then reads them from ``params``."""
+        if params.bad_words:
+            await asyncio.get_running_loop().run_in_executor(
+                self.start(), lambda: params.bad_words_token_ids(self.processor().tokenizer))
 
     def _check_tokens(self, num_tokens: int, param: str) -> None:
         try:
