@@ -1,5 +1,7 @@
 """ContinuousBatchGenerator on the real SmolLM2: exactness against `generate`, caching, preemption, sampling, errors."""
 
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -942,6 +944,54 @@ def test_prompt_logprobs_are_the_models_own_whatever_the_chunking_caching_or_pre
     assert gen.run(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
 
 
+def test_parameters_changed_after_creation_are_checked_again(smollm2, chat_prompts):
+    gen = make_generator(smollm2)
+    good, changed = SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0, max_tokens=4)
+    changed.n = 0
+    outputs = gen.run(chat_prompts[:2], [good, changed], use_tqdm=False)
+    assert outputs[0].error is None and "n must be an integer >= 1" in outputs[1].error
+    assert outputs[1].error_param == "n"
+    assert_no_leak(gen)
+
+
+def test_a_model_switched_away_from_paged_attention_is_named_not_run(smollm2, chat_prompts):
+    """The native decoder would run it anyway, the Transformers forward would fail on the paged arguments."""
+    model, _ = smollm2
+    gen = make_generator(smollm2)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(RuntimeError, match="switched to 'sdpa' after the engine was built"):
+            gen.run(chat_prompts[:2], params, use_tqdm=False)
+    finally:
+        model.set_attn_implementation("paged")
+    assert all(o.error is None for o in gen.run(chat_prompts[:2], params, use_tqdm=False))
+    assert_no_leak(gen)
+
+
+def test_run_from_two_threads_at_once_gives_each_its_own_outputs(smollm2, prompt_ids, reference):
+    """Steps take turns; each serves both threads' requests, and each thread gets exactly its own outputs."""
+    gen = make_generator(smollm2)
+    halves, results, errors = [range(0, 8), range(8, 16)], {}, []
+
+    def work(half):
+        try:
+            params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i]) for i in half]
+            outputs = gen.run([prompt_ids[i] for i in half], params, use_tqdm=False)
+            results[half.start] = [o.outputs[0].token_ids for o in outputs]
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(half,)) for half in halves]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors and results[0] == reference[:8] and results[8] == reference[8:]
+    assert_no_leak(gen)
+    assert not gen._held and not gen._claimed
+
+
 def test_an_interrupt_while_a_step_is_applied_fails_that_steps_requests_only(smollm2, chat_prompts, monkeypatch):
     """Ctrl+C inside `Scheduler.update` leaves its sequences half updated: they fail (reported by the next step,
     their blocks freed) instead of wedging every later step; the engine then serves new requests."""
@@ -957,13 +1007,17 @@ def test_an_interrupt_while_a_step_is_applied_fails_that_steps_requests_only(smo
         return detokenize(seq, skip)
 
     monkeypatch.setattr(gen.scheduler.detokenizer, "step", interrupted)
-    finals, interrupts = {}, 0
+    finals, reported, interrupts = {}, [], 0
     while gen.has_unfinished_requests():
         try:
-            finals |= {o.request_id: o for o in gen.step() if o.finished}
+            finished = [o for o in gen.step() if o.finished]
         except KeyboardInterrupt:
             interrupts += 1
-    assert interrupts == 1 and set(finals) == set(ids)
+            gen.abort_request(ids[0])  # a client leaving meanwhile: its request is still reported once
+            continue
+        finals |= {o.request_id: o for o in finished}
+        reported += [o.request_id for o in finished]
+    assert interrupts == 1 and sorted(reported) == sorted(ids)
     assert all("interrupted" in finals[i].error for i in ids)
     assert_no_leak(gen)
     [fresh] = gen.run([chat_prompts[0]], params, use_tqdm=False)

@@ -410,6 +410,28 @@ def greedy_tokens(gen) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in gen.run(PROMPTS, params, use_tqdm=False)]
 
 
+def test_reset_prefix_cache_drops_the_keys_and_values_of_old_weights(tokenizer):
+    """With prefix caching on, the prompts' cached blocks hold keys and values of the weights they were computed
+    with: after new weights, `reset_prefix_cache` (vLLM's call for an RL loop's update) makes the engine compute them
+    again. It is refused while a request is in flight."""
+    model, other = tiny("llama"), tiny("llama")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn_like(p) * p.std() + p.mean() if p.ndim > 1 else p)
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4)
+    greedy_tokens(gen)
+    model.load_state_dict(other.state_dict())
+    fresh = greedy_tokens(ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4))
+    assert greedy_tokens(gen) != fresh  # read from the cache
+    request = gen.add_request(PROMPTS[0], SamplingParams(max_tokens=2))
+    assert not gen.reset_prefix_cache()
+    while gen.has_unfinished_requests():
+        gen.step()
+    assert request not in gen.requests and gen.reset_prefix_cache()
+    hits = gen.stats().prefix_cache_hits
+    assert greedy_tokens(gen) == fresh and gen.stats().prefix_cache_hits == hits
+
+
 def test_parameters_and_modules_replaced_after_the_engine_was_built_are_read(tokenizer):
     """Weights given as new Parameters or in new modules (an adapter swapped in, say) reach the native steps as they
     reach the Transformers forward, whichever weights the decoder checked its addresses on."""

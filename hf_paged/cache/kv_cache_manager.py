@@ -177,6 +177,13 @@ class KVCacheManager:
         if table:
             self.pool.free(table)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False, nothing changed) while a sequence holds blocks."""
+        if self.pool.num_used_blocks:
+            return False
+        self.pool.reset()
+        return True
+
     def free_all(self) -> None:
         for seq_id in list(self.tables):
             self.free(seq_id)

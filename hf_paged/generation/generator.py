@@ -96,6 +96,9 @@ class ContinuousBatchGenerator:
         self._unread: set[str] = set()  # requests `run` or `stream` gave up on: their outputs are dropped
         self._claimed: set[str] = set()  # requests a `run` or `stream` is waiting for: `step` leaves their outputs
         self._interrupted: list[Request] = []  # failed when an interrupt cut their step short, not reported yet
+        # One step at a time: `run` and `stream` called from several threads take turns stepping (each step serves
+        # every thread's requests); `add_request` and `abort_request` need no lock.
+        self._stepping = threading.RLock()
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
         self._workers_stopped = False
@@ -231,7 +234,8 @@ class ContinuousBatchGenerator:
             elif action == "add":
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
-            elif item in self.requests and item not in asked:  # asked twice: reported once
+            elif item in self.requests and item not in asked and not self.requests[item].is_finished:
+                # Asked twice, or of a request an interrupted step failed (reported already): not reported again.
                 asked.add(item)
                 self.scheduler.abort(self.requests[item])
                 aborted.append(self.requests[item])
@@ -244,6 +248,11 @@ class ContinuousBatchGenerator:
         return self._step(only=None)
 
     def _step(self, only: set[str] | None) -> list[RequestOutput]:
+        with self._stepping:
+            return self._outputs(self._advance(), only)
+
+    def _advance(self) -> list[Request]:
+        """Admit and abort what the inbox holds, then compute one step; returns the requests that changed."""
         changed, self._interrupted = self._drain_inbox() + self._interrupted, []
         if self.scheduler.compiling:
             changed += self.scheduler.admit_compiled()
@@ -270,7 +279,7 @@ class ContinuousBatchGenerator:
                 self._interrupted = self.scheduler.fail_all(out, "the engine was interrupted while this request's "
                                                                  "step was applied")
                 raise
-        return self._outputs(changed, only)
+        return changed
 
     def _outputs(self, changed: list[Request], only: set[str] | None) -> list[RequestOutput]:
         """The outputs held for the caller, then those of the requests a step changed: with ``only``, of the requests
@@ -356,7 +365,8 @@ class ContinuousBatchGenerator:
         if self.lockstep is None or not self.is_driver or self._workers_stopped:
             return
         self._inbox.put(("stop", None))
-        self._drain_inbox()
+        with self._stepping:
+            self._drain_inbox()
 
     def _release(self, request_ids: set[str]) -> None:
         """Free finished requests' ids for reuse, once their last outputs were handed out (or dropped)."""
@@ -415,7 +425,8 @@ class ContinuousBatchGenerator:
         the finished ones). Other requests' outputs are kept for the next `step`; requests left unfinished (the
         caller stopped reading, or an error) are aborted."""
         pending = set(request_ids)
-        self._claimed |= pending
+        with self._stepping:
+            self._claimed |= pending
         try:
             yield from first
             while pending:
@@ -425,18 +436,30 @@ class ContinuousBatchGenerator:
                     if output.finished or not finished_only:
                         yield output
         finally:
-            self._claimed -= request_ids
-            self._withdraw(pending)
+            with self._stepping:
+                self._claimed -= request_ids
+                self._withdraw(pending)
 
     def _withdraw(self, request_ids: set[str]) -> None:
         """Abort ``request_ids``, whose outputs nobody reads: `step` drops them."""
-        dropped = {rid: self._held.pop(rid) for rid in request_ids & self._held.keys()}
-        self._release({rid for rid, output in dropped.items() if output.finished})
-        with self._ids_lock:
-            live = request_ids & self._live_ids
-        self._unread |= live
+        with self._stepping:
+            dropped = {rid: self._held.pop(rid) for rid in request_ids & self._held.keys()}
+            self._release({rid for rid, output in dropped.items() if output.finished})
+            with self._ids_lock:
+                live = request_ids & self._live_ids
+            self._unread |= live
         for request_id in live:
             self.abort_request(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``: call it after changing the model's
+        weights (an RL loop's update, ``load_state_dict``), whose cached keys and values no longer hold. Returns
+        False, changing nothing, while requests are in flight (their blocks were computed with the old weights too)."""
+        with self._stepping:
+            done = not self.has_unfinished_requests() and self.kv_manager.reset_prefix_cache()
+        if not done:
+            logger.warning("hf_paged: the prefix cache was not reset: requests are in flight")
+        return done
 
     def stats(self) -> EngineStats:
         pool = self.kv_manager.pool

@@ -11,6 +11,7 @@ import torch
 
 from ..attention import unpadded_mask
 from ..cache import KVCacheManager, PagedKVStorage, PagedMetadata
+from ..integration import uses_paged_attention
 from ..native_decoder import NativeDecoder
 from .long_rope import LongRope
 from .scheduler import SchedulerOutput
@@ -123,6 +124,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step (its block copies made); returns ``logits [sample rows, vocab]``: in step order one row per
         sampled sequence and one more per speculative guess it verifies, then the prompt-logprob rows."""
+        if not uses_paged_attention(self.model):  # the native decoder would not notice, the Transformers forward would
+            implementation = self.model.config.get_text_config(decoder=True)._attn_implementation
+            raise RuntimeError(f"the model's attention was switched to {implementation!r} after the engine was built: "
+                               "switch it back with model.set_attn_implementation('paged')")
         return self.run(self.prepare(out))
 
     @torch.inference_mode()
