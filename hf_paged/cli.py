@@ -271,11 +271,14 @@ def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged serve``: run the HTTP server until interrupted."""
-    import uvicorn
+    try:
+        import uvicorn
 
+        from .server import create_app
+        from .server.app import GracefulServer
+    except ImportError as err:
+        parser.error(f"serve needs the server extra: pip install 'hf-paged[server]' ({err})")
     from .default_model import DEFAULT_MODEL_NAME
-    from .server import create_app
-    from .server.app import GracefulServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     key, limits = _serve_settings(parser, args)

@@ -17,7 +17,22 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("HF_PAGED_CACHE") or Path.home() / ".cache" / "hf_paged")
+    """``$HF_PAGED_CACHE`` (an empty variable means the default ``~/.cache/hf_paged``); a relative path is refused:
+    what is read from it (the native kernel is code) would depend on the directory a process starts in."""
+    root = Path(os.environ.get("HF_PAGED_CACHE") or Path.home() / ".cache" / "hf_paged")
+    if not root.is_absolute():
+        raise ValueError(f"HF_PAGED_CACHE must be an absolute path, got {str(root)!r}")
+    return root
+
+
+def _check_writable(root: Path) -> None:
+    """Refuse, before a conversion of minutes, a cache root this process cannot write into."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as err:
+        raise PermissionError(f"the default model is converted once into {root}, which cannot be written "
+                              f"({err.strerror}): set HF_PAGED_CACHE to a writable directory") from None
 
 
 def _gguf_file() -> Path:
@@ -73,9 +88,11 @@ def default_model_path() -> str:
     """
     target = cache_root() / DEFAULT_MODEL_NAME
     if not _is_complete(target):
+        gguf = _gguf_file()
+        _check_writable(target.parent)
         if target.exists():
             shutil.rmtree(target)
-        _convert(_gguf_file(), target)
+        _convert(gguf, target)
     return str(target)
 
 

@@ -510,6 +510,20 @@ def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):
     assert exit_info.value.code == 2 and "is not a size" in capsys.readouterr().err
 
 
+def test_python_dash_m_runs_the_cli():
+    done = subprocess.run([sys.executable, "-m", "hf_paged", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "serve" in done.stdout
+
+
+def test_cli_serve_without_the_server_extra_names_it(monkeypatch, capsys):
+    from hf_paged.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve"])
+    assert exit_info.value.code == 2 and "pip install 'hf-paged[server]'" in capsys.readouterr().err
+
+
 def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsys):
     """A model the engine refuses (here a hybrid one) or broken weights: a message and exit code 2, no traceback."""
     import shutil

@@ -24,6 +24,7 @@ from live_server import MODEL, assert_openai_error, live_server, tiny_generator,
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from hf_paged.default_model import default_model_path  # noqa: E402
 from hf_paged.server import ServerLimits, create_app  # noqa: E402
 from hf_paged.server.protocol import APIError  # noqa: E402
 
@@ -542,7 +543,7 @@ def test_the_kernel_cache_is_private_and_checked(kernel_cache, tmp_path):
     """A library that someone else could have put there is never loaded (a file stands in for a built one)."""
     native = kernel_cache
     library = native.library_path(native.compiler())
-    directory = tmp_path / "cache" / "kernels"
+    directory = tmp_path / "cache" / f"kernels-{os.getuid()}"  # one per user: users may share a cache of models
     assert library.parent == directory and stat.S_IMODE(directory.stat().st_mode) == 0o700
     library.write_bytes(b"not a library")
     library.chmod(0o666)  # anyone may now replace the code the server runs
@@ -564,11 +565,20 @@ def test_the_kernel_cache_is_private_and_checked(kernel_cache, tmp_path):
 def test_the_kernel_cache_root_must_be_absolute(kernel_cache, monkeypatch, tmp_path):
     native = kernel_cache
     monkeypatch.setenv("HF_PAGED_CACHE", "relative/cache")
-    with pytest.raises(RuntimeError, match="must be an absolute path"):
+    with pytest.raises(ValueError, match="must be an absolute path"):
         native.kernel_dir()
+    with pytest.raises(ValueError, match="must be an absolute path"):
+        default_model_path()
     monkeypatch.setenv("HF_PAGED_CACHE", "")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert native.kernel_dir() == tmp_path / ".cache" / "hf_paged" / "kernels"
+    assert native.kernel_dir() == tmp_path / ".cache" / "hf_paged" / f"kernels-{os.getuid()}"
+
+
+def test_an_unwritable_cache_is_named_before_the_default_model_is_converted(monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")  # a directory under a file cannot be made, not even by root
+    monkeypatch.setenv("HF_PAGED_CACHE", str(tmp_path / "a-file" / "cache"))
+    with pytest.raises(PermissionError, match="cannot be written .* set HF_PAGED_CACHE"):
+        default_model_path()
 
 
 def test_loading_the_kernel_leaves_subnormal_floats_alone():

@@ -1,7 +1,8 @@
 """The native CPU library: ``cpu_attention.cpp``, ``cpu_tile_attention.cpp`` and ``cpu_decoder.cpp``, compiled once
 with the system C++ compiler into one shared library and loaded with ctypes (bound by `cpu_ops` and `cpu_decoder`).
 
-The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels`` (default ``~/.cache/hf_paged/kernels``),
+The library is built with ``-march=native`` into ``$HF_PAGED_CACHE/kernels-<uid>`` (default
+``~/.cache/hf_paged/kernels-<uid>``: one per user, so that users sharing a cache of models each build their own),
 keyed by the sources, the flags, the compiler and the CPU, and shares torch's OpenMP runtime. Without a compiler
 `library()` is None and the callers keep their torch paths. The directory is created private (0700), and a library or
 directory that another user could have written is never loaded.
@@ -55,16 +56,10 @@ def compiler() -> str | None:
 
 
 def kernel_dir() -> Path:
-    """``$HF_PAGED_CACHE/kernels`` (an empty variable means the default ``~/.cache/hf_paged``), created private.
-
-    The server loads and runs the library found there, so a relative root (which would depend on the directory the
-    server was started in) is refused, and so is a directory that another user could write to.
-    """
-    root = cache_root()
-    if not root.is_absolute():
-        raise RuntimeError(f"HF_PAGED_CACHE must be an absolute path, got {str(root)!r}: the native kernel would be loaded "
-                           "from a directory relative to wherever the server starts")
-    directory = root / "kernels"
+    """This user's ``kernels-<uid>`` directory of the cache root (`cache_root`, which refuses a relative path),
+    created private. The library found there is loaded and run, so a directory another user could write to is
+    refused."""
+    directory = cache_root() / f"kernels-{os.getuid()}"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_private(directory)
     return directory
@@ -140,7 +135,7 @@ def library() -> ctypes.CDLL | None:
             if _library is None and not _failed:
                 try:
                     _library = build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as error:
                     _failed = True
                     warnings.warn(f"hf_paged: native CPU kernels unavailable, using the torch paths ({error})")
     return _library
