@@ -484,3 +484,26 @@ def test_transformers_hands_the_paged_backend_its_mask_and_window(arch, window, 
     assert seen_masks and all(causal for causal, _ in seen_masks)
     assert {size for _, size in seen_masks} <= {None, window} and (window is None or window in seen_windows)
     assert set(seen_windows) <= {None, window}
+
+
+def test_the_engine_serves_a_model_in_training_mode_as_in_eval_and_leaves_it_as_it_was(smollm2):
+    """GPT-2 has dropout on its embeddings, attention and residuals: a model trained between engine runs (an RL loop)
+    gets eval()'s tokens, and every module keeps its own mode. A refused engine leaves the attention as it was."""
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+
+    tokenizer = smollm2[1]
+    model = tiny_model("gpt2", "sdpa")[0]
+    prompt = [17, 93, 41, 200, 8, 77]
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    with pytest.raises(ValueError, match="max_model_len"):
+        ContinuousBatchGenerator(model, tokenizer, num_blocks=16, block_size=4, max_model_len=10**6)
+    assert model.config._attn_implementation == "sdpa"
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=16, block_size=4)
+    model.train()
+    model.transformer.h[1].eval()  # a module the caller keeps in eval mode
+    modes = [m.training for m in model.modules()]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = [gen.run([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+    assert runs == [expected, expected]
+    assert [m.training for m in model.modules()] == modes

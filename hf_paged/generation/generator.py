@@ -66,7 +66,8 @@ class ContinuousBatchGenerator:
     """Serves many requests at once over one model: requests join the running batch at every step and leave when done.
 
     Args:
-        model: a Transformers causal LM; its attention is switched to ``"paged"``.
+        model: a Transformers causal LM; its attention is switched to ``"paged"`` (and back if the engine is
+            refused). Steps run it in eval mode, whatever mode it is left in between them.
         tokenizer: the model's tokenizer.
         config: the engine's options (`EngineConfig`); keyword arguments override single fields, e.g.
             ``ContinuousBatchGenerator(model, tokenizer, max_num_seqs=32)``. With ``prepack_weights`` (the default)
@@ -75,9 +76,19 @@ class ContinuousBatchGenerator:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig | None = None, **options):
-        self.config = config = (config or EngineConfig()).replace(**options)
+        config = (config or EngineConfig()).replace(**options)
+        previous = model.config.get_text_config(decoder=True)._attn_implementation
         switch_to_paged_attention(model)
-        self.model = model.eval()
+        try:
+            self._build(model, tokenizer, config)
+        except BaseException:  # a refused engine leaves the model as it found it
+            if previous not in (None, "paged"):
+                model.set_attn_implementation(previous)
+            raise
+
+    def _build(self, model: torch.nn.Module, tokenizer, config: EngineConfig) -> None:
+        self.config = config
+        self.model = model  # left in its mode: each step runs in eval mode (see ModelRunner.run)
         self.tokenizer = tokenizer
         self.kv_storage = self._kv_storage(model, config)
         self.kv_manager = KVCacheManager(self.kv_storage.pool, config.enable_prefix_caching)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,7 +134,7 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """The logits of ``step``'s sample rows: through the native decoder when it takes the step, else `forward`."""
         rows = step.long_rope_rows
-        with nullcontext() if rows is None else self.long_rope.applied(rows):
+        with _evaluating(self.model), nullcontext() if rows is None else self.long_rope.applied(rows):
             return self._run(step)
 
     def _run(self, step: StepInputs) -> torch.Tensor:
@@ -166,3 +166,19 @@ class ModelRunner:
             raise TypeError(f"{type(self.model).__name__}'s forward does not pass its keyword arguments (the step's "
                             "paged_metadata) on to its attention layers")
         return logits if self._keeps_logits else logits[step.sample_rows]
+
+
+@contextmanager
+def _evaluating(model: torch.nn.Module):
+    """``model`` in eval mode (dropout off) for one step, each module's own mode restored after: a model trained
+    between steps (an RL loop) is served as after ``eval()``, and stays in training."""
+    if not model.training:
+        yield
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.training = mode

@@ -176,22 +176,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Normalise and check every field; raises `InvalidParameter` naming the first bad one. Runs on creation, and
         again when the engine takes the parameters (a field may have been changed since)."""
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self._check(isinstance(self.stop, (list, tuple, type(None))), "stop", self.stop, "a string or a list of strings")
-        self._check(isinstance(self.stop_token_ids, (list, tuple, type(None))), "stop_token_ids", self.stop_token_ids,
-                    "a list of integers")
-        self._check(isinstance(self.logit_bias, (dict, type(None))), "logit_bias", self.logit_bias,
-                    "a map of token ids to numbers in [-100, 100]")
-        self._check(isinstance(self.allowed_token_ids, (list, tuple, type(None))), "allowed_token_ids",
-                    self.allowed_token_ids, "a non-empty list of token ids")
-        self._check(isinstance(self.bad_words, (list, tuple, type(None))), "bad_words", self.bad_words,
-                    "a list of non-empty strings")
-        self.stop = list(self.stop or [])
-        self.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
-        self.bad_words = list(self.bad_words or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = dict(self.logit_bias or {})
+        self._copy_containers()
         self._check_types()
         self._check(self.n >= 1, "n", self.n, "an integer >= 1")
         self._check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
@@ -224,6 +209,25 @@ class SamplingParams:
                     "a RequestOutputKind")
         if self.top_k == -1:
             self.top_k = 0
+
+    def _copy_containers(self) -> None:
+        """The list and map fields as this object's own lists and dict (a lone stop string becomes a list)."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._check(isinstance(self.stop, (list, tuple, type(None))), "stop", self.stop, "a string or a list of strings")
+        self._check(isinstance(self.stop_token_ids, (list, tuple, type(None))), "stop_token_ids", self.stop_token_ids,
+                    "a list of integers")
+        self._check(isinstance(self.logit_bias, (dict, type(None))), "logit_bias", self.logit_bias,
+                    "a map of token ids to numbers in [-100, 100]")
+        self._check(isinstance(self.allowed_token_ids, (list, tuple, type(None))), "allowed_token_ids",
+                    self.allowed_token_ids, "a non-empty list of token ids")
+        self._check(isinstance(self.bad_words, (list, tuple, type(None))), "bad_words", self.bad_words,
+                    "a list of non-empty strings")
+        self.stop = list(self.stop or [])
+        self.allowed_token_ids = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
 
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
