@@ -126,20 +126,24 @@ class Scheduler:
             needed = seq.num_tokens - seq.num_computed_tokens
             guesses = min(len(seq.spec_token_ids), max(0, budget - needed - (len(running) - 1 - i)))
             n = min(needed + guesses, budget)
-            copies = self.kv_manager.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            copies = self._grow(seq, n)
             if copies is None and (seq.spec_token_ids or out.spec_token_ids):  # guesses never cost a preemption
                 seq.spec_token_ids = []
                 budget += self._drop_guesses(out)
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                copies = self.kv_manager.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                copies = self._grow(seq, n)
             while copies is None and seq.status is SequenceStatus.RUNNING:
                 self._preempt(self.running[-1])
                 if seq.status is SequenceStatus.RUNNING:
-                    copies = self.kv_manager.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                    copies = self._grow(seq, n)
             if copies is not None:
                 self._take(out, seq, n, copies)
                 budget -= n
         return budget
+
+    def _grow(self, seq: Sequence, n: int) -> list[BlockCopy] | None:
+        """Room for ``n`` more tokens of running ``seq``: its block copies, or None (nothing changed) if short."""
+        return self.kv_manager.allocate(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
 
     def _drop_guesses(self, out: SchedulerOutput) -> int:
         """Take the guesses out of the sequences scheduled so far, with the blocks they took; returns their count."""
@@ -195,7 +199,7 @@ class Scheduler:
             if end > first:
                 out.prompt_logprob_spans.append((seq, first, end - first))
         self.kv_manager.cache_blocks(seq.seq_id, seq.token_ids, min(seq.num_computed_tokens + n, seq.num_tokens),
-                             seq.request.cache_salt)
+                                     seq.request.cache_salt)
 
     @staticmethod
     def _plan_draws(out: SchedulerOutput) -> None:
