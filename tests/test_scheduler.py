@@ -246,6 +246,11 @@ def test_stop_strings_end_in_the_new_text_and_the_earliest_wins():
     assert check_stop(5, 4, 10, "<4><5>", 3, params, frozenset(), 256) == Stop("stop", "<5>", 3)
     assert check_stop(6, 4, 10, "<4><6>", 3, params, frozenset(), 256) == Stop("stop", "4><6", 1)
     assert check_stop(2, 3, 10, "<4><5>", 3, params, frozenset({2}), 256) == Stop("stop", None, 3)  # a stop token
+    # A stop token that also completes a stop string: its text (and the string in it) goes, unless it is kept.
+    params = SamplingParams(stop=["5>"], stop_token_ids=[2])
+    assert check_stop(2, 4, 10, "<4><5>", 3, params, frozenset({2}), 256) == Stop("stop", 2, 3)
+    kept = params.replace(include_stop_str_in_output=True)
+    assert check_stop(2, 4, 10, "<4><5>", 3, kept, frozenset({2}), 256) == Stop("stop", "5>", 6)
 
 
 def test_a_prompt_waiting_on_a_matched_prefix_gives_its_blocks_back_each_step():

@@ -45,13 +45,15 @@ def check_stop(
     context (``max_model_len``) always count. As with a stop string, a stop token's text is cut from the output
     unless ``include_stop_str_in_output`` (its id stays).
     """
-    if num_output_tokens >= params.min_tokens and token in stop_ids:
-        text_end = None if params.include_stop_str_in_output else len(text) - num_new_chars
-        return Stop("stop", token if token in params.stop_token_ids else None, text_end)
-    if num_output_tokens > params.min_tokens:
+    stop_token = num_output_tokens >= params.min_tokens and token in stop_ids
+    # A stop token's text is searched only where it stays in the output; a stop string found there wins (vLLM).
+    if num_output_tokens > params.min_tokens and (params.include_stop_str_in_output or not stop_token):
         stop = find_stop_string(text, num_new_chars, params.stop, params.include_stop_str_in_output)
         if stop is not None:
             return stop
+    if stop_token:
+        text_end = None if params.include_stop_str_in_output else len(text) - num_new_chars
+        return Stop("stop", token if token in params.stop_token_ids else None, text_end)
     if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or num_tokens >= max_model_len:
         return Stop("length")
     return None
