@@ -25,6 +25,8 @@ from .generation import (  # noqa: E402  (after registration: the generator reli
     StructuredOutputsParams,
 )
 
+from .llm import LLM  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "InvalidParameter",
+    "LLM",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -1,5 +1,6 @@
 """ContinuousBatchGenerator on the real SmolLM2: exactness against `generate`, caching, preemption, sampling, errors."""
 
+import copy
 import threading
 
 import pytest
@@ -703,11 +704,13 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     # The model's own config, and defaults written out, are no options; an unset top_k is generate's 50.
     model, _ = smollm2
     own = SamplingParams.from_generation_config(model.generation_config)
-    assert own.max_tokens == 16 and own.n == 1
+    assert own.max_tokens == 20 and own.n == 1  # generate makes 20 new tokens when nothing says how many
     written = GenerationConfig(num_beams=1, output_scores=False, output_attentions=False, do_sample=True)
     assert SamplingParams.from_generation_config(written).top_k == 50
     with pytest.raises(ValueError, match="output_attentions"):
         SamplingParams.from_generation_config(GenerationConfig(output_attentions=True))
+    with pytest.raises(ValueError, match="output_logits"):  # it returned nothing
+        SamplingParams.from_generation_config(GenerationConfig(output_logits=True, return_dict_in_generate=True))
     # stop_strings end generate's text with the string, as include_stop_str_in_output does.
     tokenizer = gen.tokenizer
     stopping = GenerationConfig(max_new_tokens=40, do_sample=False, stop_strings=["."])
@@ -716,6 +719,54 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     [out] = gen.run([inputs.input_ids[0].tolist()], stopping, use_tqdm=False)
     assert out.outputs[0].token_ids == expected.tolist()
     assert out.outputs[0].text == tokenizer.decode(expected) and out.outputs[0].text.endswith(".")
+
+
+def test_the_models_generation_config_fills_what_parameters_leave_out(smollm2, chat_prompts):
+    """As `generate` (a GenerationConfig's unset sampling fields) and vLLM (no parameters at all)."""
+    from transformers import GenerationConfig
+
+    model, tokenizer = smollm2
+    own = model.generation_config
+    model.generation_config = custom = copy.deepcopy(own)
+    custom.do_sample, custom.top_k, custom.repetition_penalty = True, 1, 1.5
+    try:
+        gen = make_generator(smollm2)
+        ids = tokenizer(chat_prompts[0], return_tensors="pt").input_ids
+        expected = model.generate(ids, generation_config=GenerationConfig(max_new_tokens=16))[0, ids.shape[1]:]
+        assert expected.tolist() != gen.run([chat_prompts[0]], SamplingParams(temperature=0, max_tokens=16),
+                                            use_tqdm=False)[0].outputs[0].token_ids  # the penalty shows
+        merged = gen.run([chat_prompts[0]], GenerationConfig(max_new_tokens=16), use_tqdm=False)[0]
+        bare = gen.run([chat_prompts[0]], use_tqdm=False)[0]  # vLLM's default max_tokens, 16
+        assert merged.outputs[0].token_ids == bare.outputs[0].token_ids == expected.tolist()
+    finally:
+        model.generation_config = own
+
+
+def test_vllm_prompt_dicts_aborts_of_lists_and_seed_minus_one(smollm2, chat_prompts):
+    _, tokenizer = smollm2
+    gen = make_generator(smollm2)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    ids = tokenizer(chat_prompts[0]).input_ids
+    [plain] = gen.run([chat_prompts[0]], greedy, use_tqdm=False)
+    alone = gen.run({"prompt_token_ids": ids}, greedy, use_tqdm=False)  # one prompt, not its keys
+    listed = gen.run([{"prompt": chat_prompts[0]}, {"prompt_token_ids": ids}], (greedy, greedy), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in alone + listed] == [plain.outputs[0].token_ids] * 3
+    assert listed[0].prompt == chat_prompts[0] and listed[1].prompt_token_ids == ids
+    [bad] = gen.run([{"prompt": "hi", "multi_modal_data": {}}], greedy, use_tqdm=False)
+    assert "multi_modal_data" in bad.error
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
+        gen.add_request({"prompt_token_ids": "12"}, greedy)
+    with pytest.raises(TypeError, match="a request id is a string"):
+        gen.abort_request([["r1"]])
+    rids = [gen.add_request(chat_prompts[i], greedy.replace(max_tokens=50)) for i in range(2)]
+    gen.abort_request(rids)
+    finals = {o.request_id: o.outputs[0].finish_reason for o in gen.step() if o.finished}
+    assert finals == dict.fromkeys(rids, "abort")
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8, seed=-1)
+    assert unseeded.seed is None
+    texts = {o.outputs[0].text for o in gen.run([chat_prompts[1]] * 4, unseeded, use_tqdm=False)}
+    assert len(texts) > 1
+    assert_no_leak(gen)
 
 
 def test_sample_i_of_n_draws_as_a_request_seeded_seed_plus_i(smollm2, chat_prompts):

@@ -23,7 +23,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from hf_paged import ContinuousBatchGenerator, SamplingParams  # noqa: E402
+from hf_paged import ContinuousBatchGenerator, SamplingParams, __version__  # noqa: E402
 from hf_paged.server import create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -104,6 +104,8 @@ def wait_until_idle(generator, timeout: float = 20) -> None:
 
 def test_health_models_and_open_routes(server, client):
     assert httpx.get(f"{server.base}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.base}/ping").json() == httpx.post(f"{server.base}/ping").json() == {"status": "ok"}
+    assert httpx.get(f"{server.base}/version").json() == {"version": __version__}  # open, as vLLM's
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError, match="does not exist"):
@@ -163,6 +165,27 @@ def test_streaming_sends_deltas_that_add_up(server, client):
     pieces = [c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPT, temperature=0, max_tokens=GREEDY_TOKENS, stream=True)]
     assert len(pieces) > 2 and "".join(pieces) == server.prompt_ref.text
+
+
+def test_return_token_ids_as_vllm(server, client, smollm2):
+    """Each choice's token ids and its prompt's: in the choice (completions) or the response (chat); streamed, in
+    every chunk's choice, the prompt's in its first."""
+    prompt_ids = smollm2[1](PROMPT).input_ids
+    greedy = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": GREEDY_TOKENS, "return_token_ids": True}
+    [choice] = post(server, "/v1/completions", greedy).json()["choices"]
+    assert choice["token_ids"] == server.prompt_ref.token_ids and choice["prompt_token_ids"] == prompt_ids
+    echoed = post(server, "/v1/completions", {**greedy, "echo": True}).json()["choices"][0]
+    assert echoed["token_ids"] == server.prompt_ref.token_ids and echoed["text"].startswith(PROMPT)
+    chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 0,
+                                                 "max_tokens": GREEDY_TOKENS, "return_token_ids": True}).json()
+    assert chat["choices"][0]["token_ids"] == server.chat_ref.token_ids and chat["prompt_token_ids"]
+    for body in ({**greedy, "stream": True}, {**greedy, "stream": True, "echo": True, "logprobs": 1}):
+        raw = post(server, "/v1/completions", body)
+        events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
+        chunks = [event["choices"][0] for event in events]
+        assert [t for c in chunks for t in c["token_ids"]] == server.prompt_ref.token_ids
+        assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert "token_ids" not in post(server, "/v1/completions", {**greedy, "return_token_ids": False}).json()["choices"][0]
 
 
 def test_stop_strings_streamed_and_not(server, client):
@@ -428,6 +451,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
 
 @pytest.mark.parametrize("extra", [
     {"functions": [{"name": "f"}]}, {"best_of": 3}, {"use_beam_search": True}, {"chat_template": "{{ messages }}"},
+    {"cache_salt": "tenant-1"}, {"priority": 1}, {"generation_config": '{"max_new_tokens": 3}'},
 ], ids=lambda extra: next(iter(extra)))
 def test_unsupported_fields_are_refused_by_name(server, extra):
     name = next(iter(extra))

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from hf_paged.server.tool_calls import ToolCallParser, calls_schema, render_prompt, tool_functions
+from hf_paged.chat_template import render_prompt
+from hf_paged.server.tool_calls import ToolCallParser, calls_schema, tool_functions
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -26,7 +26,7 @@ from .config import EngineConfig
 from .cuda_graphs import decode_graphs
 from .detokenizer import Detokenizer
 from .draft_model import DraftModel
-from .inputs import InputProcessor, Prompt, final_only, model_eos_token_ids, one_params_per_prompt
+from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
@@ -96,7 +96,7 @@ class ContinuousBatchGenerator:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         eos_token_ids = model_eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
-                                     eos_token_ids)
+                                     eos_token_ids, getattr(model, "generation_config", None))
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(config, self.kv_manager, Detokenizer(tokenizer), self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -220,9 +220,15 @@ class ContinuousBatchGenerator:
         self._inbox.put(("add", request))
         return request_id
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed at the next step, which reports it with ``finish_reason="abort"``."""
-        self._inbox.put(("abort", request_id))
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request (or each of a list of them, as vLLM's); its blocks are freed at the next step, which
+        reports it with ``finish_reason="abort"``."""
+        request_ids = list(request_id) if isinstance(request_id, (list, tuple, set, frozenset)) else [request_id]
+        for rid in request_ids:
+            if not isinstance(rid, Hashable):
+                raise TypeError(f"a request id is a string, got {type(rid).__name__}")
+        for rid in request_ids:
+            self._inbox.put(("abort", rid))
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has requests to run or outputs still to hand back."""
@@ -415,12 +421,12 @@ class ContinuousBatchGenerator:
         """Generate for all ``prompts`` together; outputs come back complete, in input order.
 
         ``sampling_params`` is one `SamplingParams` (or `GenerationConfig`) for all, a list with one per prompt, or
-        None for the defaults. A prompt that cannot be served (empty, too long) gets an output with ``error`` set.
+        None for the sampling settings of the model's generation config. A prompt that cannot be served (empty, too long) gets an output with ``error`` set.
         """
-        if isinstance(sampling_params, list):
-            sampling_params = [final_only(p) for p in sampling_params]
+        if isinstance(sampling_params, (list, tuple)):
+            sampling_params = [self.inputs.final_only(p) for p in sampling_params]
         else:
-            sampling_params = final_only(sampling_params or SamplingParams())
+            sampling_params = self.inputs.final_only(sampling_params)
         submitted = self._submit(prompts, sampling_params)
         results = {rid: None for rid, _ in submitted if rid is not None}
         with tqdm(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 from transformers import GenerationConfig
@@ -10,11 +11,20 @@ from .outputs import RequestOutputKind
 from .sampling_params import InvalidParameter, SamplingParams
 from .sequence import Request
 
-Prompt = str | list[int] | list[dict]
+Prompt = str | list[int] | list[dict] | dict
+PROMPT_KINDS = ("a string, a list of token ids, a list of chat messages, or vLLM's {'prompt': text} or "
+                "{'prompt_token_ids': [...]}")
+
+
+def is_prompt_dict(value) -> bool:
+    """Whether ``value`` is one of vLLM's prompt dicts (not a chat message)."""
+    return isinstance(value, dict) and ("prompt" in value or "prompt_token_ids" in value)
 
 
 def tokenize_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
     """``(text, token_ids)`` of a prompt as the engine sees it: chat messages go through the chat template."""
+    if is_prompt_dict(prompt):
+        return _unpack_prompt_dict(tokenizer, prompt)
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt).input_ids
     if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
@@ -26,19 +36,39 @@ def tokenize_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
         return text, tokenizer(text, add_special_tokens=False).input_ids
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt)
-    raise ValueError(f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt)}")
+    raise ValueError(f"a prompt is {PROMPT_KINDS}, got {type(prompt).__name__}")
+
+
+def _unpack_prompt_dict(tokenizer, prompt: dict) -> tuple[str | None, list[int]]:
+    """vLLM's ``{"prompt": text}`` (a TextPrompt) or ``{"prompt_token_ids": [...]}`` (a TokensPrompt, whose token
+    ids win over a ``prompt`` text beside them, as in vLLM)."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"prompt dicts with {unknown} are not supported (only 'prompt' and 'prompt_token_ids')")
+    text = prompt.get("prompt")
+    if not isinstance(text, str) and (text is not None or "prompt_token_ids" not in prompt):
+        raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")
+    if "prompt_token_ids" in prompt:
+        token_ids = prompt["prompt_token_ids"]
+        if not (isinstance(token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                    for t in token_ids)):
+            raise ValueError("a prompt's prompt_token_ids must be a list of integers")
+        return text, list(token_ids)
+    return text, tokenizer(text).input_ids
 
 
 class InputProcessor:
     """Tokenizes prompts (text, token ids or chat messages) and checks them, and their parameters, against the
     model's vocabulary and context and the engine's limits. Every refusal is a ``ValueError`` naming the problem."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, eos_token_ids: set[int]):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, eos_token_ids: set[int],
+                 generation_config: GenerationConfig | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.generation_config = generation_config  # the model's: the settings that parameters leave out
 
     def request(self, request_id: str, prompt: Prompt,
                 params: SamplingParams | GenerationConfig | None) -> Request:
@@ -52,16 +82,26 @@ class InputProcessor:
         return Request(request_id, text, token_ids, params, seed, self.eos_token_ids,
                        bad_words_token_ids=params.bad_words_token_ids(self.tokenizer))
 
-    @staticmethod
-    def sampling_params(params: SamplingParams | GenerationConfig | None) -> SamplingParams:
+    def sampling_params(self, params: SamplingParams | GenerationConfig | None) -> SamplingParams:
+        """``params`` as `SamplingParams`: None takes the sampling settings of the model's generation config (vLLM's
+        default, ``generation_config="auto"``); a `GenerationConfig` takes its sampling fields that it leaves unset
+        from the model's, as `generate` does."""
         if params is None:
-            return SamplingParams()
+            return SamplingParams(**SamplingParams.model_defaults(self.generation_config))
         if isinstance(params, GenerationConfig):
-            return SamplingParams.from_generation_config(params)
+            return SamplingParams.from_generation_config(_with_model_defaults(params, self.generation_config))
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams or GenerationConfig, got {type(params)}")
         params.validate()  # again: a field may have been set since the parameters were made
         return params
+
+    def final_only(self, params):
+        """``params`` asking for one output per request, when it finishes (what `run` collects); parameters that
+        cannot be read are left for `add_request` to refuse, so that only their request fails."""
+        try:
+            return self.sampling_params(params).replace(output_kind=RequestOutputKind.FINAL_ONLY)
+        except ValueError:
+            return params
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
@@ -111,19 +151,31 @@ class InputProcessor:
                                  f"got {value}")
 
 
-def final_only(params):
-    """``params`` asking for one output per request, when it finishes (what `run` collects); parameters that cannot
-    be read are left for `add_request` to refuse, so that only their request fails."""
-    try:
-        return InputProcessor.sampling_params(params).replace(output_kind=RequestOutputKind.FINAL_ONLY)
-    except ValueError:
-        return params
+_SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def _with_model_defaults(config: GenerationConfig, model_config: GenerationConfig | None) -> GenerationConfig:
+    """``config`` with each sampling field it leaves at Transformers' default taken from the model's config."""
+    if model_config is None:
+        return config
+    merged, default = copy.deepcopy(config), GenerationConfig()
+    for name in _SAMPLING_FIELDS:
+        value = getattr(model_config, name, None)
+        if value is not None and getattr(config, name, None) == getattr(default, name, None):
+            setattr(merged, name, value)
+    return merged
 
 
 def one_params_per_prompt(prompts, sampling_params) -> tuple[list[Prompt], list]:
-    """``prompts`` as a list (one prompt alone is wrapped), with its parameters: one for all, or a list of one each."""
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
+    """``prompts`` as a list (one prompt alone is wrapped: a string, token ids, one conversation or one vLLM prompt
+    dict), with its parameters: one for all, or a list (or tuple) of one each."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and (
+            isinstance(prompts[0], int) or (isinstance(prompts[0], dict) and not is_prompt_dict(prompts[0])))):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be one prompt or a list of them; a prompt is {PROMPT_KINDS}")
+    if isinstance(sampling_params, tuple):
+        sampling_params = list(sampling_params)
     if not isinstance(sampling_params, list):
         return prompts, [sampling_params] * len(prompts)
     if len(sampling_params) != len(prompts):

@@ -126,7 +126,8 @@ class SamplingParams:
 
     ``temperature=0`` (or any temperature below 1e-5) is greedy. Penalties follow vLLM: ``repetition_penalty`` (> 1
     discourages every token seen in the prompt or output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's,
-    on output tokens). ``seed`` makes a request's samples reproducible whatever else is in the batch. ``stop`` strings
+    on output tokens). ``seed`` makes a request's samples reproducible whatever else is in the batch (-1 is no seed, as
+    in vLLM). ``stop`` strings
     are matched on the detokenized text and cut out unless ``include_stop_str_in_output``, and so is the text of the
     token that stopped the sequence (one of ``stop_token_ids``, or EOS; its id stays in the output). ``logprobs=k``
     returns the ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
@@ -177,6 +178,8 @@ class SamplingParams:
         """Normalise and check every field; raises `InvalidParameter` naming the first bad one. Runs on creation, and
         again when the engine takes the parameters (a field may have been changed since)."""
         self._copy_containers()
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         self._check_types()
         self._check(self.n >= 1, "n", self.n, "an integer >= 1")
         self._check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 means greedy)")
@@ -275,10 +278,11 @@ class SamplingParams:
         supported = {
             "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
             "min_new_tokens", "num_return_sequences", "stop_strings", "eos_token_id", "pad_token_id", "bos_token_id",
-            "use_cache", "output_logits", "return_dict_in_generate", "max_length", "cache_implementation",
+            "use_cache", "return_dict_in_generate", "max_length", "cache_implementation",
             "transformers_version", "_from_model_config",
         }
-        off = {"output_scores", "output_attentions", "output_hidden_states"}  # no equivalent, but fine when off
+        # No equivalent, but fine when off (logits: ask for SamplingParams.logprobs).
+        off = {"output_scores", "output_logits", "output_attentions", "output_hidden_states"}
         unmapped = [
             key for key, value in config.to_diff_dict().items()
             if key not in supported and value not in (getattr(defaults, key, None), fallback.get(key))
@@ -296,7 +300,8 @@ class SamplingParams:
             top_k=(config.top_k if config.top_k is not None else fallback.get("top_k", 0)) if sample else 0,
             min_p=(config.min_p or 0.0) if sample else 0.0,
             repetition_penalty=config.repetition_penalty or 1.0,
-            max_tokens=config.max_new_tokens if config.max_new_tokens is not None else 16,
+            # Unset, generate makes max_length's default (20) new tokens.
+            max_tokens=config.max_new_tokens if config.max_new_tokens is not None else fallback.get("max_length", 20),
             min_tokens=config.min_new_tokens or 0,
             stop=config.stop_strings,
             include_stop_str_in_output=bool(config.stop_strings),  # generate's text ends with the stop string

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `create_app` builds a FastAPI app over a `ContinuousBatchGenerator`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
-vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus). Choices made
+vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (``/ping``), ``GET /version`` and ``GET /metrics``
+(Prometheus). Choices made
 where OpenAI leaves room:
 
 * ``temperature`` defaults to 1.0, as OpenAI's does; 0 is greedy. As in vLLM, sampling settings the model's
@@ -59,6 +60,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..generation import ContinuousBatchGenerator, SamplingParams
 from .engine import EngineLoop
 from .limits import ServerLimits
@@ -140,11 +142,17 @@ def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
 
     @app.get("/health")
     @app.head("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's) name for it
+    @app.post("/ping")
     async def health() -> Response:
         if not engine.healthy:
             body = error_body("the engine has stopped after an unrecoverable error", "server_error", code=503)
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

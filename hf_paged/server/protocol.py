@@ -3,8 +3,8 @@
 Fields that OpenAI marks optional may also be sent as ``null``; either way the documented default applies. Besides
 OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``allowed_token_ids``, ``bad_words``, ``prompt_logprobs`` and ``structured_outputs`` (with its older spellings ``guided_json``, ``guided_regex``,
-``guided_choice`` and ``guided_grammar``).
+``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``, ``return_token_ids`` and ``structured_outputs`` (with its
+older spellings ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from ..chat_template import TEMPLATE_PARAMETERS
 from ..generation import (
     CompletionOutput, InvalidParameter, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams,
 )
-from .tool_calls import TEMPLATE_PARAMETERS, ToolCallParser, calls_schema, tool_functions
+from .tool_calls import ToolCallParser, calls_schema, tool_functions
 
 if TYPE_CHECKING:
     from .tokenization import TokenText
@@ -50,6 +51,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda value: not value,
     "chat_template": lambda value: value is None,
     "documents": lambda value: not value,
+    "cache_salt": lambda value: value is None,
+    "priority": lambda value: value in (None, 0),
+    "generation_config": lambda value: value is None,  # transformers serve's
 }
 
 
@@ -136,6 +140,7 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    return_token_ids: bool | None = None
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
@@ -483,7 +488,8 @@ class CompletionFormat:
     object = "text_completion"
     chunk_object = "text_completion"
     prompt_top: int | None = None  # vLLM's ``prompt_logprobs`` of the call (None: not asked)
-    prompt_logprobs_at = "choice"  # where they go: in each choice of the prompt, or (chat) in the response
+    return_token_ids = False  # vLLM's ``return_token_ids``: each choice's token ids, and its prompt's
+    prompt_fields_at = "choice"  # where a prompt's logprobs and ids go: in each of its choices, or (chat) the response
 
     def __init__(self, decode: TokenText, top_k: int | None, echo: list[str] | None = None,
                  prompt_only: bool = False):
@@ -556,7 +562,7 @@ class ChatFormat(CompletionFormat):
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
-    prompt_logprobs_at = "response"
+    prompt_fields_at = "response"
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
         if logprobs is None or self.top_k is None:

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError
 
+from ..chat_template import render_prompt
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
 from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
@@ -32,7 +33,6 @@ from .protocol import (
     usage,
 )
 from .tokenization import PromptEncoder, check_text
-from .tool_calls import render_prompt
 
 REQUEST_FAILED = "generation failed for this request (see the server log)"  # the cause goes to the log only
 LARGE_RESPONSE_ENTRIES = 20_000  # tokens x logprobs above which a response's JSON is built off the event loop
@@ -184,7 +184,7 @@ class OpenAIServing:
         request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
         stream = await self.submit(body, prompts, params, request_ids, prompt_param)
         header = {"id": call_id, "created": int(time.time()), "model": self.served_model_name}
-        fmt.prompt_top = body.prompt_logprobs
+        fmt.prompt_top, fmt.return_token_ids = body.prompt_logprobs, bool(body.return_token_ids)
         if body.stream:
             events = _sse(stream, fmt, header, params.n, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -253,6 +253,23 @@ def _error_event(err: EngineError | APIError) -> dict:
     return error_body(str(err), "server_error", code=503 if isinstance(err, EngineStopping) else 500)
 
 
+def _prompt_fields(fmt: CompletionFormat, output: RequestOutput, scored: list | None) -> dict:
+    """What a response says of a prompt when asked: vLLM's ``prompt_logprobs`` and ``prompt_token_ids``."""
+    fields = {} if scored is None else {"prompt_logprobs": scored}
+    return {**fields, "prompt_token_ids": output.prompt_token_ids} if fmt.return_token_ids else fields
+
+
+def _add_token_ids(sent: dict, choice: CompletionOutput, output: RequestOutput, fmt: CompletionFormat,
+                   first: bool) -> None:
+    """A streamed choice's new token ids (``return_token_ids``); its first chunk also carries its prompt's ids (and
+    with ``echo`` holds them before its own: they are not the choice's)."""
+    ids = choice.token_ids
+    if first:
+        sent["prompt_token_ids"] = output.prompt_token_ids
+        ids = ids[len(output.prompt_token_ids):] if fmt.echo is not None else ids
+    sent["token_ids"] = [] if fmt.prompt_only else ids
+
+
 def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
     """The JSON response of a finished call (``outputs`` in prompt order)."""
     choices, prompt_tokens, completion_tokens, scored = [], 0, 0, None
@@ -260,14 +277,17 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
         prompt_tokens += len(output.prompt_token_ids)
         scored = fmt.prompt_logprobs(output)
         for choice in output.outputs:
-            completion_tokens += 0 if fmt.prompt_only else len(choice.token_ids)
+            generated = [] if fmt.prompt_only else choice.token_ids
+            completion_tokens += len(generated)
             choice = fmt.echoed(i, output, choice) if fmt.echo is not None else choice
             choices.append(fmt.choice(i * n + choice.index, choice))
-            if scored is not None and fmt.prompt_logprobs_at == "choice":
-                choices[-1]["prompt_logprobs"] = scored
+            if fmt.return_token_ids:
+                choices[-1]["token_ids"] = generated
+            if fmt.prompt_fields_at == "choice":
+                choices[-1].update(_prompt_fields(fmt, output, scored))
     body = {**header, "object": fmt.object, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-    if scored is not None and fmt.prompt_logprobs_at == "response":  # chat: one prompt
-        body["prompt_logprobs"] = scored
+    if fmt.prompt_fields_at == "response":  # chat: one prompt
+        body.update(_prompt_fields(fmt, outputs[0], scored))
     try:
         content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     except UnicodeEncodeError:  # a lone surrogate, from a "\ud800" escape in tool-call JSON the model wrote
@@ -291,6 +311,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
     first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
     waiting: dict[int, CompletionOutput] = {}  # per choice: tokens not sent yet, for want of text
     text_offset: dict[int, int] = {}  # where the next token's text starts (reported with logprobs only)
+    prompt_sent: set[int] = set()  # choices whose prompt token ids went out (return_token_ids)
     completion_tokens = 0
     try:
         for opening in filter(None, map(fmt.opening_choice, range(len(first_index) * n))):
@@ -313,6 +334,9 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 offset = text_offset.get(index, 0)
                 if sent := fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
                                             choice.finish_reason, choice.stop_reason):
+                    if fmt.return_token_ids:
+                        _add_token_ids(sent, choice, output, fmt, first=index not in prompt_sent)
+                        prompt_sent.add(index)
                     yield event([sent])
                 if choice.logprobs is not None:
                     text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)

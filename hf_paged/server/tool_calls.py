@@ -1,5 +1,5 @@
 """Tool calling on the chat endpoint: tools in the prompt, the constraint behind ``tool_choice``, calls read back.
-(`render_prompt` renders every chat prompt that holds tools or calls, or asks the template for anything else.)
+(`hf_paged.chat_template.render_prompt` renders every chat prompt that holds tools or calls.)
 
 * ``tools`` go to the chat template (``apply_chat_template(..., tools=...)``). A template that does not mention
   tools gets them in its system message instead, described in the hermes convention: each call is written as
@@ -14,20 +14,14 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import uuid
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
-
+from ..chat_template import CLOSE_TAG, OPEN_TAG
 from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-# apply_chat_template's own parameters: a request's chat_template_kwargs are the template's variables, not these.
-TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
-    "self", "kwargs"} | {"messages"}  # the template's own name for the conversation
 _NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 # A block ends at its closing tag, where the next block opens, or where the text ends.
 _HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*((?:(?!" + re.escape(OPEN_TAG) + r").)*?)\s*(?:"
@@ -105,68 +99,6 @@ def _rebased(schema, root: str):
         else:
             rebased[key] = value if key in _SCHEMA_DATA else _rebased(value, root)
     return rebased
-
-
-# ------------------------------------------------------------------------------------------------- the prompt
-def template_takes_tools(tokenizer) -> bool:
-    template = tokenizer.chat_template
-    return not isinstance(template, str) or "tools" in template
-
-
-def _hermes_call(call: dict) -> str:
-    function = call.get("function", {})
-    arguments = function.get("arguments", {})
-    try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except _NOT_JSON:
-        pass
-    return f"{OPEN_TAG}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n{CLOSE_TAG}"
-
-
-def _for_template(message: dict, native: bool) -> dict:
-    """A message with OpenAI tool calls as the template expects them: arguments as a dict (Transformers'
-    convention), or written into the content in the hermes form for a template that knows no tools."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return message if message.get("content") is not None else {**message, "content": ""}
-    if native:
-        converted = []
-        for call in calls:
-            function = dict(call.get("function", {}))
-            try:
-                function["arguments"] = json.loads(function.get("arguments") or "{}")
-            except (TypeError, *_NOT_JSON):
-                pass
-            converted.append({**call, "function": function})
-        return {**message, "tool_calls": converted}
-    written = "\n".join(_hermes_call(call) for call in calls)
-    content = message.get("content") or ""
-    rest = {k: v for k, v in message.items() if k != "tool_calls"}
-    return {**rest, "content": f"{content}\n{written}" if content else written}
-
-
-def _tools_system_text(tools: list[dict]) -> str:
-    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return ("You can call these functions (JSON schemas of their arguments in <tools></tools>):\n"
-            f"<tools>\n{listed}\n</tools>\n"
-            f"To call one, answer with {OPEN_TAG}{{\"name\": \"<function name>\", \"arguments\": {{...}}}}{CLOSE_TAG}, "
-            "one block per call.")
-
-
-def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, options: dict | None = None) -> str:
-    """The chat prompt as text, with ``tools`` and any earlier tool calls and results in it; ``options`` go to the
-    template (``add_generation_prompt=False``, ``continue_final_message=True``, its own variables)."""
-    native = template_takes_tools(tokenizer)
-    messages = [_for_template(message, native) for message in messages]
-    if tools and not native:
-        text = _tools_system_text(tools)
-        if messages[0].get("role") == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{text}".lstrip()}
-        else:
-            messages.insert(0, {"role": "system", "content": text})
-    extra = {"tools": tools} if tools and native else {}
-    return tokenizer.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **(options or {})},
-                                         **extra)
 
 
 # ------------------------------------------------------------------------------------------------- the output

@@ -1,0 +1,81 @@
+"""Chat prompts as text: the chat template over messages, with OpenAI ``tools`` and earlier tool calls in them.
+
+A template that mentions tools gets them (``apply_chat_template(..., tools=...)``) and earlier calls with their
+arguments as dicts (Transformers' convention); one that does not gets the tools described in its system message and
+the calls written into the content, in the hermes convention (``<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>``). Used by the server's chat endpoint and by `hf_paged.LLM.chat`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+from transformers import PreTrainedTokenizerBase
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# apply_chat_template's own parameters: a request's chat_template_kwargs are the template's variables, not these.
+TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self", "kwargs"} | {"messages"}  # the template's own name for the conversation
+_NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
+
+
+def template_takes_tools(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return not isinstance(template, str) or "tools" in template
+
+
+def _hermes_call(call: dict) -> str:
+    function = call.get("function", {})
+    arguments = function.get("arguments", {})
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except _NOT_JSON:
+        pass
+    return f"{OPEN_TAG}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n{CLOSE_TAG}"
+
+
+def _for_template(message: dict, native: bool) -> dict:
+    """A message with OpenAI tool calls as the template expects them: arguments as a dict (Transformers'
+    convention), or written into the content in the hermes form for a template that knows no tools."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message if message.get("content") is not None else {**message, "content": ""}
+    if native:
+        converted = []
+        for call in calls:
+            function = dict(call.get("function", {}))
+            try:
+                function["arguments"] = json.loads(function.get("arguments") or "{}")
+            except (TypeError, *_NOT_JSON):
+                pass
+            converted.append({**call, "function": function})
+        return {**message, "tool_calls": converted}
+    written = "\n".join(_hermes_call(call) for call in calls)
+    content = message.get("content") or ""
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": f"{content}\n{written}" if content else written}
+
+
+def _tools_system_text(tools: list[dict]) -> str:
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return ("You can call these functions (JSON schemas of their arguments in <tools></tools>):\n"
+            f"<tools>\n{listed}\n</tools>\n"
+            f"To call one, answer with {OPEN_TAG}{{\"name\": \"<function name>\", \"arguments\": {{...}}}}{CLOSE_TAG}, "
+            "one block per call.")
+
+
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, options: dict | None = None) -> str:
+    """The chat prompt as text, with ``tools`` and any earlier tool calls and results in it; ``options`` go to the
+    template (``add_generation_prompt=False``, ``continue_final_message=True``, its own variables)."""
+    native = template_takes_tools(tokenizer)
+    messages = [_for_template(message, native) for message in messages]
+    if tools and not native:
+        text = _tools_system_text(tools)
+        if messages[0].get("role") == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{text}".lstrip()}
+        else:
+            messages.insert(0, {"role": "system", "content": text})
+    extra = {"tools": tools} if tools and native else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **(options or {})},
+                                         **extra)

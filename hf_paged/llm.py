@@ -1,0 +1,57 @@
+"""`LLM`: vLLM's offline entry point (``LLM(model).generate(...)``, ``.chat(...)``) over a `ContinuousBatchGenerator`."""
+
+from __future__ import annotations
+
+import os
+
+from .chat_template import TEMPLATE_PARAMETERS, render_prompt
+from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
+from .loading import load_model, resolve_device
+
+
+class LLM:
+    """Loads ``model`` (a local directory; None: the embedded default) with paged attention and serves it with a
+    `ContinuousBatchGenerator` (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
+    ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; other keyword arguments are `EngineConfig` fields
+    (``max_num_seqs``, ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded."""
+
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
+                 **engine_options):
+        hf_model, tokenizer = load_model(model, dtype, resolve_device(device))
+        self.generator = ContinuousBatchGenerator(hf_model, tokenizer, **engine_options)
+
+    def get_tokenizer(self):
+        return self.generator.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """`ContinuousBatchGenerator.run`: strings, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
+        None takes the sampling settings of the model's generation config."""
+        return self.generator.run(prompts, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to each of a list of them, rendered by the
+        tokenizer's chat template with vLLM's options: ``continue_final_message`` (with
+        ``add_generation_prompt=False``) continues the last message, ``tools`` (OpenAI's) go into the prompt, and
+        ``chat_template_kwargs`` are the template's own variables. Tool calls are not parsed: use the server for that."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message instead of opening a new one: set "
+                             "add_generation_prompt=False with it")
+        reserved = sorted(set(chat_template_kwargs or ()) & TEMPLATE_PARAMETERS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs are the template's variables; {', '.join(reserved)} cannot be set "
+                             "through them")
+        options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message}
+        tokenizer = self.get_tokenizer()
+        texts = [render_prompt(tokenizer, list(conversation), tools, options) for conversation in conversations]
+        prompts = [{"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids, "prompt": text}
+                   for text in texts]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.generator.reset_prefix_cache()
