@@ -1,6 +1,7 @@
 """ContinuousBatchGenerator on the real SmolLM2: exactness against `generate`, caching, preemption, sampling, errors."""
 
 import copy
+import pickle
 import threading
 
 import pytest
@@ -767,6 +768,26 @@ def test_vllm_prompt_dicts_aborts_of_lists_and_seed_minus_one(smollm2, chat_prom
     texts = {o.outputs[0].text for o in gen.run([chat_prompts[1]] * 4, unseeded, use_tqdm=False)}
     assert len(texts) > 1
     assert_no_leak(gen)
+
+
+def test_logprobs_are_floats_with_vllms_logprob_fields(smollm2, chat_prompts):
+    """vLLM's ``Logprob`` (``.logprob``, ``.rank``, ``.decoded_token``), each still the float it was."""
+    _, tokenizer = smollm2
+    gen = make_generator(smollm2)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, logprobs=2, prompt_logprobs=1)
+    [out] = gen.run([chat_prompts[4]], params, use_tqdm=False)
+    choice = out.outputs[0]
+    for token, entry in zip(choice.token_ids, choice.logprobs):
+        top = sorted(entry.values(), reverse=True)[:2]  # the likeliest two; the sampled token may come third
+        assert [v.rank for v in top] == [1, 2] and all(v.logprob == float(v) for v in entry.values())
+        assert entry[token].rank == 1 + sum(v > entry[token] for v in top) or entry[token].rank > 2 == len(entry) - 1
+        assert all(v.decoded_token == tokenizer.decode([t]) for t, v in entry.items())
+    assert any(entry[token].rank > 1 for token, entry in zip(choice.token_ids, choice.logprobs))  # sampled
+    prompt = out.prompt_token_ids
+    assert [e[t].rank for t, e in zip(prompt[1:], out.prompt_logprobs[1:])] == out.prompt_ranks[1:]
+    again = pickle.loads(pickle.dumps(choice.logprobs))
+    assert [{t: (v, v.rank, v.decoded_token) for t, v in e.items()} for e in again] == \
+        [{t: (v, v.rank, v.decoded_token) for t, v in e.items()} for e in choice.logprobs]
 
 
 def test_sample_i_of_n_draws_as_a_request_seeded_seed_plus_i(smollm2, chat_prompts):

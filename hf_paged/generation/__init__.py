@@ -3,7 +3,7 @@
 from .config import EngineConfig
 from .generator import ContinuousBatchGenerator
 from .stats import EngineStats
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, RequestOutputKind
 from .sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "InvalidParameter",
+    "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .sequence import Sequence
 
 
@@ -11,6 +13,8 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.special_ids = set(tokenizer.all_special_ids)
+        self.token_text = lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+        """One token's text (logprobs name their tokens), cached."""
 
     def step(self, seq: Sequence, skip_special_tokens: bool) -> str:
         """Append the text of ``seq``'s newest tokens to ``seq.text`` and return what was added.

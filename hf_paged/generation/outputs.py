@@ -20,6 +20,31 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"
 
 
+class Logprob(float):
+    """A token's log-probability: a float, with vLLM's ``Logprob`` fields ``logprob`` (the same number), ``rank``
+    (1: the likeliest token at its position) and ``decoded_token`` (the token's text)."""
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        entry = super().__new__(cls, logprob)
+        entry.rank, entry.decoded_token = rank, decoded_token
+        return entry
+
+    def __reduce__(self):  # pickled with its fields (a float's own reduction drops them)
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+
+def ranked_logprobs(entry: dict[int, float], token: int, rank: int, text) -> dict[int, Logprob]:
+    """One position's logprobs as `Logprob` objects: ``entry`` holds the likeliest tokens in order (ranks 1, 2, ...)
+    and ``token`` (the one sampled or prompted), whose own ``rank`` is given; ``text(id)`` is a token's text."""
+    ranked = {t: Logprob(lp, place, text(t)) for place, (t, lp) in enumerate(entry.items(), 1)}
+    ranked[token] = Logprob(entry[token], rank, text(token))
+    return ranked
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request (or, with ``DELTA``, what it added since its last output)."""
@@ -29,7 +54,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
     def finished(self) -> bool:

@@ -85,8 +85,9 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # When logprobs were asked for: the sampled token's logprob and the top-k (ids, logprobs) per row.
+    # When logprobs were asked for: the sampled token's logprob and rank, and the top-k (ids, logprobs) per row.
     sampled_logprobs: list[float] | None = None
+    sampled_ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     # Speculative decoding: the guesses each row kept, appended before its token (see spec_decode.verify_drafts).
@@ -314,9 +315,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if not batch.max_logprobs:
         return SamplerOutput(token_list)
     logprobs = raw.log_softmax(dim=-1)
-    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    sampled = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > sampled).sum(dim=-1) + 1
     top = logprobs.topk(batch.max_logprobs, dim=-1)
-    return SamplerOutput(token_list, sampled.tolist(), top.indices.tolist(), top.values.tolist())
+    return SamplerOutput(token_list, sampled.squeeze(1).tolist(), ranks.tolist(), top.indices.tolist(),
+                         top.values.tolist())
 
 
 def prompt_logprobs(logits: torch.Tensor,

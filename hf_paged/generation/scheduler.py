@@ -13,6 +13,7 @@ from ..cache import KVCacheManager
 from ..cache.kv_cache_manager import BlockCopy
 from .config import EngineConfig
 from .detokenizer import Detokenizer
+from .outputs import ranked_logprobs
 from .sampler import SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stopping import Stop, check_stop
@@ -240,9 +241,12 @@ class Scheduler:
         self.num_partial_prefills += out.num_partial_prefills
         changed: dict[str, Request] = {}
         if sampled is not None and sampled.prompt_logprobs is not None:
-            for (seq, _, _), scores, ranks in zip(out.prompt_logprob_spans, sampled.prompt_logprobs,
-                                                  sampled.prompt_ranks):
-                seq.request.prompt_logprobs += scores
+            text = self.detokenizer.token_text
+            for (seq, first, _), scores, ranks in zip(out.prompt_logprob_spans, sampled.prompt_logprobs,
+                                                      sampled.prompt_ranks):
+                tokens = seq.token_ids[first + 1 : first + 1 + len(scores)]
+                seq.request.prompt_logprobs += [ranked_logprobs(entry, token, rank, text)
+                                                for entry, token, rank in zip(scores, tokens, ranks)]
                 seq.request.prompt_ranks += ranks
         now = time.monotonic()
         seqs = [seq if k == 0 else self._fork(seq, k) for seq, k in out.draws]  # before any sample has a token
@@ -293,7 +297,7 @@ class Scheduler:
         if seq.logprobs is not None:
             top = dict(zip(sampled.top_ids[row][: params.logprobs], sampled.top_logprobs[row][: params.logprobs]))
             top[token] = sampled.sampled_logprobs[row]
-            seq.logprobs.append(top)
+            seq.logprobs.append(ranked_logprobs(top, token, sampled.sampled_ranks[row], self.detokenizer.token_text))
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
         new_text = self.detokenizer.step(seq, params.skip_special_tokens)
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,

@@ -171,8 +171,8 @@ def verify_drafts(logits: torch.Tensor, out: SchedulerOutput, speculator: Specul
     def first_rows(values):
         return None if values is None else [values[row] for row in firsts]
 
-    return SamplerOutput(tokens, first_rows(drawn.sampled_logprobs), first_rows(drawn.top_ids),
-                         first_rows(drawn.top_logprobs), accepted=accepted)
+    return SamplerOutput(tokens, first_rows(drawn.sampled_logprobs), first_rows(drawn.sampled_ranks),
+                         first_rows(drawn.top_ids), first_rows(drawn.top_logprobs), accepted=accepted)
 
 
 def _rejection_draws(logits: torch.Tensor, batch, spans: list[tuple[int, list[int]]]) -> tuple[list, list]:
