@@ -39,8 +39,24 @@ def _engine_options() -> argparse.ArgumentParser:
                              "(default: auto; each rank's own GPU under tensor parallelism)")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
+    engine.add_argument("--chat-template", metavar="TEMPLATE",
+                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's (as vLLM's)")
     EngineConfig.add_cli_arguments(engine)
     return parser
+
+
+def _chat_template(parser: argparse.ArgumentParser, given: str) -> str:
+    """``--chat-template``: a file's text when it names a file, else the template itself (a Jinja string)."""
+    path = os.path.expanduser(given)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as file:
+                return file.read()
+        except (OSError, UnicodeDecodeError) as err:
+            parser.error(f"cannot read --chat-template {given}: {err}")
+    if "{" not in given:
+        parser.error(f"--chat-template {given!r} is neither a file nor a Jinja template")
+    return given
 
 
 def _parallel_options() -> argparse.ArgumentParser:
@@ -248,6 +264,8 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                                       tensor_parallel_size=args.tensor_parallel_size or 1)
     except Exception as err:  # any reason a model cannot be loaded is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
+    if args.chat_template is not None:
+        tokenizer.chat_template = _chat_template(parser, args.chat_template)
     try:
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:
@@ -357,6 +375,8 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     from .default_model import DEFAULT_MODEL_NAME, resolve_model
 
+    if args.chat_template is not None:
+        parser.error("--chat-template is not supported by serve-ray yet (serve takes it)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:

@@ -593,6 +593,21 @@ def test_cli_generate_with_engine_options(capsys):
     assert exit_info.value.code == 2 and "speculative_config.model: cannot load /no/such/draft" in err
 
 
+def test_cli_chat_template_as_vllms(tmp_path, capsys):
+    from hf_paged.cli import main
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages[0]['content'] }} is")
+    greedy = ["--max-tokens", "6", "--temperature", "0", "--num-blocks", "64"]
+    main(["generate", "The capital of France", "--chat-template", str(template), *greedy])
+    templated = capsys.readouterr().out
+    main(["generate", "The capital of France is", "--no-chat", *greedy])
+    assert templated == capsys.readouterr().out and "Paris" in templated
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--chat-template", "no-such-file.jinja"])
+    assert exit_info.value.code == 2 and "neither a file nor a Jinja template" in capsys.readouterr().err
+
+
 def test_cli_generate_interrupted_ends_without_a_traceback(smollm2_path):
     command = [sys.executable, "-m", "hf_paged.cli", "generate", smollm2_path, "Tell a long story.", "--max-tokens",
                "2000", "--temperature", "0", "--no-chat"]
