@@ -1,4 +1,4 @@
-"""`LLM`: vLLM's offline entry point (``LLM(model).generate(...)``, ``.chat(...)``) over a `ContinuousBatchGenerator`."""
+"""`LLM`: vLLM's offline entry point (``LLM(model).generate(...)``, ``.chat(...)``) over the engine."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class LLM:
         """Generate replies to one conversation (a list of messages) or to each of a list of them, rendered by the
         tokenizer's chat template with vLLM's options: ``continue_final_message`` (with
         ``add_generation_prompt=False``) continues the last message, ``tools`` (OpenAI's) go into the prompt, and
-        ``chat_template_kwargs`` are the template's own variables. Tool calls are not parsed: use the server for that."""
+        ``chat_template_kwargs`` are the template's own variables. Tool calls are not parsed (the server does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message instead of opening a new one: set "

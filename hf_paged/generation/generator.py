@@ -421,7 +421,8 @@ class ContinuousBatchGenerator:
         """Generate for all ``prompts`` together; outputs come back complete, in input order.
 
         ``sampling_params`` is one `SamplingParams` (or `GenerationConfig`) for all, a list with one per prompt, or
-        None for the sampling settings of the model's generation config. A prompt that cannot be served (empty, too long) gets an output with ``error`` set.
+        None for the sampling settings of the model's generation config. A prompt that cannot be served (empty, too
+        long) gets an output with ``error`` set.
         """
         if isinstance(sampling_params, (list, tuple)):
             sampling_params = [self.inputs.final_only(p) for p in sampling_params]

@@ -138,8 +138,8 @@ class InputProcessor:
                              f"{self.vocab_size - 1}), got {bad[:5]}")
         bad = self._outside_vocabulary(params.allowed_token_ids or ())
         if bad:
-            raise InvalidParameter("allowed_token_ids", f"SamplingParams.allowed_token_ids must be in the vocabulary (0 "
-                                   f"to {self.vocab_size - 1}), got {bad[:5]}")
+            raise InvalidParameter("allowed_token_ids", "SamplingParams.allowed_token_ids must be in the vocabulary "
+                                   f"(0 to {self.vocab_size - 1}), got {bad[:5]}")
         bad = [t for ids in params.bad_words_token_ids(self.tokenizer) for t in self._outside_vocabulary(ids)]
         if bad:
             raise InvalidParameter("bad_words", f"SamplingParams.bad_words tokenize to ids outside the model's "

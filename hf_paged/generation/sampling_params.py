@@ -217,7 +217,8 @@ class SamplingParams:
         """The list and map fields as this object's own lists and dict (a lone stop string becomes a list)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self._check(isinstance(self.stop, (list, tuple, type(None))), "stop", self.stop, "a string or a list of strings")
+        self._check(isinstance(self.stop, (list, tuple, type(None))), "stop", self.stop,
+                    "a string or a list of strings")
         self._check(isinstance(self.stop_token_ids, (list, tuple, type(None))), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")
         self._check(isinstance(self.logit_bias, (dict, type(None))), "logit_bias", self.logit_bias,
