@@ -97,14 +97,29 @@ def default_model_path() -> str:
 
 
 def resolve_model(name_or_path: str | os.PathLike | None) -> str:
-    """Map a model argument to a local directory: None (or the default's name) means the embedded default model."""
+    """Map a model argument to a local directory: None (or the default's name) means the embedded default model; a
+    hub id (``org/name``) names its copy in the local Hugging Face cache, if one is there."""
     if name_or_path is not None:
         name_or_path = os.fspath(name_or_path)
     if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL_NAME.lower(), "default", "smollm2"):
         return default_model_path()
     if Path(name_or_path).is_dir():
         return str(name_or_path)
+    cached = _cached_hub_model(name_or_path)
+    if cached is not None:
+        return cached
     raise ValueError(
-        f"unknown model {name_or_path!r}: give a local model directory or omit it for the embedded "
-        f"{DEFAULT_MODEL_NAME} (hf_paged never downloads weights)"
+        f"unknown model {name_or_path!r}: give a local model directory, a hub id already in the local Hugging Face "
+        f"cache, or nothing for the embedded {DEFAULT_MODEL_NAME} (hf_paged never downloads weights)"
     )
+
+
+def _cached_hub_model(repo_id: str) -> str | None:
+    """The local Hugging Face cache's snapshot of ``repo_id`` (never downloaded), or None."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (HFValidationError, LocalEntryNotFoundError, OSError, ValueError):
+        return None

@@ -549,6 +549,25 @@ def test_cli_serve_without_the_server_extra_names_it(monkeypatch, capsys):
     assert exit_info.value.code == 2 and "pip install 'hf-paged[server]'" in capsys.readouterr().err
 
 
+def test_a_hub_id_names_its_copy_in_the_local_cache(smollm2_path, tmp_path, monkeypatch):
+    """As vLLM and transformers serve take them, but never downloaded: only a copy already cached is used."""
+    import huggingface_hub.constants
+
+    from hf_paged.default_model import resolve_model
+
+    repo = tmp_path / "models--acme--tiny-chat"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (snapshot / name).symlink_to(Path(smollm2_path) / name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model("acme/tiny-chat") == str(snapshot)
+    with pytest.raises(ValueError, match="a hub id already in the local Hugging Face cache"):
+        resolve_model("acme/not-cached")
+
+
 def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsys):
     """A model the engine refuses (here a hybrid one) or broken weights: a message and exit code 2, no traceback."""
     import shutil
