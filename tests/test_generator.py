@@ -230,6 +230,32 @@ def test_bad_words_and_allowed_token_ids_match_generate(smollm2, chat_prompts):
     assert_no_leak(gen)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_constraints_that_exclude_every_token_fail_their_request_alone(smollm2, chat_prompts, temperature):
+    """allowed_token_ids against bad words, the stop tokens min_tokens bans, or a grammar: a request that leaves
+    itself no token fails naming its parameters (it got token 0, or one outside its allowed set), others go on."""
+    _, tokenizer = smollm2
+    gen = make_generator(smollm2, speculative_config=dict())
+    base = SamplingParams(temperature=temperature, seed=1, max_tokens=6)
+    paris = tokenizer(" Paris", add_special_tokens=False).input_ids
+    conflicts = [
+        base.replace(allowed_token_ids=paris, bad_words=["Paris"]),
+        base.replace(allowed_token_ids=[tokenizer.eos_token_id], min_tokens=2),
+        base.replace(allowed_token_ids=paris, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+    ]
+    free = base.replace(max_tokens=4)
+    outputs = gen.run([chat_prompts[0]] * 4, [*conflicts, free], use_tqdm=False)
+    for output, names in zip(outputs, ["allowed_token_ids, bad_words", "allowed_token_ids, min_tokens",
+                                       "allowed_token_ids, structured_outputs"]):
+        assert f"SamplingParams {names} together exclude every token at output position 0" in output.error
+        assert output.error_param == "allowed_token_ids"
+    assert outputs[3].error is None and len(outputs[3].outputs[0].token_ids) == 4
+    later = base.replace(allowed_token_ids=paris, bad_words=["Paris Paris"])  # " Paris", then nothing
+    [output] = gen.run([chat_prompts[0]], later, use_tqdm=False)
+    assert "allowed_token_ids, bad_words together exclude every token at output position 1" in output.error
+    assert_no_leak(gen)
+
+
 def test_tiny_temperatures_are_greedy_and_huge_values_refused(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     greedy = gen.run([chat_prompts[1]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]

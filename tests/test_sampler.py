@@ -3,7 +3,7 @@
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from hf_paged.generation.sampler import SamplingBatch, completing_tokens, sample, uniform_from_counter
+from hf_paged.generation.sampler import NO_TOKEN, SamplingBatch, completing_tokens, sample, uniform_from_counter
 
 
 def batch_for(rows, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None, **extra):
@@ -95,6 +95,15 @@ def test_allowed_tokens_are_the_only_ones_drawn_in_their_rows():
     drawn = sample(logits, batch_for(200, allowed=allowed)).token_ids
     assert set(drawn[:100]) == {1, 2} and 0 in drawn[100:]
     assert sample(logits[:2], batch_for(2, temperature=0, allowed=(rows[:2], allowed[1][:2]))).token_ids == [2, 0]
+
+
+def test_a_row_whose_masks_leave_no_token_gets_none():
+    logits = torch.tensor([[1.0, 2.0, 3.0]]).expand(4, 3)
+    allowed = (torch.tensor([0, 1, 2, 3]), torch.tensor([1, 1, 2, 2]))
+    banned = (torch.tensor([0, 2]), torch.tensor([1, 1]))  # row 0 allows only the token it bans
+    for temperature in (0.0, 1.0):
+        batch = batch_for(4, temperature=temperature, allowed=allowed, banned=banned, max_logprobs=0)
+        assert sample(logits, batch).token_ids == [NO_TOKEN, 1, 2, 2]
 
 
 def test_extreme_values_draw_real_tokens():

@@ -11,6 +11,7 @@ from .sequence import Sequence
 from .structured_outputs import apply_bitmask, fill_bitmask
 
 CANDIDATES = 512  # the likeliest tokens a top-k / top-p row looks for its kept ones among before sorting whole
+NO_TOKEN = -1  # the token of a row whose masks and bans left it none to take (its request fails)
 
 _MASK31 = (1 << 31) - 1
 
@@ -284,6 +285,15 @@ def _sorted_top(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
     return top, order
 
 
+def _blocked_rows(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """Rows whose every token is masked (allowed_token_ids, bans and a grammar can exclude one another's tokens),
+    or None when there are none."""
+    if batch.allowed is None and batch.banned is None and batch.token_bitmask is None:
+        return None
+    blocked = torch.isneginf(logits).all(dim=-1)
+    return blocked if bool(blocked.any()) else None
+
+
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``[R, vocab]``: the distribution each sampled row draws from, in token order and summing to 1 (for a batch
     that samples; top-p and min-p leave `_draw_probs` unnormalised, which `sample` does not need)."""
@@ -299,6 +309,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of ``logits [R, vocab]``."""
     raw = logits = logits.float()
     logits = _adjusted(logits, batch)
+    blocked = _blocked_rows(logits, batch)
     greedy = greedy_tokens(logits)
     if batch.all_greedy:
         tokens = greedy
@@ -311,7 +322,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if rows is not None:
             picked[rows] = order.gather(1, picked[rows].unsqueeze(1)).squeeze(1)
         tokens = torch.where(batch.temperature > 0, picked, greedy)
-    token_list = tokens.tolist()
+    token_list = tokens.tolist() if blocked is None else tokens.masked_fill(blocked, NO_TOKEN).tolist()
     if not batch.max_logprobs:
         return SamplerOutput(token_list)
     logprobs = raw.log_softmax(dim=-1)

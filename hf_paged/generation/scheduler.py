@@ -14,7 +14,7 @@ from ..cache.kv_cache_manager import BlockCopy
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .outputs import ranked_logprobs
-from .sampler import SamplerOutput
+from .sampler import NO_TOKEN, SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stopping import Stop, check_stop
 from .structured_outputs import GrammarMatcher, GrammarTooSlow
@@ -255,6 +255,9 @@ class Scheduler:
             changed[request.request_id] = request
             if seq.is_finished:
                 continue  # its request failed on an earlier row of this step
+            if self._new_tokens(row, sampled)[-1] == NO_TOKEN:
+                self.fail(request, *_nothing_allowed(request.params, seq.num_output_tokens))
+                continue
             try:
                 for token in self._new_tokens(row, sampled):
                     if not seq.is_finished:
@@ -363,3 +366,14 @@ class Scheduler:
                 self._requeue(seq)
                 if seq.index == 0:
                     seq.request.num_cached_tokens = 0
+
+
+def _nothing_allowed(params, position: int) -> tuple[str, str]:
+    """The error of a request whose constraints together excluded every token at an output position, and the
+    parameter it names (the first of them that the request sets)."""
+    given = [name for name, on in (("allowed_token_ids", params.allowed_token_ids is not None),
+                                   ("bad_words", bool(params.bad_words)),
+                                   ("structured_outputs", params.structured_outputs is not None),
+                                   ("min_tokens", params.min_tokens > 0)) if on]
+    return (f"SamplingParams {', '.join(given)} together exclude every token at output position {position}: "
+            "nothing is left to generate", (given or ["allowed_token_ids"])[0])

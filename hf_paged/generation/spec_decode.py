@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .config import SpeculativeConfig
-from .sampler import SamplerOutput, build_sampling_batch, sample, target_probs, uniform_from_counter
+from .sampler import NO_TOKEN, SamplerOutput, build_sampling_batch, sample, target_probs, uniform_from_counter
 
 if TYPE_CHECKING:
     from .draft_model import DraftModel
@@ -187,4 +187,5 @@ def _rejection_draws(logits: torch.Tensor, batch, spans: list[tuple[int, list[in
     cdf = probs.scatter(1, guess.unsqueeze(1), 0.0).cumsum(dim=-1)
     threshold = uniform_from_counter(batch.seeds, batch.counters) * cdf[:, -1]
     picks = torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    picks = picks.masked_fill(probs.isnan().any(dim=-1), NO_TOKEN)  # every token masked: no distribution
     return accept.tolist(), picks.tolist()
