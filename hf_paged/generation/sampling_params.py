@@ -127,7 +127,7 @@ class SamplingParams:
     ``temperature=0`` (or any temperature below 1e-5) is greedy. Penalties follow vLLM: ``repetition_penalty`` (> 1
     discourages every token seen in the prompt or output), ``presence_penalty`` and ``frequency_penalty`` (OpenAI's,
     on output tokens). ``seed`` makes a request's samples reproducible whatever else is in the batch (-1 is no seed, as
-    in vLLM). ``stop`` strings
+    in vLLM), except under speculative decoding, where they depend on when the request speculated. ``stop`` strings
     are matched on the detokenized text and cut out unless ``include_stop_str_in_output``, and so is the text of the
     token that stopped the sequence (one of ``stop_token_ids``, or EOS; its id stays in the output). ``logprobs=k``
     returns the ``k`` most likely tokens' log-probabilities (and the sampled one's) at each step, from the model's own
