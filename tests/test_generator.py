@@ -729,13 +729,20 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
     out = gen.run([chat_prompts[0]], GenerationConfig(max_new_tokens=5, do_sample=False), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
     # The model's own config, and defaults written out, are no options; an unset top_k is generate's 50.
-    model, _ = smollm2
+    model, tokenizer = smollm2
     own = SamplingParams.from_generation_config(model.generation_config)
     assert own.max_tokens == 20 and own.n == 1  # generate makes 20 new tokens when nothing says how many
     written = GenerationConfig(num_beams=1, output_scores=False, output_attentions=False, do_sample=True)
     assert SamplingParams.from_generation_config(written).top_k == 50
     with pytest.raises(ValueError, match="output_attentions"):
         SamplingParams.from_generation_config(GenerationConfig(output_attentions=True))
+    # A config's end tokens replace the model's, as in generate: this one runs past the model's EOS.
+    replaced = GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=[tokenizer.encode("zebra")[0]])
+    ids = tokenizer(chat_prompts[0], return_tensors="pt").input_ids
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids),
+                              generation_config=replaced)[0, ids.shape[1]:].tolist()
+    [out] = gen.run([chat_prompts[0]], replaced, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected and tokenizer.eos_token_id in expected[:-1]
     with pytest.raises(ValueError, match="output_logits"):  # it returned nothing
         SamplingParams.from_generation_config(GenerationConfig(output_logits=True, return_dict_in_generate=True))
     # stop_strings end generate's text with the string, as include_stop_str_in_output does.

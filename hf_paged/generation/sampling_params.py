@@ -306,7 +306,9 @@ class SamplingParams:
             min_tokens=config.min_new_tokens or 0,
             stop=config.stop_strings,
             include_stop_str_in_output=bool(config.stop_strings),  # generate's text ends with the stop string
+            # generate stops at the config's end tokens only: they replace the model's and the tokenizer's.
             stop_token_ids=[config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id,
+            ignore_eos=config.eos_token_id is not None,
         )
 
     def bad_words_token_ids(self, tokenizer) -> list[list[int]]:
