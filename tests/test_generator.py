@@ -716,6 +716,8 @@ def test_a_failed_forward_ends_a_tensor_parallel_group(smollm2, chat_prompts, mo
     monkeypatch.setattr(gen.runner, "execute", broken)
     with pytest.raises(DistributedError, match="a tensor-parallel forward failed on this rank: RuntimeError"):
         gen.step()
+    with pytest.raises(NotImplementedError, match="reset_prefix_cache is not supported on a tensor-parallel"):
+        gen.reset_prefix_cache()  # the ranks would forget blocks at different steps and leave lockstep
 
 
 def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):

@@ -473,6 +473,8 @@ class ContinuousBatchGenerator:
         """Forget every cached prefix, as vLLM's ``LLM.reset_prefix_cache``: call it after changing the model's
         weights (an RL loop's update, ``load_state_dict``), whose cached keys and values no longer hold. Returns
         False, changing nothing, while requests are in flight (their blocks were computed with the old weights too)."""
+        if self.lockstep is not None:  # every rank would have to forget the same blocks at the same step
+            raise NotImplementedError("reset_prefix_cache is not supported on a tensor-parallel engine yet")
         with self._stepping:
             done = not self.has_unfinished_requests() and self.kv_manager.reset_prefix_cache()
         if not done:
