@@ -400,3 +400,22 @@ def test_a_compile_nobody_waits_for_is_cancelled_and_compiled_again_when_asked(s
     release.set()
     assert busy.result() and again.result(timeout=60) is not None
     compiler.shutdown()
+
+
+def test_a_request_asking_for_a_compile_its_other_waiters_cancel_gets_it_compiled(generator):
+    """B takes the queued compile A waits for; A is aborted (cancelling it) before B reaches the scheduler: B's
+    compile is asked again, and B is served (it raised CancelledError out of step and was stranded)."""
+    release = threading.Event()
+    busy = generator.grammars._pool.submit(release.wait, 30)  # the compile thread is taken
+    spec = dict(choice=["yes", "no", "maybe so"])
+    first = generator.add_request(PROMPT, constrained(0, max_tokens=8, **spec))
+    generator.step()
+    generator.abort_request(first)
+    second = generator.add_request(PROMPT, constrained(1, max_tokens=8, **spec))
+    finals = {o.request_id: o for o in generator.step() if o.finished}
+    release.set()
+    assert busy.result(timeout=30)
+    while generator.has_unfinished_requests():
+        finals |= {o.request_id: o for o in generator.step() if o.finished}
+    assert finals[first].outputs[0].finish_reason == "abort" and finals[second].error is None
+    assert finals[second].outputs[0].text in ("yes", "no", "maybe so")

@@ -249,6 +249,8 @@ class ContinuousBatchGenerator:
             if action == "stop":
                 self._workers_stopped = True
             elif action == "add":
+                if item.grammar is not None and item.grammar.cancelled():  # its other waiters left before it came
+                    item.grammar = self.grammars.compile(item.params.structured_outputs)
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
             elif item in self.requests and item not in asked and not self.requests[item].is_finished:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, wait
 from dataclasses import dataclass, field
 
 from ..cache import KVCacheManager
@@ -93,7 +93,8 @@ class Scheduler:
         failed = []
         for request in [r for r in self.compiling.values() if r.grammar.done()]:
             del self.compiling[request.request_id]
-            error = request.grammar.exception()
+            error = CancelledError("its grammar's compile was cancelled") if request.grammar.cancelled() else \
+                request.grammar.exception()
             if error is not None:
                 self.fail(request, str(error), getattr(error, "param", None))
                 failed.append(request)
