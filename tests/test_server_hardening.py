@@ -562,6 +562,23 @@ def test_the_kernel_cache_is_private_and_checked(kernel_cache, tmp_path):
             native.build()
 
 
+def test_the_kernel_cache_is_refused_under_a_directory_others_could_rename_it_in(kernel_cache, monkeypatch, tmp_path):
+    native = kernel_cache
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may rename kernels-<uid> here and put their own in its place
+    monkeypatch.setenv("HF_PAGED_CACHE", str(shared / "cache"))
+    with pytest.raises(RuntimeError, match="another user could replace what it holds"):
+        native.kernel_dir()
+    shared.chmod(0o1777)  # sticky, as /tmp: only the owner of an entry may rename it
+    assert native.kernel_dir() == shared / "cache" / f"kernels-{os.getuid()}"
+    (shared / "elsewhere").mkdir(mode=0o700)
+    os.rmdir(shared / "cache" / f"kernels-{os.getuid()}")
+    os.symlink(shared / "elsewhere", shared / "cache" / f"kernels-{os.getuid()}")
+    with pytest.raises(RuntimeError, match="symbolic link"):
+        native.kernel_dir()
+
+
 def test_the_kernel_cache_root_must_be_absolute(kernel_cache, monkeypatch, tmp_path):
     native = kernel_cache
     monkeypatch.setenv("HF_PAGED_CACHE", "relative/cache")

@@ -57,17 +57,33 @@ def compiler() -> str | None:
 
 def kernel_dir() -> Path:
     """This user's ``kernels-<uid>`` directory of the cache root (`cache_root`, which refuses a relative path),
-    created private. The library found there is loaded and run, so a directory another user could write to is
-    refused."""
+    created private. The library found there is loaded and run, so a directory another user could write to, or
+    rename (through a directory above it), is refused."""
     directory = cache_root() / f"kernels-{os.getuid()}"
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_private(directory)
+    for parent in directory.parents:
+        _check_no_one_else_moves(parent)
     return directory
 
 
+def _check_no_one_else_moves(directory: Path) -> None:
+    """Refuse a directory in which another user could rename or replace entries: one owned by someone else than
+    this user or root, or writable by its group or others without the sticky bit (as /tmp has)."""
+    info = directory.stat()
+    shared = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX
+    if info.st_uid not in (0, os.getuid()) or shared:
+        raise RuntimeError(f"refusing to load code from under {directory}: another user could replace what it holds "
+                           f"(it belongs to uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); set "
+                           "HF_PAGED_CACHE to a directory of this user's")
+
+
 def check_private(path: Path) -> None:
-    """Refuse ``path`` unless it is owned by this user and not writable by its group or by others."""
-    info = path.stat()
+    """Refuse ``path`` unless it is owned by this user and not writable by its group or by others (a symbolic link
+    is refused: what it points to could change)."""
+    info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise RuntimeError(f"refusing to load code from {path}: it is a symbolic link")
     if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise RuntimeError(f"refusing to load code from {path}: it must belong to this user (uid {os.getuid()}) and "
                            f"be writable by nobody else (it belongs to uid {info.st_uid}, mode "
