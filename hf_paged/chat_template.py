@@ -17,7 +17,7 @@ OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 # apply_chat_template's own parameters: a request's chat_template_kwargs are the template's variables, not these.
 TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
     "self", "kwargs"} | {"messages"}  # the template's own name for the conversation
-_NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
+NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 
 
 def template_takes_tools(tokenizer) -> bool:
@@ -30,7 +30,7 @@ def _hermes_call(call: dict) -> str:
     arguments = function.get("arguments", {})
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except _NOT_JSON:
+    except NOT_JSON:
         pass
     return f"{OPEN_TAG}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n{CLOSE_TAG}"
 
@@ -47,7 +47,7 @@ def _for_template(message: dict, native: bool) -> dict:
             function = dict(call.get("function", {}))
             try:
                 function["arguments"] = json.loads(function.get("arguments") or "{}")
-            except (TypeError, *_NOT_JSON):
+            except (TypeError, *NOT_JSON):
                 pass
             converted.append({**call, "function": function})
         return {**message, "tool_calls": converted}

@@ -152,6 +152,7 @@ _LIMITS = {
     "max_logit_bias": ("--max-logit-bias", int, "most logit_bias entries per call (default: 300, as OpenAI)"),
     "max_bad_words": ("--max-bad-words", int, "most bad_words per call, each of at most --max-stop-length "
                                               "characters (default: 64)"),
+    "max_allowed_token_ids": ("--max-allowed-token-ids", int, "most allowed_token_ids per call (default: 65536)"),
     "max_logprobs": ("--max-logprobs", int, "most logprobs / top_logprobs per token (default: 20)"),
     "max_logprob_entries": ("--max-logprob-entries", int,
                             "most log-probabilities one call may return, n x (logprobs + 1) x new tokens over its "
@@ -259,13 +260,14 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as err:
         parser.error(str(err))
     _check_draft(parser, config)
+    template = None if args.chat_template is None else _chat_template(parser, args.chat_template)
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=args.tensor_parallel_size or 1)
     except Exception as err:  # any reason a model cannot be loaded is the user's to read, not a traceback
         parser.error(f"cannot load {path}: {err}")
-    if args.chat_template is not None:
-        tokenizer.chat_template = _chat_template(parser, args.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
     try:
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:

@@ -10,7 +10,8 @@ from .loading import load_model, resolve_device
 
 
 class LLM:
-    """Loads ``model`` (a local directory; None: the embedded default) with paged attention and serves it with a
+    """Loads ``model`` (a local directory, a hub id whose copy is in the local Hugging Face cache; None: the embedded
+    default) with paged attention and serves it with a
     `ContinuousBatchGenerator` (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
     ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; other keyword arguments are `EngineConfig` fields
     (``max_num_seqs``, ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded."""
@@ -32,11 +33,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to each of a list of them, rendered by the
         tokenizer's chat template with vLLM's options: ``continue_final_message`` (with
-        ``add_generation_prompt=False``) continues the last message, ``tools`` (OpenAI's) go into the prompt, and
-        ``chat_template_kwargs`` are the template's own variables. Tool calls are not parsed (the server does)."""
+        ``add_generation_prompt=False``) continues the last message, ``tools`` (OpenAI's) go into the prompt,
+        ``chat_template`` (a Jinja template) replaces the tokenizer's and ``chat_template_kwargs`` are the template's
+        own variables. Tool calls are not parsed (the server does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message instead of opening a new one: set "
@@ -47,6 +50,8 @@ class LLM:
                              "through them")
         options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message}
+        if chat_template is not None:
+            options["chat_template"] = chat_template
         tokenizer = self.get_tokenizer()
         texts = [render_prompt(tokenizer, list(conversation), tools, options) for conversation in conversations]
         prompts = [{"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids, "prompt": text}

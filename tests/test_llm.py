@@ -37,6 +37,8 @@ def test_chat_renders_one_or_many_conversations_with_vllms_options(llm):
         llm.chat(started, greedy, continue_final_message=True)
     with pytest.raises(ValueError, match="tokenize cannot be set"):
         llm.chat(question, greedy, chat_template_kwargs={"tokenize": True})
+    [plain] = llm.chat(question, greedy, use_tqdm=False, chat_template="{{ messages[0]['content'] }} Paris is")
+    assert plain.prompt == "What is the capital of France? Paris is"
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     [called] = llm.chat(question, greedy, use_tqdm=False, tools=tools)
     assert "get_weather" in called.prompt

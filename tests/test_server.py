@@ -185,6 +185,17 @@ def test_return_token_ids_as_vllm(server, client, smollm2):
         chunks = [event["choices"][0] for event in events]
         assert [t for c in chunks for t in c["token_ids"]] == server.prompt_ref.token_ids
         assert chunks[0]["prompt_token_ids"] == prompt_ids and all("prompt_token_ids" not in c for c in chunks[1:])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    raw = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 0, "tools": tools,
+                                                "max_tokens": GREEDY_TOKENS, "return_token_ids": True, "stream": True})
+    events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
+    content = [e for e in events if "token_ids" in e["choices"][0]]  # the opening chunk (the role) holds none
+    streamed = [t for e in content for t in e["choices"][0]["token_ids"]]
+    tooled = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 0,
+                                                   "tools": tools, "max_tokens": GREEDY_TOKENS,
+                                                   "return_token_ids": True}).json()
+    assert streamed == tooled["choices"][0]["token_ids"] and content[0]["prompt_token_ids"] == tooled["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in content[1:])
     plain = post(server, "/v1/completions", {**greedy, "return_token_ids": False}).json()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
 
@@ -494,6 +505,8 @@ def test_bad_words_and_allowed_token_ids_as_vllm(server, client):
     for value in ([], [10**7], ["1"], [True]):
         assert_error(post(server, "/v1/completions", {**completion, "allowed_token_ids": value}), 400,
                      "allowed_token_ids")
+    assert_error(post(server, "/v1/completions", {**completion, "allowed_token_ids": [5] * 65537}), 400,
+                 "allowed_token_ids", "at most 65536")
     for value in ([""], "Paris", ["x"] * 65, ["x" * 257]):
         assert_error(post(server, "/v1/completions", {**completion, "bad_words": value}), 400, "bad_words")
     assert post(server, "/v1/completions", {**completion, "bad_words": ["x"] * 64}).status_code == 200

@@ -83,7 +83,8 @@ class ContinuousBatchGenerator:
             self._build(model, tokenizer, config)
         except BaseException:  # a refused engine leaves the model as it found it
             if previous not in (None, "paged"):
-                model.set_attn_implementation(previous)
+                with contextlib.suppress(Exception):  # the refusal is what the caller must read
+                    model.set_attn_implementation(previous)
             raise
 
     def _build(self, model: torch.nn.Module, tokenizer, config: EngineConfig) -> None:
@@ -118,8 +119,8 @@ class ContinuousBatchGenerator:
             packed = prepack_linear_layers(model)
             if self.lockstep is not None:
                 prepack_sharded_linear_layers(model)
-        self.runner = self._runner(config)
         try:
+            self.runner = self._runner(config)
             self.speculator = self._speculator(config)
             self._check_model_runs()
         except Exception:
@@ -223,9 +224,10 @@ class ContinuousBatchGenerator:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of a list of them, as vLLM's); its blocks are freed at the next step, which
         reports it with ``finish_reason="abort"``."""
-        request_ids = list(request_id) if isinstance(request_id, (list, tuple, set, frozenset)) else [request_id]
+        single = isinstance(request_id, str) or not isinstance(request_id, Iterable)
+        request_ids = [request_id] if single else list(request_id)
         for rid in request_ids:
-            if not isinstance(rid, Hashable):
+            if not isinstance(rid, Hashable) or (isinstance(rid, Iterable) and not isinstance(rid, str)):
                 raise TypeError(f"a request id is a string, got {type(rid).__name__}")
         for rid in request_ids:
             self._inbox.put(("abort", rid))

@@ -24,6 +24,8 @@ class Logprob(float):
     """A token's log-probability: a float, with vLLM's ``Logprob`` fields ``logprob`` (the same number), ``rank``
     (1: the likeliest token at its position) and ``decoded_token`` (the token's text)."""
 
+    __slots__ = ("rank", "decoded_token")
+
     def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
         entry = super().__new__(cls, logprob)
         entry.rank, entry.decoded_token = rank, decoded_token

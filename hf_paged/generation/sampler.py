@@ -142,8 +142,9 @@ def _banned_ids(seq: Sequence) -> torch.Tensor | None:
     if seq.num_output_tokens < request.params.min_tokens and seq.matcher is None:
         ids.append(request.stop_ids_tensor)
     if request.bad_words_token_ids:
-        ids.append(torch.tensor(completing_tokens(seq.output_token_ids, request.bad_words_token_ids),
-                                dtype=torch.long))
+        reach = min(max(map(len, request.bad_words_token_ids)) - 1, seq.num_output_tokens)  # the output's end only
+        tail = seq.token_ids[len(seq.token_ids) - reach :] if reach else []
+        ids.append(torch.tensor(completing_tokens(tail, request.bad_words_token_ids), dtype=torch.long))
     return torch.cat(ids) if ids else None
 
 
@@ -287,10 +288,14 @@ def _sorted_top(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
 
 def _blocked_rows(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
     """Rows whose every token is masked (allowed_token_ids, bans and a grammar can exclude one another's tokens),
-    or None when there are none."""
-    if batch.allowed is None and batch.banned is None and batch.token_bitmask is None:
+    or None when there are none. Only a row with allowed tokens or a grammar can lose them all (bans are few)."""
+    rows = [*(() if batch.allowed is None else batch.allowed[0].unique().tolist()),
+            *(() if batch.token_bitmask is None else batch.token_bitmask[1])]
+    if not rows:
         return None
-    blocked = torch.isneginf(logits).all(dim=-1)
+    rows = torch.tensor(sorted(set(rows)), device=logits.device)
+    blocked = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    blocked[rows] = torch.isneginf(logits[rows]).all(dim=-1)
     return blocked if bool(blocked.any()) else None
 
 

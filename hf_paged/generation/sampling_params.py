@@ -167,9 +167,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # (the bad_words it was made from, their token sequences): see `bad_words_token_ids`
-    _bad_words_token_ids: tuple[tuple[str, ...], list[list[int]]] | None = field(default=None, init=False,
-                                                                                  repr=False, compare=False)
+    # ((tokenizer, bad_words) it was made from, their token sequences): see `bad_words_token_ids`
+    _bad_words_token_ids: tuple[tuple, list[list[int]]] | None = field(default=None, init=False, repr=False,
+                                                                        compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -315,16 +315,17 @@ class SamplingParams:
         """The token sequences of ``bad_words``: each word with its leading spaces stripped, and again after one
         space where that starts with another token but has as many (vLLM's rule). Tokenized once per parameters
         object (the server does it on a tokenizing thread, so the engine's lock never waits for a tokenizer)."""
-        words = tuple(self.bad_words)
-        if self._bad_words_token_ids is None or self._bad_words_token_ids[0] != words:
+        # A copy of the tokenizer (a server's tokenizing thread has its own) finds what the original made.
+        key = (getattr(tokenizer, "name_or_path", None), len(tokenizer), tuple(self.bad_words))
+        if self._bad_words_token_ids is None or self._bad_words_token_ids[0] != key:
             sequences = []
-            for word in words:
+            for word in self.bad_words:
                 plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
                 spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-                sequences.append(plain)
-                if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                sequences += [plain] if plain else []  # a word some normalizer erases bans nothing
+                if plain and len(spaced) == len(plain) and spaced[0] != plain[0]:
                     sequences.append(spaced)
-            self._bad_words_token_ids = (words, sequences)
+            self._bad_words_token_ids = (key, sequences)
         return self._bad_words_token_ids[1]
 
     def replace(self, **changes) -> "SamplingParams":

@@ -256,11 +256,12 @@ class Scheduler:
             changed[request.request_id] = request
             if seq.is_finished:
                 continue  # its request failed on an earlier row of this step
-            if self._new_tokens(row, sampled)[-1] == NO_TOKEN:
+            tokens = self._new_tokens(row, sampled)
+            if tokens[-1] == NO_TOKEN:
                 self.fail(request, *_nothing_allowed(request.params, seq.num_output_tokens))
                 continue
             try:
-                for token in self._new_tokens(row, sampled):
+                for token in tokens:
                     if not seq.is_finished:
                         self._append(seq, token, row, sampled, now)
                 self._settle_guesses(seq, out)
@@ -375,6 +376,6 @@ def _nothing_allowed(params, position: int) -> tuple[str, str]:
     given = [name for name, on in (("allowed_token_ids", params.allowed_token_ids is not None),
                                    ("bad_words", bool(params.bad_words)),
                                    ("structured_outputs", params.structured_outputs is not None),
-                                   ("min_tokens", params.min_tokens > 0)) if on]
+                                   ("min_tokens", position < params.min_tokens)) if on]
     return (f"SamplingParams {', '.join(given)} together exclude every token at output position {position}: "
             "nothing is left to generate", (given or ["allowed_token_ids"])[0])

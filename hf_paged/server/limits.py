@@ -28,6 +28,7 @@ class ServerLimits:
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # OpenAI's limit
     max_bad_words: int = 64  # each of at most max_stop_length characters
+    max_allowed_token_ids: int = 65536
     max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's max_logprobs)
     max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens of one call
     max_chars_per_token: int = 32  # prompts longer than max_model_len x this are refused before tokenizing
@@ -63,6 +64,8 @@ class ServerLimits:
         _at_most("logit_bias", len(body.logit_bias or ()), self.max_logit_bias, "logit_bias entries",
                  "--max-logit-bias")
         _at_most("bad_words", len(body.bad_words or ()), self.max_bad_words, "bad_words", "--max-bad-words")
+        _at_most("allowed_token_ids", len(body.allowed_token_ids or ()), self.max_allowed_token_ids,
+                 "allowed_token_ids", "--max-allowed-token-ids")
         longest = max((len(word) for word in body.bad_words or ()), default=0)
         _at_most("bad_words", longest, self.max_stop_length, "characters in a bad word", "--max-stop-length")
         param, logprobs = body.logprobs_param()

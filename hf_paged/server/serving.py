@@ -259,15 +259,32 @@ def _prompt_fields(fmt: CompletionFormat, output: RequestOutput, scored: list | 
     return {**fields, "prompt_token_ids": output.prompt_token_ids} if fmt.return_token_ids else fields
 
 
-def _add_token_ids(sent: dict, choice: CompletionOutput, output: RequestOutput, fmt: CompletionFormat,
-                   first: bool) -> None:
-    """A streamed choice's new token ids (``return_token_ids``); its first chunk also carries its prompt's ids (and
-    with ``echo`` holds them before its own: they are not the choice's)."""
-    ids = choice.token_ids
-    if first:
-        sent["prompt_token_ids"] = output.prompt_token_ids
-        ids = ids[len(output.prompt_token_ids):] if fmt.echo is not None else ids
-    sent["token_ids"] = [] if fmt.prompt_only else ids
+class _StreamedTokenIds:
+    """vLLM's ``return_token_ids`` in a stream: each chunk's choice carries the token ids generated since its last
+    chunk (ids whose text was held back wait), a choice's first chunk its prompt's ids (chat: the chunk's)."""
+
+    def __init__(self, fmt: CompletionFormat):
+        self.fmt, self.pending, self.started = fmt, {}, set()
+
+    def add(self, index: int, token_ids: list[int]) -> int:
+        """Take a choice's new token ids; returns how many."""
+        if self.fmt.return_token_ids:
+            self.pending.setdefault(index, []).extend(token_ids)
+        return len(token_ids)
+
+    def attach(self, index: int, sent: dict, output: RequestOutput) -> dict:
+        """Put them in ``sent``; returns what goes at the chunk's top."""
+        if not self.fmt.return_token_ids:
+            return {}
+        sent["token_ids"] = self.pending.pop(index, [])
+        if index in self.started:
+            return {}
+        self.started.add(index)
+        prompt = {"prompt_token_ids": output.prompt_token_ids}
+        if self.fmt.prompt_fields_at == "response":
+            return prompt
+        sent.update(prompt)
+        return {}
 
 
 def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
@@ -302,8 +319,8 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
     logprobs, for the chunk that carries their text."""
     chunk = {**header, "object": fmt.chunk_object, **({"usage": None} if include_usage else {})}  # as OpenAI's
 
-    def event(choices: list[dict], last: bool = False) -> str:
-        body = {**chunk, "choices": choices}
+    def event(choices: list[dict], last: bool = False, extra: dict | None = None) -> str:
+        body = {**chunk, **(extra or {}), "choices": choices}
         if last or continuous_usage:
             body["usage"] = usage(stream.num_prompt_tokens, completion_tokens)
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
@@ -311,7 +328,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
     first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
     waiting: dict[int, CompletionOutput] = {}  # per choice: tokens not sent yet, for want of text
     text_offset: dict[int, int] = {}  # where the next token's text starts (reported with logprobs only)
-    prompt_sent: set[int] = set()  # choices whose prompt token ids went out (return_token_ids)
+    token_ids = _StreamedTokenIds(fmt)
     completion_tokens = 0
     try:
         for opening in filter(None, map(fmt.opening_choice, range(len(first_index) * n))):
@@ -321,7 +338,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 raise _failure(output)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
-                completion_tokens += 0 if fmt.prompt_only else len(choice.token_ids)
+                completion_tokens += token_ids.add(index, [] if fmt.prompt_only else choice.token_ids)
                 if fmt.echo is not None and index not in text_offset:  # its first chunk: the prompt goes first
                     choice = fmt.echoed(index // n, output, choice)
                     text_offset[index] = 0
@@ -334,10 +351,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 offset = text_offset.get(index, 0)
                 if sent := fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
                                             choice.finish_reason, choice.stop_reason):
-                    if fmt.return_token_ids:
-                        _add_token_ids(sent, choice, output, fmt, first=index not in prompt_sent)
-                        prompt_sent.add(index)
-                    yield event([sent])
+                    yield event([sent], extra=token_ids.attach(index, sent, output))
                 if choice.logprobs is not None:
                     text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
         if include_usage:

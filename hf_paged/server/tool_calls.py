@@ -19,10 +19,9 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ..chat_template import CLOSE_TAG, OPEN_TAG
+from ..chat_template import CLOSE_TAG, NOT_JSON, OPEN_TAG
 from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 
-_NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 # A block ends at its closing tag, where the next block opens, or where the text ends.
 _HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*((?:(?!" + re.escape(OPEN_TAG) + r").)*?)\s*(?:"
                           + re.escape(CLOSE_TAG) + r"|(?=" + re.escape(OPEN_TAG) + r")|$)", re.S)
@@ -123,7 +122,7 @@ class ToolCallParser:
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
             return None, [ToolCall.of(call["name"], call["arguments"]) for call in json.loads(text)]
-        except (KeyError, TypeError, *_NOT_JSON):  # cut short by max_tokens: the calls a stream announced
+        except (KeyError, TypeError, *NOT_JSON):  # cut short by max_tokens: the calls a stream announced
             stream = self.stream()
             deltas = stream.feed(text)[1]
             _, last, called = stream.finish()
@@ -248,7 +247,7 @@ class ToolCallStream:
         limit = close if close >= 0 else len(self.text)
         try:
             value, end = _DECODER.raw_decode(self.text[:limit], self.args_start)
-        except _NOT_JSON:
+        except NOT_JSON:
             value, end = None, None
         if end == len(self.text) and not final and self.text[self.args_start] not in '{["':
             value, end = None, None  # a number or literal that ends the text so far may go on
@@ -297,7 +296,7 @@ def _hermes_block_call(block: str) -> ToolCall | None:
     read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as JSON."""
     try:
         call = json.loads(block)
-    except _NOT_JSON:
+    except NOT_JSON:
         call = None
     if isinstance(call, dict) and isinstance(call.get("name"), str):
         return ToolCall.of(call["name"], call.get("arguments", {}))
@@ -307,7 +306,7 @@ def _hermes_block_call(block: str) -> ToolCall | None:
         return None
     try:
         return ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])
-    except _NOT_JSON:  # cut short or malformed: passed on as written, as OpenAI passes on what its model wrote
+    except NOT_JSON:  # cut short or malformed: passed on as written, as OpenAI passes on what its model wrote
         return ToolCall.of(name, block[header.end():])
 
 
