@@ -1076,15 +1076,17 @@ def test_a_model_switched_away_from_paged_attention_is_named_not_run(smollm2, ch
     assert_no_leak(gen)
 
 
-def test_run_from_two_threads_at_once_gives_each_its_own_outputs(smollm2, prompt_ids, reference):
-    """Steps take turns; each serves both threads' requests, and each thread gets exactly its own outputs."""
+def test_run_from_two_threads_at_once_gives_each_its_own_outputs(smollm2, prompt_ids, chat_prompts, reference):
+    """Steps take turns; each serves both threads' requests, and each thread gets exactly its own outputs (one
+    thread's text prompts are tokenized while the other's step detokenizes)."""
     gen = make_generator(smollm2)
     halves, results, errors = [range(0, 8), range(8, 16)], {}, []
 
     def work(half):
         try:
             params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i]) for i in half]
-            outputs = gen.run([prompt_ids[i] for i in half], params, use_tqdm=False)
+            prompts = [prompt_ids[i] if half.start == 0 else chat_prompts[i] for i in half]
+            outputs = gen.run(prompts, params, use_tqdm=False)
             results[half.start] = [o.outputs[0].token_ids for o in outputs]
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
