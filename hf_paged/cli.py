@@ -104,6 +104,15 @@ def _http_options() -> argparse.ArgumentParser:
                              "origin, as vLLM; '' sends no CORS headers)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="server log level (default: info)")
+    vllm = parser.add_argument_group("vLLM's flags, for its command lines: what they ask is always so here")
+    vllm.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="tool_choice auto is always served (calls read from hermes blocks or the tokenizer's "
+                           "response template)")
+    vllm.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                      help="the hermes format is the one read (or the tokenizer's own response template)")
+    vllm.add_argument("--enable-prefix-caching", action="store_true", dest="vllm_prefix_caching",
+                      help="prefix caching is on unless --no-prefix-caching")
+    vllm.add_argument("--disable-log-requests", action="store_true", help="requests are never logged")
     return parser
 
 
@@ -320,6 +329,8 @@ def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """``serve``'s options that need no model: the API key and the limits (a bad value exits with code 2)."""
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.vllm_prefix_caching and not args.enable_prefix_caching:
+        parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
     return api_key(parser, args), server_limits(parser, args)
 
 

@@ -581,6 +581,21 @@ def test_a_hub_id_names_its_copy_in_the_local_cache(smollm2_path, tmp_path, monk
         resolve_model("acme/not-cached")
 
 
+def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(capsys):
+    from hf_paged.cli import build_parser, main
+
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching",
+             "--disable-log-requests"]
+    args = build_parser().parse_args(["serve", *flags])
+    assert args.enable_prefix_caching
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--tool-call-parser", "mistral"])
+    assert exit_info.value.code == 2 and "invalid choice: 'mistral'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--enable-prefix-caching", "--no-prefix-caching"])
+    assert exit_info.value.code == 2 and "contradict each other" in capsys.readouterr().err
+
+
 def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsys):
     """A model the engine refuses (here a hybrid one) or broken weights: a message and exit code 2, no traceback."""
     import shutil
