@@ -825,6 +825,22 @@ def test_logprobs_are_floats_with_vllms_logprob_fields(smollm2, chat_prompts):
         [{t: (v, v.rank, v.decoded_token) for t, v in e.items()} for e in choice.logprobs]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(smollm2, chat_prompts):
+    """vLLM's left truncation; -1 keeps what leaves the context room for one new token."""
+    _, tokenizer = smollm2
+    gen = make_generator(smollm2, max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    ids = tokenizer(chat_prompts[6]).input_ids
+    [cut] = gen.run([chat_prompts[6]], greedy.replace(truncate_prompt_tokens=9), use_tqdm=False)
+    [alone] = gen.run([ids[-9:]], greedy, use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-9:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    [long] = gen.run(["word " * 200], greedy.replace(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert len(long.prompt_token_ids) == 63 and long.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1, or -1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert_no_leak(gen)
+
+
 def test_sample_i_of_n_draws_as_a_request_seeded_seed_plus_i(smollm2, chat_prompts):
     gen = make_generator(smollm2)
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)

@@ -74,6 +74,9 @@ class InputProcessor:
                 params: SamplingParams | GenerationConfig | None) -> Request:
         params = self.sampling_params(params)
         text, token_ids = self.tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # vLLM's left truncation; -1 leaves room for one new token
+            token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
         if not token_ids:
             raise ValueError("the prompt is empty")
         self.check_prompt_length(len(token_ids))

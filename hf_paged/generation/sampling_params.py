@@ -137,7 +137,8 @@ class SamplingParams:
     ``logit_bias`` ({token id: -100 to 100}, OpenAI's) is added to those tokens' logits before sampling.
     ``allowed_token_ids`` restricts every output token to those ids. ``bad_words`` are never completed: a word's
     last token is masked whenever the output ends with the tokens before it (each word is tokenized alone and, where
-    that gives as many tokens, after a space too; vLLM's rule).
+    that gives as many tokens, after a space too; vLLM's rule). ``truncate_prompt_tokens=k`` keeps a prompt's last
+    ``k`` tokens (-1: as many as leave room for one new token in the context).
     ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
     and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.
@@ -165,6 +166,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # ((tokenizer, bad_words) it was made from, their token sequences): see `bad_words_token_ids`
@@ -197,6 +199,8 @@ class SamplingParams:
         if self.max_tokens is not None:
             self._check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens")
         self._check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
+        self._check(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+                    "truncate_prompt_tokens", self.truncate_prompt_tokens, ">= 1, or -1 (what the context holds)")
         self._check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
                     self.prompt_logprobs, ">= 0")
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
@@ -234,7 +238,8 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
 
     def _check_types(self) -> None:
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None or name in ("n", "top_k", "min_tokens"):
                 self._check(_is_int(value), name, value, "an integer")
