@@ -20,8 +20,9 @@ TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_
 NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 
 
-def template_takes_tools(tokenizer) -> bool:
-    template = tokenizer.chat_template
+def template_takes_tools(tokenizer, template: str | None = None) -> bool:
+    """Whether the chat template (``template``, else the tokenizer's) renders tools itself."""
+    template = template or tokenizer.chat_template
     return not isinstance(template, str) or "tools" in template
 
 
@@ -68,7 +69,7 @@ def _tools_system_text(tools: list[dict]) -> str:
 def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, options: dict | None = None) -> str:
     """The chat prompt as text, with ``tools`` and any earlier tool calls and results in it; ``options`` go to the
     template (``add_generation_prompt=False``, ``continue_final_message=True``, its own variables)."""
-    native = template_takes_tools(tokenizer)
+    native = template_takes_tools(tokenizer, (options or {}).get("chat_template"))
     messages = [_for_template(message, native) for message in messages]
     if tools and not native:
         text = _tools_system_text(tools)

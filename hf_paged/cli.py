@@ -112,7 +112,8 @@ def _http_options() -> argparse.ArgumentParser:
                       help="the hermes format is the one read (or the tokenizer's own response template)")
     vllm.add_argument("--enable-prefix-caching", action="store_true", dest="vllm_prefix_caching",
                       help="prefix caching is on unless --no-prefix-caching")
-    vllm.add_argument("--disable-log-requests", action="store_true", help="requests are never logged")
+    vllm.add_argument("--disable-log-requests", action="store_true",
+                      help="requests' contents are never logged (the access log names their routes)")
     return parser
 
 
@@ -325,12 +326,16 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return serve_until_stopped(GracefulServer(config), app)
 
 
+def _check_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.vllm_prefix_caching and not args.enable_prefix_caching:
+        parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
+
+
 def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """``serve``'s options that need no model: the API key and the limits (a bad value exits with code 2)."""
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    if args.vllm_prefix_caching and not args.enable_prefix_caching:
-        parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
+    _check_vllm_flags(parser, args)
     return api_key(parser, args), server_limits(parser, args)
 
 
@@ -390,6 +395,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     if args.chat_template is not None:
         parser.error("--chat-template is not supported by serve-ray yet (serve takes it)")
+    _check_vllm_flags(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:

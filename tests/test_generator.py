@@ -794,6 +794,9 @@ def test_vllm_prompt_dicts_aborts_of_lists_and_seed_minus_one(smollm2, chat_prom
         gen.add_request({"prompt_token_ids": "12"}, greedy)
     with pytest.raises(TypeError, match="a request id is a string"):
         gen.abort_request([["r1"]])
+    rid = gen.add_request(chat_prompts[0], greedy.replace(max_tokens=50), request_id=b"bytes-id")
+    gen.abort_request(rid)  # one id, not its bytes
+    assert [o.outputs[0].finish_reason for o in gen.step() if o.finished] == ["abort"]
     rids = [gen.add_request(chat_prompts[i], greedy.replace(max_tokens=50)) for i in range(2)]
     gen.abort_request(rids)
     finals = {o.request_id: o.outputs[0].finish_reason for o in gen.step() if o.finished}
@@ -836,6 +839,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(smollm2, chat_prompts):
     assert cut.prompt_token_ids == ids[-9:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
     [long] = gen.run(["word " * 200], greedy.replace(truncate_prompt_tokens=-1), use_tqdm=False)
     assert len(long.prompt_token_ids) == 63 and long.outputs[0].finish_reason == "length"
+    [kept] = gen.run([[10**7] + ids[-9:]], greedy.replace(truncate_prompt_tokens=9), use_tqdm=False)
+    assert kept.error is None  # the id outside the vocabulary is cut off before the prompt is checked
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1, or -1"):
         SamplingParams(truncate_prompt_tokens=0)
     assert_no_leak(gen)

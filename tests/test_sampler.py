@@ -104,6 +104,8 @@ def test_a_row_whose_masks_leave_no_token_gets_none():
     for temperature in (0.0, 1.0):
         batch = batch_for(4, temperature=temperature, allowed=allowed, banned=banned, max_logprobs=0)
         assert sample(logits, batch).token_ids == [NO_TOKEN, 1, 2, 2]
+    everything = (torch.zeros(3, dtype=torch.long), torch.arange(3))  # a row whose bans alone cover the vocabulary
+    assert sample(logits[:2], batch_for(2, temperature=0, banned=everything)).token_ids == [NO_TOKEN, 2]
 
 
 def test_extreme_values_draw_real_tokens():

@@ -189,13 +189,14 @@ def test_return_token_ids_as_vllm(server, client, smollm2):
     raw = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 0, "tools": tools,
                                                 "max_tokens": GREEDY_TOKENS, "return_token_ids": True, "stream": True})
     events = [json.loads(line[6:]) for line in raw.text.splitlines() if line.startswith("data: {")]
-    content = [e for e in events if "token_ids" in e["choices"][0]]  # the opening chunk (the role) holds none
-    streamed = [t for e in content for t in e["choices"][0]["token_ids"]]
+    streamed = [t for e in events for t in e["choices"][0].get("token_ids", [])]
     tooled = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 0,
                                                    "tools": tools, "max_tokens": GREEDY_TOKENS,
                                                    "return_token_ids": True}).json()
-    assert streamed == tooled["choices"][0]["token_ids"] and content[0]["prompt_token_ids"] == tooled["prompt_token_ids"]
-    assert all("prompt_token_ids" not in e for e in content[1:])
+    assert streamed == tooled["choices"][0]["token_ids"]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"  # the opening chunk carries the prompt's ids
+    assert events[0]["prompt_token_ids"] == tooled["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in events[1:])
     plain = post(server, "/v1/completions", {**greedy, "return_token_ids": False}).json()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
 
@@ -591,9 +592,10 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--tool-call-parser", "mistral"])
     assert exit_info.value.code == 2 and "invalid choice: 'mistral'" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--enable-prefix-caching", "--no-prefix-caching"])
-    assert exit_info.value.code == 2 and "contradict each other" in capsys.readouterr().err
+    for command in ("serve", "serve-ray"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--enable-prefix-caching", "--no-prefix-caching"])
+        assert exit_info.value.code == 2 and "contradict each other" in capsys.readouterr().err
 
 
 def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsys):

@@ -57,6 +57,13 @@ def test_a_template_without_tools_gets_them_and_earlier_calls_in_the_hermes_form
     assert text.endswith("<|im_start|>tool\n18 C, sunny<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_template_given_for_the_call_decides_whether_it_takes_the_tools(tokenizer):
+    """The tokenizer's template knows no tools; one passed in (``LLM.chat(chat_template=...)``) that does gets them."""
+    own = "{% for t in tools %}[TOOL {{ t.function.name }}]{% endfor %}{{ messages[0]['content'] }}"
+    text = render_prompt(tokenizer, [{"role": "user", "content": "hi"}], [WEATHER], {"chat_template": own})
+    assert text == "[TOOL get_weather]hi"
+
+
 def test_hermes_calls_are_read_out_of_free_text():
     parser = ToolCallParser("auto")
     content, calls = parser.parse(f"Let me check.\n{CALL}\n{CALL.replace('Paris', 'Rome')}")

@@ -115,16 +115,16 @@ class ContinuousBatchGenerator:
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
         self._workers_stopped = False
         packed = 0
-        if config.prepack_weights and model.device.type == "cpu":
-            packed = prepack_linear_layers(model)
-            if self.lockstep is not None:
-                prepack_sharded_linear_layers(model)
         try:
+            if config.prepack_weights and model.device.type == "cpu":
+                packed = prepack_linear_layers(model)
+                if self.lockstep is not None:
+                    prepack_sharded_linear_layers(model)
             self.runner = self._runner(config)
             self.speculator = self._speculator(config)
             self._check_model_runs()
-        except Exception:
-            if packed:
+        except BaseException:
+            if packed:  # layers an earlier engine packed stay as they were
                 unpack_linear_layers(model)
             raise
 
@@ -224,10 +224,10 @@ class ContinuousBatchGenerator:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of a list of them, as vLLM's); its blocks are freed at the next step, which
         reports it with ``finish_reason="abort"``."""
-        single = isinstance(request_id, str) or not isinstance(request_id, Iterable)
+        single = isinstance(request_id, (str, bytes)) or not isinstance(request_id, Iterable)
         request_ids = [request_id] if single else list(request_id)
         for rid in request_ids:
-            if not isinstance(rid, Hashable) or (isinstance(rid, Iterable) and not isinstance(rid, str)):
+            if not isinstance(rid, Hashable) or (isinstance(rid, Iterable) and not isinstance(rid, (str, bytes))):
                 raise TypeError(f"a request id is a string, got {type(rid).__name__}")
         for rid in request_ids:
             self._inbox.put(("abort", rid))

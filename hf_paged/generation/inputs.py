@@ -73,10 +73,7 @@ class InputProcessor:
     def request(self, request_id: str, prompt: Prompt,
                 params: SamplingParams | GenerationConfig | None) -> Request:
         params = self.sampling_params(params)
-        text, token_ids = self.tokenize(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:  # vLLM's left truncation; -1 leaves room for one new token
-            token_ids = token_ids[-(self.max_model_len - 1 if keep == -1 else keep):]
+        text, token_ids = self.tokenize(prompt, params.truncate_prompt_tokens)
         if not token_ids:
             raise ValueError("the prompt is empty")
         self.check_prompt_length(len(token_ids))
@@ -106,8 +103,12 @@ class InputProcessor:
         except ValueError:
             return params
 
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt, keep: int | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's text and token ids, its last ``keep`` tokens only if given (vLLM's ``truncate_prompt_tokens``;
+        -1: as many as leave room for one new token), checked against the vocabulary."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        if keep is not None:
+            token_ids = token_ids[len(token_ids) - min(len(token_ids), self.max_model_len - 1 if keep == -1 else keep):]
         self.check_token_ids(token_ids)
         return text, token_ids
 

@@ -288,8 +288,9 @@ def _sorted_top(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
 
 def _blocked_rows(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
     """Rows whose every token is masked (allowed_token_ids, bans and a grammar can exclude one another's tokens),
-    or None when there are none. Only a row with allowed tokens or a grammar can lose them all (bans are few)."""
+    or None when there are none; only rows with a mask or a ban are looked at."""
     rows = [*(() if batch.allowed is None else batch.allowed[0].unique().tolist()),
+            *(() if batch.banned is None else batch.banned[0].unique().tolist()),
             *(() if batch.token_bitmask is None else batch.token_bitmask[1])]
     if not rows:
         return None

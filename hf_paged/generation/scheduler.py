@@ -376,6 +376,7 @@ def _nothing_allowed(params, position: int) -> tuple[str, str]:
     given = [name for name, on in (("allowed_token_ids", params.allowed_token_ids is not None),
                                    ("bad_words", bool(params.bad_words)),
                                    ("structured_outputs", params.structured_outputs is not None),
-                                   ("min_tokens", position < params.min_tokens)) if on]
+                                   ("min_tokens", position < params.min_tokens and params.structured_outputs is None))
+             if on]
     return (f"SamplingParams {', '.join(given)} together exclude every token at output position {position}: "
             "nothing is left to generate", (given or ["allowed_token_ids"])[0])

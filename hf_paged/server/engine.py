@@ -49,6 +49,7 @@ class RequestStream:
         self.write_timeout = write_timeout
         self.last_read = self.waiting_since = self.loop.time()
         self.num_prompt_tokens = 0  # of all its prompts, for usage (set by whoever tokenized them)
+        self.prompt_token_ids: list[list[int]] = []  # each prompt's, as queued (set alike)
 
     def put(self, item: RequestOutput | EngineError) -> None:
         """Take an output (or the engine's failure) from the engine thread; runs on the stream's loop."""

@@ -174,7 +174,7 @@ class OpenAIServing:
             raise overloaded(str(err)) from err
         except EngineDead as err:
             raise APIError(503, str(err), "server_error", code="engine_dead") from err
-        stream.num_prompt_tokens = sum(map(len, token_ids))
+        stream.num_prompt_tokens, stream.prompt_token_ids = sum(map(len, token_ids)), list(token_ids)
         return stream
 
     async def serve(self, body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
@@ -261,10 +261,18 @@ def _prompt_fields(fmt: CompletionFormat, output: RequestOutput, scored: list | 
 
 class _StreamedTokenIds:
     """vLLM's ``return_token_ids`` in a stream: each chunk's choice carries the token ids generated since its last
-    chunk (ids whose text was held back wait), a choice's first chunk its prompt's ids (chat: the chunk's)."""
+    chunk (ids whose text was held back wait); a chat's opening chunk (the role) carries its prompt's ids, a
+    completion choice's first chunk its prompt's, as vLLM's."""
 
     def __init__(self, fmt: CompletionFormat):
         self.fmt, self.pending, self.started = fmt, {}, set()
+
+    def opening(self, index: int, stream: RequestStream) -> dict:
+        """What a chat choice's opening chunk carries at its top."""
+        if not self.fmt.return_token_ids:
+            return {}
+        self.started.add(index)
+        return {"prompt_token_ids": stream.prompt_token_ids[0]}
 
     def add(self, index: int, token_ids: list[int]) -> int:
         """Take a choice's new token ids; returns how many."""
@@ -273,18 +281,13 @@ class _StreamedTokenIds:
         return len(token_ids)
 
     def attach(self, index: int, sent: dict, output: RequestOutput) -> dict:
-        """Put them in ``sent``; returns what goes at the chunk's top."""
-        if not self.fmt.return_token_ids:
-            return {}
-        sent["token_ids"] = self.pending.pop(index, [])
-        if index in self.started:
-            return {}
-        self.started.add(index)
-        prompt = {"prompt_token_ids": output.prompt_token_ids}
-        if self.fmt.prompt_fields_at == "response":
-            return prompt
-        sent.update(prompt)
-        return {}
+        """Put them in the choice ``sent``; returns ``sent``."""
+        if self.fmt.return_token_ids:
+            sent["token_ids"] = self.pending.pop(index, [])
+            if index not in self.started:
+                self.started.add(index)
+                sent["prompt_token_ids"] = output.prompt_token_ids
+        return sent
 
 
 def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
@@ -331,8 +334,9 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
     token_ids = _StreamedTokenIds(fmt)
     completion_tokens = 0
     try:
-        for opening in filter(None, map(fmt.opening_choice, range(len(first_index) * n))):
-            yield event([opening])
+        for index, opening in enumerate(map(fmt.opening_choice, range(len(first_index) * n))):
+            if opening is not None:
+                yield event([opening], extra=token_ids.opening(index, stream))
         async for output in stream:
             if output.error is not None:
                 raise _failure(output)
@@ -351,7 +355,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 offset = text_offset.get(index, 0)
                 if sent := fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
                                             choice.finish_reason, choice.stop_reason):
-                    yield event([sent], extra=token_ids.attach(index, sent, output))
+                    yield event([token_ids.attach(index, sent, output)])
                 if choice.logprobs is not None:
                     text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
         if include_usage:
