@@ -201,6 +201,26 @@ def test_return_token_ids_as_vllm(server, client, smollm2):
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
 
 
+def test_truncate_prompt_tokens_as_vllm(server, smollm2):
+    """A prompt's last k tokens; one too long for the context is measured only once truncated."""
+    ids = smollm2[1](PROMPT).input_ids
+    greedy = {"model": MODEL, "temperature": 0, "max_tokens": 4, "return_token_ids": True}
+    [cut] = post(server, "/v1/completions", {**greedy, "prompt": PROMPT, "truncate_prompt_tokens": 3}).json()["choices"]
+    [alone] = post(server, "/v1/completions", {**greedy, "prompt": ids[-3:]}).json()["choices"]
+    assert cut["prompt_token_ids"] == ids[-3:] and cut["token_ids"] == alone["token_ids"]
+    huge = "a " * (server.generator.max_model_len * 40)  # past the characters any prompt of the context could have
+    assert_error(post(server, "/v1/completions", {**greedy, "prompt": huge}), 400, "prompt")
+    [kept] = post(server, "/v1/completions", {**greedy, "prompt": huge, "truncate_prompt_tokens": 16}).json()["choices"]
+    assert len(kept["prompt_token_ids"]) == 16
+    chat = post(server, "/v1/chat/completions", {**greedy, "messages": [{"role": "user", "content": huge}],
+                                                 "truncate_prompt_tokens": 16}).json()
+    assert len(chat["prompt_token_ids"]) == 16
+    assert_error(post(server, "/v1/completions", {**greedy, "prompt": PROMPT, "truncate_prompt_tokens": 0}), 400,
+                 "truncate_prompt_tokens")
+    assert_error(post(server, "/v1/completions", {**greedy, "prompt": PROMPT, "truncate_prompt_tokens": 3,
+                                                  "echo": True}), 400, "truncate_prompt_tokens", "echo")
+
+
 def test_stop_strings_streamed_and_not(server, client):
     words = server.prompt_ref.text.split()
     stop = words[2]

@@ -107,10 +107,15 @@ class InputProcessor:
         """The prompt's text and token ids, its last ``keep`` tokens only if given (vLLM's ``truncate_prompt_tokens``;
         -1: as many as leave room for one new token), checked against the vocabulary."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        if keep is not None:
-            token_ids = token_ids[len(token_ids) - min(len(token_ids), self.max_model_len - 1 if keep == -1 else keep):]
+        token_ids = self.truncated(token_ids, keep)
         self.check_token_ids(token_ids)
         return text, token_ids
+
+    def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """The last ``keep`` of ``token_ids`` (all when None; -1: as many as leave room for one new token)."""
+        if keep is None:
+            return token_ids
+        return token_ids[len(token_ids) - min(len(token_ids), self.max_model_len - 1 if keep == -1 else keep):]
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """A tokenizer can know more tokens than the model embeds; a prompt of them would fail every step it joins."""

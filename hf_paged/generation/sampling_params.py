@@ -138,7 +138,7 @@ class SamplingParams:
     ``allowed_token_ids`` restricts every output token to those ids. ``bad_words`` are never completed: a word's
     last token is masked whenever the output ends with the tokens before it (each word is tokenized alone and, where
     that gives as many tokens, after a space too; vLLM's rule). ``truncate_prompt_tokens=k`` keeps a prompt's last
-    ``k`` tokens (-1: as many as leave room for one new token in the context).
+    ``k`` tokens (-1: as many as leave room for one new token in the context), before the prompt is checked.
     ``structured_outputs`` (`StructuredOutputsParams`) constrains the output to a JSON schema, a regular expression,
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
     and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.

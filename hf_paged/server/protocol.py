@@ -3,8 +3,9 @@
 Fields that OpenAI marks optional may also be sent as ``null``; either way the documented default applies. Besides
 OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``, ``return_token_ids`` and ``structured_outputs`` (with its
-older spellings ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``).
+``allowed_token_ids``, ``bad_words``, ``prompt_logprobs``, ``return_token_ids``, ``truncate_prompt_tokens`` and
+``structured_outputs`` (with its older spellings ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": lambda value: not value,
     "function_call": lambda value: value in (None, "none", "auto"),
     "use_beam_search": lambda value: not value,
-    "truncate_prompt_tokens": lambda value: value is None,
     "echo": lambda value: not value,
     "chat_template": lambda value: value is None,
     "documents": lambda value: not value,
@@ -141,6 +141,7 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
@@ -196,6 +197,7 @@ class GenerationRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias(),
             "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         values = {**defaults, **{name: value for name, value in given.items() if value is not None}}
         values.pop("max_tokens", None)
@@ -267,6 +269,8 @@ class CompletionRequest(GenerationRequest):
         return list(self.prompt)
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
+        if self.echo and self.truncate_prompt_tokens is not None:  # the echo would not be the prompt served
+            raise InvalidParameter("truncate_prompt_tokens", "truncate_prompt_tokens cannot be combined with echo")
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, defaults.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS))
         max_tokens = default if self.max_tokens is None else self.max_tokens
         if self.echo and max_tokens == 0:  # the prompt alone (its logprobs, say), as OpenAI's and vLLM's

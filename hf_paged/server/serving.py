@@ -139,7 +139,8 @@ class OpenAIServing:
         except ValueError as err:
             raise _bad_request(err, "messages") from err
         extra = len(str(body.tools or "")) + len(str(options))
-        self.encoder.check(messages, "messages", extra_chars=extra)
+        if body.truncate_prompt_tokens is None:  # a prompt to truncate is measured once tokenized
+            self.encoder.check(messages, "messages", extra_chars=extra)
         check_text(body.tools or [], "tools")
         check_text(options, "chat_template_kwargs")
 
@@ -159,7 +160,8 @@ class OpenAIServing:
     async def submit(self, body: GenerationRequest, prompts: list, params: SamplingParams, request_ids: list[str],
                      prompt_param: str) -> RequestStream:
         """Tokenize the prompts off the event loop, check what the call would cost, and queue it."""
-        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param) for prompt in prompts))
+        keep = params.truncate_prompt_tokens
+        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param, keep) for prompt in prompts))
         await self.encoder.tokenize_bad_words(params)
         context = self.generator.max_model_len
         for ids in token_ids:
