@@ -26,12 +26,14 @@ from .generation import (  # noqa: E402  (after registration: the generator reli
     StructuredOutputsParams,
 )
 
+from .async_llm import AsyncLLM  # noqa: E402
 from .llm import LLM  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AsyncLLM",
     "BlockPool",
     "CompletionOutput",
     "ContinuousBatchGenerator",

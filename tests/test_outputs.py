@@ -82,7 +82,7 @@ def test_a_stream_nobody_reads_holds_one_pending_output(long_generator):
 
 def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(long_generator):
     """Its KV blocks are not held for the whole answer: after --stream-write-timeout without a read it is aborted."""
-    from hf_paged.server.engine import EngineError, EngineLoop
+    from hf_paged.engine_loop import EngineError, EngineLoop
 
     engine = EngineLoop(long_generator, write_timeout=0.5)
     params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -108,7 +108,7 @@ def test_a_stream_whose_client_stops_reading_is_aborted_after_the_write_timeout(
 def test_the_write_timeout_counts_from_when_outputs_wait_not_from_the_last_read():
     """A call whose first outputs come after a long queue is not "stalled": its handler never had anything to read."""
     from hf_paged.generation.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from hf_paged.server.engine import RequestStream
+    from hf_paged.engine_loop import RequestStream
 
     aborted = []
 

@@ -515,7 +515,7 @@ def test_health_and_new_calls_answer_503_once_the_engine_is_dead(smollm2_path):
 
 def test_steps_that_keep_failing_are_unrecoverable(smollm2_path):
     """One failed step fails its requests and serving goes on; three in a row (a broken device, say) end it."""
-    from hf_paged.server.engine import FATAL_CONSECUTIVE_FAILURES
+    from hf_paged.engine_loop import FATAL_CONSECUTIVE_FAILURES
 
     generator = tiny_generator(smollm2_path)
     generator.runner.execute = lambda *args, **kwargs: 1 / 0

@@ -5,7 +5,7 @@ or use ``hf-paged serve``.
 """
 
 from .app import create_app
-from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, RequestStream
+from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded, RequestStream
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .protocol import APIError

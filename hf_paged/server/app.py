@@ -62,7 +62,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..generation import ContinuousBatchGenerator, SamplingParams
-from .engine import EngineLoop
+from ..engine_loop import EngineLoop
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper

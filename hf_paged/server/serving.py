@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 from ..chat_template import render_prompt
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
-from .engine import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
+from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
 from .limits import ServerLimits
 from .middleware import overloaded
 from .protocol import (

@@ -1,9 +1,9 @@
-"""`EngineLoop`: the one thread that steps the generator, and hands each output to the HTTP handler waiting for it.
+"""`EngineLoop`: the one thread that steps the generator, and hands each output to the asyncio task waiting for it.
 
-HTTP handlers run on an asyncio loop; the engine runs on its own thread. A handler registers its requests with
-`EngineLoop.submit`, which returns a `RequestStream`; after every step the engine thread posts the outputs (deltas)
-to the handlers' loops with one ``call_soon_threadsafe`` per loop, where each stream merges them and wakes its
-handler.
+The server's HTTP handlers and `hf_paged.AsyncLLM`'s callers run on asyncio loops; the engine runs on its own thread.
+A caller registers its requests with `EngineLoop.submit`, which returns a `RequestStream`; after every step the
+engine thread posts the outputs (deltas) to the callers' loops with one ``call_soon_threadsafe`` per loop, where each
+stream merges them and wakes its caller.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from ..distributed import HEARTBEAT_S, DistributedError
-from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
-from ..generation.inputs import Prompt
-from .metrics import ServerMetrics
+from .distributed import HEARTBEAT_S, DistributedError
+from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
+from .generation.inputs import Prompt
+
+if TYPE_CHECKING:  # the server extra's; the loop itself runs without it (`hf_paged.AsyncLLM`)
+    from .server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +31,8 @@ class EngineError(RuntimeError):
 
 
 class RequestStream:
-    """The outputs of the requests of one HTTP call, as the engine thread delivers them.
+    """The outputs of the requests of one call (an HTTP request, an `AsyncLLM.generate`), as the engine thread
+    delivers them.
 
     The engine hands back deltas (`RequestOutputKind.DELTA`); those the handler has not read yet are merged into one
     pending output per request, so a client that reads slowly costs at most one pending output per request, however
@@ -124,7 +128,7 @@ class EngineDead(EngineError):
 
 
 class EngineStopping(EngineError):
-    """The server is shutting down, and the request did not finish in time (a 503)."""
+    """The server (or `AsyncLLM`) is shutting down, and the request did not finish in time (a 503)."""
 
 
 GROUP_FAILED_GRACE_S = 1.0  # after a tensor-parallel group fails, before the process ends
@@ -168,6 +172,12 @@ class EngineLoop:
         thread = self._thread
         return self.fatal is None and (thread is None or thread.is_alive() or self._stopping)
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is started and not stopping."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self._stopping and self.fatal is None
+
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
         with self._lock:
@@ -177,14 +187,14 @@ class EngineLoop:
             self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop the thread after its current step; requests still in flight fail."""
+    def stop(self, timeout: float = 30.0, reason: str = "the server is shutting down") -> None:
+        """Stop the thread after its current step; requests still in flight fail (`EngineStopping` saying ``reason``)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         stepping = self._thread is not None and self._thread.is_alive()
-        self._fail_in_flight(EngineStopping("the server is shutting down"), abort_unrouted=not stepping)
+        self._fail_in_flight(EngineStopping(reason), abort_unrouted=not stepping)
 
     def cut_off(self) -> None:
         """Fail the requests in flight (`EngineStopping`) while serving goes on: the server stops before they end."""
@@ -203,6 +213,9 @@ class EngineLoop:
         # either precedes this request entirely or queues its abort after the request's "add".
         with self._lock:
             seats = params.n * len(request_ids)
+            taken = [request_id for request_id in request_ids if request_id in self._routes]
+            if taken:  # routing it would take the other request's route
+                raise ValueError(f"request id {taken[0]!r} is already in use")
             limit = self.max_num_seqs_in_flight
             if limit is not None and self._num_seqs + seats > limit and self._num_seqs > 0:
                 raise EngineOverloaded(f"{self._num_seqs} sequences in flight, --max-num-waiting")
@@ -274,7 +287,7 @@ class EngineLoop:
             logger.exception("engine step failed; failing the requests in flight")
             if self.metrics is not None:
                 self.metrics.step_failures.inc()
-            self._fail_in_flight(EngineError("the engine failed while serving this request (see the server log)"))
+            self._fail_in_flight(EngineError("the engine failed while serving this request (see the log)"))
             return failures + 1
         try:
             self._dispatch(outputs)
@@ -289,7 +302,7 @@ class EngineLoop:
 
     def _die(self, err: BaseException) -> None:
         self.fatal = err
-        self._fail_in_flight(EngineError("the engine stopped after an unrecoverable error (see the server log)"))
+        self._fail_in_flight(EngineError("the engine stopped after an unrecoverable error (see the log)"))
         for callback in self.on_fatal:
             try:
                 callback()

@@ -1,0 +1,105 @@
+"""`AsyncLLM`: vLLM's asynchronous entry point (``async for output in engine.generate(...)``) over the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+from transformers import GenerationConfig
+
+from .engine_loop import EngineLoop
+from .generation import ContinuousBatchGenerator, RequestOutput, RequestOutputKind, SamplingParams
+from .generation.inputs import Prompt, tokenize_prompt
+from .loading import load_model, resolve_device
+
+
+class AsyncLLM:
+    """Serves requests from asyncio code, as vLLM's ``AsyncLLM``: each `generate` call is one request, batched with
+    all others in flight by one engine thread that steps a `ContinuousBatchGenerator` while there is work.
+
+    ``AsyncLLM(model, dtype, device, **engine_options)`` loads a model as `LLM` does; `from_generator` serves a
+    generator already built. Requests that fail while running yield an output with ``error`` set, as the generator's;
+    `hf_paged.engine_loop.EngineError` is raised when the engine itself failed or was shut down under them.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
+                 **engine_options):
+        hf_model, tokenizer = load_model(model, dtype, resolve_device(device))
+        self._serve(ContinuousBatchGenerator(hf_model, tokenizer, **engine_options))
+
+    @classmethod
+    def from_generator(cls, generator: ContinuousBatchGenerator) -> "AsyncLLM":
+        """Serve ``generator``, which nothing else may step meanwhile."""
+        engine = cls.__new__(cls)
+        engine._serve(generator)
+        return engine
+
+    def _serve(self, generator: ContinuousBatchGenerator) -> None:
+        if not generator.is_driver:
+            raise ValueError("AsyncLLM serves rank 0 of a tensor-parallel model; the other ranks call run_worker()")
+        self.generator = generator
+        self.engine = EngineLoop(generator)
+        self.engine.start()
+
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as ``sampling_params.output_kind`` asks (by default each time it grows, with
+        everything generated so far); the last has ``finished`` set. Leaving the loop early aborts the request.
+        Raises ``ValueError`` for a prompt or parameters the engine refuses, before anything is yielded."""
+        params = self.generator.inputs.sampling_params(sampling_params)
+        kind = params.output_kind
+        text, token_ids = tokenize_prompt(self.generator.tokenizer, prompt)  # not under the engine loop's lock
+        params.bad_words_token_ids(self.generator.tokenizer)  # likewise, kept in ``params``
+        stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}],
+                                    params.replace(output_kind=RequestOutputKind.DELTA), [request_id or uuid.uuid4().hex])
+        so_far: RequestOutput | None = None
+        try:
+            async for delta in stream:
+                if kind is RequestOutputKind.DELTA:
+                    yield delta
+                    continue
+                so_far = delta if so_far is None else _merged(so_far, delta)
+                if kind is RequestOutputKind.CUMULATIVE or so_far.finished:
+                    yield _copy(so_far)
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request (or each of a list); its `generate` ends with ``finish_reason="abort"``."""
+        self.generator.abort_request(request_id)  # its route stays: the abort is its last output
+
+    async def get_tokenizer(self):
+        return self.generator.tokenizer
+
+    async def reset_prefix_cache(self) -> bool:
+        return self.generator.reset_prefix_cache()
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread serves (False after `shutdown` or an unrecoverable error)."""
+        return self.engine.running
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine stopped after an unrecoverable error (`generate` then raises `EngineDead`)."""
+        return self.engine.fatal is not None
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step; requests still in flight raise `EngineError`. A later
+        `generate` starts it again."""
+        self.engine.stop(timeout, reason="AsyncLLM.shutdown() was called")
+
+
+def _merged(so_far: RequestOutput, delta: RequestOutput) -> RequestOutput:
+    so_far.add(delta)
+    return so_far
+
+
+def _copy(output: RequestOutput) -> RequestOutput:
+    """A snapshot of a growing output, which later deltas do not change."""
+    samples = [dataclasses.replace(sample, token_ids=list(sample.token_ids),
+                                   logprobs=None if sample.logprobs is None else list(sample.logprobs))
+               for sample in output.outputs]
+    return dataclasses.replace(output, outputs=samples)

@@ -1,0 +1,106 @@
+"""`hf_paged.AsyncLLM`: vLLM's asynchronous entry point, over the engine thread the server uses."""
+
+import asyncio
+
+import pytest
+
+from hf_paged import AsyncLLM, ContinuousBatchGenerator, RequestOutputKind, SamplingParams
+from hf_paged.engine_loop import EngineError
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    model, tokenizer = smollm2
+    engine = AsyncLLM.from_generator(ContinuousBatchGenerator(model, tokenizer, num_blocks=256))
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, prompt, params, request_id=None):
+    return [output async for output in engine.generate(prompt, params, request_id)]
+
+
+def test_concurrent_requests_match_generate_in_every_output_kind(engine, smollm2, chat_prompts):
+    model, tokenizer = smollm2
+    expected = []
+    for prompt in chat_prompts[:3]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        expected.append(model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:].tolist())
+    kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY]
+
+    async def main():
+        return await asyncio.gather(*(
+            _collect(engine, prompt, SamplingParams(temperature=0, max_tokens=10, output_kind=kind))
+            for prompt, kind in zip(chat_prompts, kinds)))
+
+    cumulative, delta, final = asyncio.run(main())
+    assert [o.outputs[0].token_ids for o in cumulative][-1] == expected[0]
+    lengths = [len(o.outputs[0].token_ids) for o in cumulative]
+    assert lengths == sorted(lengths) and len(cumulative) > 2  # each a snapshot that later ones did not change
+    assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+    assert [t for o in delta for t in o.outputs[0].token_ids] == expected[1]
+    assert "".join(o.outputs[0].text for o in delta) == tokenizer.decode(expected[1], skip_special_tokens=True)
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == expected[2]
+    assert final[0].outputs[0].finish_reason == "length"
+
+
+def test_leaving_early_or_abort_ends_a_request_and_frees_its_blocks(engine, chat_prompts):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        async for output in engine.generate(chat_prompts[0], params):
+            if len(output.outputs[0].token_ids) >= 3:
+                break
+        aborted = asyncio.create_task(_collect(engine, chat_prompts[1], params, request_id="to-abort"))
+        while "to-abort" not in engine.generator.requests:
+            await asyncio.sleep(0.01)
+        await engine.abort("to-abort")
+        return await aborted
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert len(outputs[-1].outputs[0].token_ids) < 200
+    assert not engine.generator.requests and engine.generator.kv_manager.pool.num_used_blocks == 0
+    assert engine.is_running and not engine.errored
+
+
+def test_bad_input_is_refused_without_touching_requests_in_flight(engine, chat_prompts):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    changed = SamplingParams()
+    changed.temperature = -1  # validated again when used
+
+    async def main():
+        running = asyncio.create_task(_collect(engine, chat_prompts[0], params, request_id="taken"))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="'taken' is already in use"):
+            await _collect(engine, chat_prompts[1], params, request_id="taken")
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            await _collect(engine, "", params)
+        with pytest.raises(ValueError, match="temperature"):
+            await _collect(engine, "Hi", changed)
+        return await asyncio.wait_for(running, 60)  # a lost route would leave it waiting
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length" and not outputs[-1].error
+
+
+def test_shutdown_fails_requests_in_flight_and_a_later_call_starts_again(engine, chat_prompts):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def main():
+        running = asyncio.create_task(_collect(engine, chat_prompts[0], params))
+        while not engine.generator.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.shutdown)
+        assert not engine.is_running
+        with pytest.raises(EngineError, match="shutdown"):
+            await running
+        return await _collect(engine, chat_prompts[1], SamplingParams(temperature=0, max_tokens=4))
+
+    again = asyncio.run(main())
+    assert again[-1].finished and len(again[-1].outputs[0].token_ids) == 4 and engine.is_running
+    deadline = 50
+    while engine.generator.requests and deadline:  # the aborted request leaves at the engine's next step
+        asyncio.run(asyncio.sleep(0.05))
+        deadline -= 1
+    assert engine.generator.kv_manager.pool.num_used_blocks == 0
