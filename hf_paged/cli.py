@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -39,6 +40,9 @@ def _engine_options() -> argparse.ArgumentParser:
                              "(default: auto; each rank's own GPU under tensor parallelism)")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
+    engine.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                        help="CPU threads for the model's computation, as llama.cpp's -t (default: $OMP_NUM_THREADS, "
+                             "else every core)")
     engine.add_argument("--chat-template", metavar="TEMPLATE",
                         help="a Jinja chat template, or a file holding one, instead of the tokenizer's (as vLLM's)")
     EngineConfig.add_cli_arguments(engine)
@@ -89,8 +93,8 @@ def _http_options() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else no "
-                          "key); a key given here is visible to other users in `ps`, prefer the file or variable")
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else "
+                          "vLLM's $VLLM_API_KEY, else no key); a key given here is visible to other users in `ps`, prefer the file or variable")
     key.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
@@ -100,8 +104,8 @@ def _http_options() -> argparse.ArgumentParser:
                              "recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
                              "vllm: OpenAI's defaults (default: auto, as vLLM)")
     parser.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
-                        help="origins browsers may call the server from (CORS), comma-separated (default: *, any "
-                             "origin, as vLLM; '' sends no CORS headers)")
+                        help="origins browsers may call the server from (CORS), comma-separated or a JSON list as "
+                             "vLLM's (default: *, any origin, as vLLM; '' sends no CORS headers)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="server log level (default: info)")
     vllm = parser.add_argument_group("vLLM's flags, for its command lines: what they ask is always so here")
@@ -119,7 +123,7 @@ def _http_options() -> argparse.ArgumentParser:
 
 def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
     serve_ray = commands.add_parser(
-        "serve-ray", parents=parents, help="serve the model from N replicas on Ray Serve",
+        "serve-ray", parents=parents, allow_abbrev=False, help="serve the model from N replicas on Ray Serve",
         description="Serve MODEL as `serve` does, from replicas on a Ray cluster (a local one by default): each "
                     "request goes to the replica whose prefix cache most likely holds its prompt. MODEL must be at "
                     "the same path on every node. /metrics shows every replica's metrics. The limits are each "
@@ -156,7 +160,7 @@ _LIMITS = {
                         "most sequences queued beyond the --max-num-seqs that one step runs; a call that would "
                         "queue more gets a 503 with Retry-After (default: 1024)"),
     "max_n": ("--max-n", int, "most samples (n) per prompt (default: half of --max-num-seqs, at most 128)"),
-    "max_stop_sequences": ("--max-stop-sequences", int, "most stop strings per call (default: 4, as OpenAI)"),
+    "max_stop_sequences": ("--max-stop-sequences", int, "most stop strings per call (default: 32; OpenAI allows 4)"),
     "max_stop_length": ("--max-stop-length", int, "most characters in one stop string or bad word (default: 256)"),
     "max_stop_token_ids": ("--max-stop-token-ids", int, "most stop_token_ids per call (default: 64)"),
     "max_logit_bias": ("--max-logit-bias", int, "most logit_bias entries per call (default: 300, as OpenAI)"),
@@ -202,7 +206,8 @@ def server_limits(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
 
 def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
-    """--api-key, else the first line of --api-key-file, else $HF_PAGED_API_KEY, else None (no key)."""
+    """--api-key, else the first line of --api-key-file, else $HF_PAGED_API_KEY, else $VLLM_API_KEY (a vLLM
+    deployment's, which would otherwise run without a key), else None (no key)."""
     if args.api_key is not None:
         key = args.api_key
     elif args.api_key_file is not None:
@@ -214,24 +219,36 @@ def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | 
         if not key:
             parser.error(f"--api-key-file: {args.api_key_file} is empty")
     else:
-        key = os.environ.get("HF_PAGED_API_KEY") or None
+        key = os.environ.get("HF_PAGED_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     return key
 
 
-def allowed_origins(args: argparse.Namespace) -> list[str]:
-    return [origin.strip() for origin in args.allowed_origins.split(",") if origin.strip()]
+def allowed_origins(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """--allowed-origins: comma-separated, or vLLM's JSON list (``'["https://a.example"]'``)."""
+    given = args.allowed_origins.strip()
+    if not given.startswith("["):
+        return [origin.strip() for origin in given.split(",") if origin.strip()]
+    try:
+        origins = json.loads(given)
+    except ValueError as err:
+        parser.error(f"--allowed-origins: not a JSON list of origins: {err}")
+    if not all(isinstance(origin, str) for origin in origins):
+        parser.error("--allowed-origins: a JSON list of origins holds strings")
+    return origins
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hf-paged`` argument parser with its ``serve``, ``serve-ray`` and ``generate`` commands."""
     parser = argparse.ArgumentParser(
-        prog="hf-paged",
+        prog="hf-paged", allow_abbrev=False,
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate}")
+    # No abbreviated options: llama.cpp's -t (its threads) would be taken for -tp (tensor parallelism).
     engine, http, parallel = _engine_options(), _http_options(), _parallel_options()
 
-    serve = commands.add_parser("serve", parents=[engine, http, parallel], help="serve the model over an OpenAI-compatible API",
+    serve = commands.add_parser("serve", parents=[engine, http, parallel], allow_abbrev=False,
+                                help="serve the model over an OpenAI-compatible API",
                                 description="Serve MODEL at /v1/completions, /v1/chat/completions, /v1/models, "
                                             "/health and /metrics.")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -240,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     _limit_options(serve)
     _add_serve_ray(commands, [engine, http])
 
-    generate = commands.add_parser("generate", parents=[engine, parallel], help="generate from one prompt, streamed to stdout",
+    generate = commands.add_parser("generate", parents=[engine, parallel], allow_abbrev=False,
+                                   help="generate from one prompt, streamed to stdout",
                                    description="Generate a continuation of PROMPT and stream it to stdout.")
     generate.add_argument("prompt", help="the prompt (a user message when the chat template is applied)")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
@@ -270,6 +288,12 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as err:
         parser.error(str(err))
     _check_draft(parser, config)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)  # the native kernels read it at every call too
     template = None if args.chat_template is None else _chat_template(parser, args.chat_template)
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
@@ -317,7 +341,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         generator.run_worker()
         return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(args),
+    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(parser, args),
                      generation_config=args.generation_config)
     logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
@@ -395,6 +419,8 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     if args.chat_template is not None:
         parser.error("--chat-template is not supported by serve-ray yet (serve takes it)")
+    if args.threads is not None:
+        parser.error("--threads is not taken by serve-ray: each replica uses its --replica-cpus")
     _check_vllm_flags(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
@@ -404,7 +430,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            args.generation_config, args.device, server_limits(parser, args),
-                           tuple(allowed_origins(args)))
+                           tuple(allowed_origins(parser, args)))
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

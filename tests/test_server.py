@@ -492,6 +492,31 @@ def test_unsupported_fields_are_refused_by_name(server, extra):
     assert_error(post(server, "/v1/chat/completions", chat), 400, name, "not supported")
 
 
+@pytest.mark.parametrize("extra, ours", [
+    ({"n_predict": 5}, "max_tokens"), ({"grammar": 'root ::= "yes"'}, "structured_outputs"),
+    ({"repeat_penalty": 1.5}, "repetition_penalty"), ({"json_schema": {"type": "object"}}, "response_format"),
+], ids=lambda value: next(iter(value)) if isinstance(value, dict) else "")
+def test_other_servers_names_are_refused_with_the_name_to_use(server, extra, ours):
+    name = next(iter(extra))
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra}
+    assert_error(post(server, "/v1/chat/completions", chat), 400, name, f"use {ours}")
+
+
+def test_llama_cpp_values_that_would_be_misread_are_refused(server):
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    token = str(server.generator.tokenizer(" Paris", add_special_tokens=False).input_ids[0])
+    assert_error(post(server, "/v1/completions", {**completion, "logit_bias": {token: False}}), 400, "logit_bias")
+    schema = {"type": "json_object", "schema": {"type": "object"}}  # llama.cpp's, which OpenAI's format lacks
+    assert_error(post(server, "/v1/completions", {**completion, "response_format": schema}), 400, "response_format")
+
+
+def test_unknown_fields_are_logged_as_ignored(server, caplog):
+    completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "cache_prompt": True}
+    with caplog.at_level("WARNING", logger="hf_paged.server.serving"):
+        assert post(server, "/v1/completions", completion).status_code == 200
+    assert "request fields ignored (not known to this server): ['cache_prompt']" in caplog.text
+
+
 def test_harmless_and_unknown_fields_are_accepted(server):
     completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "echo": True}), 400,
@@ -646,11 +671,24 @@ def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsy
 
 
 def test_cli_generate_with_engine_options(capsys):
-    from hf_paged.cli import main
+    import torch
 
-    main(["generate", "What is the capital of France?", "--max-tokens", "10", "--temperature", "0",
-          "--kv-cache-dtype", "bfloat16", "--no-prepack-weights", "--num-blocks", "64"])
+    from hf_paged.cli import build_parser, main
+
+    threads = torch.get_num_threads()
+    try:
+        main(["generate", "What is the capital of France?", "--max-tokens", "10", "--temperature", "0",
+              "--kv-cache-dtype", "bfloat16", "--no-prepack-weights", "--num-blocks", "64", "-t", "1"])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     assert "Paris" in capsys.readouterr().out
+    # llama.cpp's -t is the threads (argparse took it for -tp); no option is abbreviated.
+    assert build_parser().parse_args(["generate", "hi", "-t", "2"]).tensor_parallel_size is None
+    for abbreviated in (["serve", "--max-num-s", "3"], ["serve-ray", "--num-rep", "2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(abbreviated)
+    assert "unrecognized arguments: --max-num-s\n" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "hi", "--kv-cache-dtype", "int8"])
     assert exit_info.value.code == 2 and "--kv-cache-dtype" in capsys.readouterr().err

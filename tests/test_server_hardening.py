@@ -198,7 +198,10 @@ def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
         return api_key(args.command_parser, args)
 
     monkeypatch.delenv("HF_PAGED_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert key() is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")  # a vLLM deployment's key is not dropped
+    assert key() == "from-vllm-env"
     monkeypatch.setenv("HF_PAGED_API_KEY", "from-env")
     assert key() == "from-env"
     (tmp_path / "key").write_text("from-file\n")
@@ -211,6 +214,24 @@ def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
         assert exit_info.value.code == 2 and "--api-key-file" in capsys.readouterr().err
 
 
+def test_allowed_origins_comma_separated_or_as_vllms_json_list(capsys):
+    from hf_paged.cli import allowed_origins, build_parser
+
+    parser = build_parser()
+
+    def origins(given: str) -> list[str]:
+        args = parser.parse_args(["serve", "--allowed-origins", given])
+        return allowed_origins(args.command_parser, args)
+
+    assert origins("https://a.example, https://b.example") == ["https://a.example", "https://b.example"]
+    assert origins('["https://a.example", "https://b.example"]') == ["https://a.example", "https://b.example"]
+    assert origins("") == []
+    for bad in ('["https://a.example"', "[1]"):
+        with pytest.raises(SystemExit):
+            origins(bad)
+        assert "--allowed-origins" in capsys.readouterr().err
+
+
 def test_limits_are_serve_options(capsys):
     from hf_paged.cli import build_parser, server_limits
 
@@ -219,7 +240,7 @@ def test_limits_are_serve_options(capsys):
                               "--body-read-timeout", "5"])
     limits = server_limits(args.command_parser, args)
     assert (limits.max_n, limits.max_body_bytes, limits.max_num_waiting, limits.body_read_timeout) == (3, 1 << 20, 7, 5)
-    assert limits.max_stop_sequences == 4  # the default
+    assert limits.max_stop_sequences == 32  # the default
     args = parser.parse_args(["serve", "--max-n", "0"])
     with pytest.raises(SystemExit) as exit_info:
         server_limits(args.command_parser, args)
@@ -235,7 +256,7 @@ CHAT = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ("/v1/completions", {"stop": [str(i) for i in range(33)]}, "stop"),
     ("/v1/completions", {"stop": "x" * 257}, "stop"),
     ("/v1/completions", {"stop_token_ids": [5] * 65}, "stop_token_ids"),
     ("/v1/completions", {"stop_token_ids": [12345] * 1_000_000}, None),  # 413: 6 MB, over the body limit
@@ -267,7 +288,7 @@ def test_every_bound_takes_its_own_value(served):
     """Each limit above refuses one more than it allows, and allows that much (a `>=` for `>` went unnoticed), the
     body size and the API key's scheme too."""
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-    for extra in ({"stop": ["a", "b", "c", "d"]}, {"stop": "x" * 256}, {"stop_token_ids": [5] * 64},
+    for extra in ({"stop": [str(i) for i in range(32)]}, {"stop": "x" * 256}, {"stop_token_ids": [5] * 64},
                   {"logit_bias": {str(i): 1 for i in range(300)}}, {"n": 4}, {"logprobs": 20}, {"prompt": ["hi"] * 32}):
         response = post(served, "/v1/completions", {**body, **extra})
         assert response.status_code == 200, (extra, response.text[:200])

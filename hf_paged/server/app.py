@@ -19,7 +19,9 @@ where OpenAI leaves room:
   vLLM's shape: in each choice of a completion, at the top of a chat response.
 * A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``suffix``,
   ``echo`` on the chat endpoint, ``best_of`` above ``n``, beam search, ``tools`` on ``/v1/completions``, ...; see
-  ``protocol._UNSUPPORTED``) is a 400 naming it; a field that is not known at all is ignored, as vLLM does.
+  ``protocol._UNSUPPORTED``) is a 400 naming it, and so are other servers' names for fields taken under another
+  name here (llama.cpp's ``n_predict``, ``grammar``, ``repeat_penalty``, ...: ``protocol._OTHER_NAMES``, the error
+  says which); a field that is not known at all is ignored and logged, as vLLM does.
 * ``response_format``, ``structured_outputs`` (and ``guided_*``) and ``tools`` with ``tool_choice`` are served by
   constrained decoding (see ``tool_calls.py`` for the tool-call format). The grammar is compiled before the request
   is queued, so an invalid schema, regex or grammar is a 400 naming the field that carried it.

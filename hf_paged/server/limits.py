@@ -23,7 +23,7 @@ class ServerLimits:
     max_concurrent_requests: int = 512  # generation calls in progress at once
     max_num_waiting: int = 1024  # sequences queued beyond the max_num_seqs that one step runs
     max_n: int | None = None  # samples per prompt; None: half of max_num_seqs, at most OpenAI's 128
-    max_stop_sequences: int = 4  # OpenAI's and TGI's limit
+    max_stop_sequences: int = 32  # OpenAI's is 4, vLLM has none: evaluation harnesses send more than 4
     max_stop_length: int = 256  # characters of one stop string
     max_stop_token_ids: int = 64
     max_logit_bias: int = 300  # OpenAI's limit

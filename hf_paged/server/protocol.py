@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from ..chat_template import TEMPLATE_PARAMETERS
 from ..generation import (
@@ -54,6 +54,19 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "cache_salt": lambda value: value is None,
     "priority": lambda value: value in (None, 0),
     "generation_config": lambda value: value is None,  # transformers serve's
+}
+
+# Other servers' names (llama.cpp's, TGI's) for what this one takes under OpenAI's or vLLM's: refused with the name to
+# use, since ignoring them would change the output silently (an unconstrained ``grammar``, a default length).
+_OTHER_NAMES: dict[str, str] = {
+    "n_predict": "max_tokens",
+    "max_new_tokens": "max_tokens",
+    "repeat_penalty": "repetition_penalty",
+    "grammar": "structured_outputs: {\"grammar\": ...}",
+    "json_schema": "response_format: {\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}",
+    "n_probs": "logprobs / top_logprobs",
+    "typical_p": "nothing: typical sampling is not supported",
+    "mirostat": "nothing: mirostat sampling is not supported",
 }
 
 
@@ -100,6 +113,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
 
+    model_config = ConfigDict(extra="forbid")  # e.g. llama.cpp's json_object "schema", which would go unenforced
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -139,7 +153,7 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictInt | StrictFloat] | None = None  # not llama.cpp's false (a ban), taken as 0
     return_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[StrictInt] | None = None
@@ -237,15 +251,22 @@ class GenerationRequest(BaseModel):
     def continuous_usage(self) -> bool:
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
-    def unsupported_field(self) -> str | None:
-        """The first field whose value asks for something this server does not do, or None."""
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """The first field that asks for something this server does not do, with the reason; or None."""
         extra = self.model_extra or {}
         for name, harmless in _UNSUPPORTED.items():
             if name in extra and not harmless(extra[name]):
-                return name
+                return name, f"{name} is not supported by this server"
         if extra.get("best_of") not in (None, 1, self.n):
-            return "best_of"
+            return "best_of", "best_of is not supported by this server"
+        for name, ours in _OTHER_NAMES.items():
+            if extra.get(name) is not None:
+                return name, f"{name} is not a field of this server's API (OpenAI's, with vLLM's extensions); use {ours}"
         return None
+
+    def ignored_fields(self) -> list[str]:
+        """The fields this server does not know, which it ignores (as vLLM, which logs them too)."""
+        return sorted(set(self.model_extra or ()) - set(_UNSUPPORTED) - set(_OTHER_NAMES) - {"best_of"})
 
 
 class CompletionRequest(GenerationRequest):
@@ -256,9 +277,9 @@ class CompletionRequest(GenerationRequest):
     echo: bool | None = False
     suffix: str | None = None
 
-    def unsupported_field(self) -> str | None:
+    def unsupported_field(self) -> tuple[str, str] | None:
         if self.suffix:
-            return "suffix"
+            return "suffix", "suffix is not supported by this server"
         return super().unsupported_field()
 
     def prompts(self) -> list[str | list[int]]:

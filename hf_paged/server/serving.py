@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,9 +15,9 @@ from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError
 
 from ..chat_template import render_prompt
+from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
-from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
 from .limits import ServerLimits
 from .middleware import overloaded
 from .protocol import (
@@ -34,6 +35,7 @@ from .protocol import (
 )
 from .tokenization import PromptEncoder, check_text
 
+logger = logging.getLogger(__name__)
 REQUEST_FAILED = "generation failed for this request (see the server log)"  # the cause goes to the log only
 LARGE_RESPONSE_ENTRIES = 20_000  # tokens x logprobs above which a response's JSON is built off the event loop
 
@@ -108,9 +110,12 @@ class OpenAIServing:
 
     def check_request(self, body: GenerationRequest) -> None:
         self.check_model(body.model)
-        field = body.unsupported_field()
-        if field is not None:
-            raise APIError(400, f"{field} is not supported by this server", param=field)
+        unsupported = body.unsupported_field()
+        if unsupported is not None:
+            raise APIError(400, unsupported[1], param=unsupported[0])
+        ignored = body.ignored_fields()
+        if ignored:
+            logger.warning("request fields ignored (not known to this server): %r", ignored[:20])
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         self.limits.check_body(body, self.generator.config.max_num_seqs)

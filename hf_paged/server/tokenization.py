@@ -14,7 +14,6 @@ import copy
 import json
 import re
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
