@@ -423,6 +423,8 @@ def test_errors_have_openai_shape(server):
 
 def test_client_disconnect_aborts_the_request(server):
     aborted_before = metric(server, "hf_paged:request_success_total", finished_reason="abort")
+    first_tokens = metric(server, "hf_paged:time_to_first_token_seconds_count", model_name=MODEL)
+    gaps = metric(server, "hf_paged:inter_token_latency_seconds_count", model_name=MODEL)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.base}/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
@@ -430,9 +432,12 @@ def test_client_disconnect_aborts_the_request(server):
         events = 0
         for line in response.iter_lines():
             events += line.startswith("data: ")
-            if events == 2:
+            if events == 3:
                 break
         assert server.generator.stats().num_used_blocks > 0  # still generating when the client leaves
+        # Observed as the tokens come, labelled as vLLM's (its dashboards select by model_name).
+        assert metric(server, "hf_paged:time_to_first_token_seconds_count", model_name=MODEL) == first_tokens + 1
+        assert metric(server, "hf_paged:inter_token_latency_seconds_count", model_name=MODEL) >= gaps + 1
     wait_until_idle(server.generator, timeout=15)
     assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborted_before + 1
 

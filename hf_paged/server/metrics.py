@@ -1,10 +1,12 @@
-"""Prometheus metrics of a server, named after vLLM's with an ``hf_paged:`` prefix.
+"""Prometheus metrics of a server, named after vLLM's with an ``hf_paged:`` prefix and labelled as vLLM's.
 
 Every app has its own `CollectorRegistry`, so several servers can live in one process. The engine thread updates
 the metrics after each step (`ServerMetrics.observe_step`); scraping ``/metrics`` only reads them.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -25,37 +27,41 @@ _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "pr
 
 
 class ServerMetrics:
-    """The server's gauges, counters and histograms, registered in ``registry``."""
+    """The server's gauges, counters and histograms, registered in ``registry``, each labelled with vLLM's
+    ``model_name`` (the served model's name), which vLLM's dashboards select by."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.num_running = Gauge(_PREFIX + "num_requests_running", "Sequences in the running batch.", registry=r)
-        self.num_waiting = Gauge(_PREFIX + "num_requests_waiting", "Sequences waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge(_PREFIX + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                              registry=r)
-        self.counters = {
-            name: Counter(_PREFIX + name, f"EngineStats.{name} since the engine started.", registry=r)
-            for name in _COUNTERS
-        }
-        self.spec_acceptance = Gauge(_PREFIX + "spec_decode_acceptance_rate",
-                                     "Speculative guesses kept over guesses verified, since the engine started.",
-                                     registry=r)
-        self.spec_length = Gauge(_PREFIX + "spec_decode_mean_accepted_length",
-                                 "Tokens a sequence gained per step that verified its speculative guesses.", registry=r)
+        self.model_name = model_name
+
+        def made(kind, name: str, text: str, **options):
+            return kind(_PREFIX + name, text, ["model_name"], registry=self.registry, **options).labels(model_name)
+
+        self.num_running = made(Gauge, "num_requests_running", "Sequences in the running batch.")
+        self.num_waiting = made(Gauge, "num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = made(Gauge, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
+        self.counters = {name: made(Counter, name, f"EngineStats.{name} since the engine started.")
+                         for name in _COUNTERS}
+        self.spec_acceptance = made(Gauge, "spec_decode_acceptance_rate",
+                                    "Speculative guesses kept over guesses verified, since the engine started.")
+        self.spec_length = made(Gauge, "spec_decode_mean_accepted_length",
+                                "Tokens a sequence gained per step that verified its speculative guesses.")
         self.request_success = Counter(_PREFIX + "request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.step_failures = Counter(_PREFIX + "engine_step_failures", "Engine steps that raised.", registry=r)
-        self.ttft = Histogram(_PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(_PREFIX + "time_per_output_token_seconds", "Mean time between output tokens.",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram(_PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.batch_size = Histogram(_PREFIX + "num_running_per_step",
-                                    "Sequences that produced tokens in one step (the decode batch size).",
-                                    buckets=_BATCH_BUCKETS, registry=r)
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.step_failures = made(Counter, "engine_step_failures", "Engine steps that raised.")
+        self.ttft = made(Histogram, "time_to_first_token_seconds", "Arrival to first token (observed when it comes).",
+                         buckets=_TTFT_BUCKETS)
+        self.itl = made(Histogram, "inter_token_latency_seconds",
+                        "Time between a request's consecutive outputs of tokens (one per step that gave it tokens).",
+                        buckets=_TPOT_BUCKETS)
+        self.tpot = made(Histogram, "time_per_output_token_seconds", "A finished request's mean time between its "
+                         "output tokens.", buckets=_TPOT_BUCKETS)
+        self.e2e = made(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=_E2E_BUCKETS)
+        self.batch_size = made(Histogram, "num_running_per_step",
+                               "Sequences that produced tokens in one step (the decode batch size).",
+                               buckets=_BATCH_BUCKETS)
         self._last = dict.fromkeys(_COUNTERS, 0)
+        self._last_token_time: dict[str, float] = {}  # requests in flight that have tokens: when they last got some
 
     def observe_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Record one engine step: ``stats`` taken after it, ``outputs`` what it returned (``DELTA`` outputs, as the
@@ -75,20 +81,29 @@ class ServerMetrics:
         sequences = sum(1 for output in outputs for sample in output.outputs if sample.token_ids)
         if sequences:
             self.batch_size.observe(sequences)
+        now = time.monotonic()
         for output in outputs:
+            if any(sample.token_ids for sample in output.outputs):
+                self._observe_tokens(output, now)
             if output.finished:
                 self._observe_finished(output)
 
+    def _observe_tokens(self, output: RequestOutput, now: float) -> None:
+        last = self._last_token_time.get(output.request_id)
+        if last is not None:
+            self.itl.observe(now - last)
+        elif output.metrics.first_token_time is not None:
+            self.ttft.observe(output.metrics.first_token_time - output.metrics.arrival_time)
+        self._last_token_time[output.request_id] = now
+
     def _observe_finished(self, output: RequestOutput) -> None:
+        self._last_token_time.pop(output.request_id, None)
         reasons = [o.finish_reason for o in output.outputs]
         reason = "abort" if "abort" in reasons or not reasons else reasons[0]
-        self.request_success.labels(finished_reason=reason).inc()
+        self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
         m = output.metrics
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
-        if m.first_token_time is None:
-            return
-        self.ttft.observe(m.first_token_time - m.arrival_time)
         num_tokens = m.num_output_tokens
-        if num_tokens > 1 and m.finished_time is not None:
+        if m.first_token_time is not None and num_tokens > 1 and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
