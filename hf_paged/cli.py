@@ -15,8 +15,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .generation.config import EngineConfig, parse_memory  # noqa: F401  (parse_memory: part of the CLI's API)
@@ -273,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ContinuousBatchGenerator:
-    """A `ContinuousBatchGenerator` over the model the options name; a bad model exits with code 2 (no traceback)."""
+def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                   before_loading: Callable[[], None] | None = None) -> ContinuousBatchGenerator:
+    """A `ContinuousBatchGenerator` over the model the options name; a bad model exits with code 2 (no traceback).
+    ``before_loading`` runs once the options are checked, before the model loads."""
     from . import ContinuousBatchGenerator
     from .default_model import resolve_model
     from .loading import load_model, resolve_device
@@ -288,13 +292,10 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     except ValueError as err:
         parser.error(str(err))
     _check_draft(parser, config)
-    if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be at least 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)  # the native kernels read it at every call too
+    _set_threads(parser, args.threads)
     template = None if args.chat_template is None else _chat_template(parser, args.chat_template)
+    if before_loading is not None:
+        before_loading()
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=args.tensor_parallel_size or 1)
@@ -306,6 +307,16 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:
         parser.error(f"cannot serve {path}: {str(err) or type(err).__name__}")
+
+
+def _set_threads(parser: argparse.ArgumentParser, threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        parser.error(f"--threads must be at least 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)  # the native kernels read it at every call too
 
 
 def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
@@ -336,7 +347,13 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     key, limits = _serve_settings(parser, args)
-    generator = load_generator(parser, args)
+    sockets = []
+
+    def hold_port() -> None:  # rank 0 (the only one under torchrun that serves HTTP), before the model loads
+        if os.environ.get("RANK", "0") == "0":
+            sockets.append(_listening_socket(parser, args.host, args.port))
+
+    generator = load_generator(parser, args, hold_port)
     if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 serves HTTP
         generator.run_worker()
         return 0
@@ -347,7 +364,21 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                        args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    return serve_until_stopped(GracefulServer(config), app)
+    return serve_until_stopped(GracefulServer(config), app, sockets)
+
+
+def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (it listens once the server starts): a port in use is named at once, not after
+    the model has loaded (minutes, for a large one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        parser.error(f"cannot listen on {host}:{port}: {err.strerror or err}")
+    return sock
 
 
 def _check_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -363,8 +394,9 @@ def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     return api_key(parser, args), server_limits(parser, args)
 
 
-def serve_until_stopped(server, app) -> int:
-    """Run a uvicorn ``server`` of ``app``; 1 if it stopped because the engine died (so a supervisor restarts it)."""
+def serve_until_stopped(server, app, sockets: list[socket.socket] | None = None) -> int:
+    """Run a uvicorn ``server`` of ``app`` (on ``sockets`` if given, else on its config's host and port); 1 if it
+    stopped because the engine died (so a supervisor restarts it)."""
     engine = app.state.engine
 
     def stop() -> None:
@@ -373,8 +405,8 @@ def serve_until_stopped(server, app) -> int:
 
     engine.on_fatal.append(stop)
     try:
-        with _sigterm_raises():
-            server.run()
+        with _stop_signals_raise():
+            server.run(sockets=sockets or None)
     except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal it shut down for
         pass
     finally:
@@ -385,13 +417,14 @@ def serve_until_stopped(server, app) -> int:
 
 
 class _Terminated(Exception):
-    """SIGTERM, once uvicorn has shut down for it."""
+    """SIGINT or SIGTERM, once uvicorn has shut down for it."""
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
-    """SIGTERM raises `_Terminated` while the block runs (in the main thread), rather than ending the process where
-    uvicorn re-raises it: the other tensor-parallel ranks are still to be stopped."""
+def _stop_signals_raise():
+    """SIGINT and SIGTERM raise `_Terminated` while the block runs (in the main thread), rather than ending the
+    process where uvicorn re-raises them (the other tensor-parallel ranks are still to be stopped), or interrupting
+    asyncio's runner, which then cancelled the app's lifespan mid-shutdown (a logged traceback)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -399,11 +432,12 @@ def _sigterm_raises():
     def terminated(signum, frame):
         raise _Terminated
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous = {sig: signal.signal(sig, terminated) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

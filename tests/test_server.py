@@ -632,6 +632,24 @@ def test_a_hub_id_names_its_copy_in_the_local_cache(smollm2_path, tmp_path, monk
         resolve_model("acme/not-cached")
 
 
+def test_serve_names_a_port_in_use_before_loading_the_model(smollm2_path, monkeypatch, capsys):
+    import socket
+
+    from hf_paged.cli import main
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was taken")
+
+    monkeypatch.setattr("hf_paged.loading.load_model", loads)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", smollm2_path, "--port", str(port)])
+    assert exit_info.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
 def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(capsys):
     from hf_paged.cli import build_parser, main
 
