@@ -4,7 +4,7 @@
     hf-paged serve-ray [MODEL] [--num-replicas 2] [--address ray://...] ...   (needs the ``ray`` extra)
     hf-paged generate [MODEL] "prompt" [--max-tokens 128] ...
 
-MODEL is a local model directory; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is downloaded.
+MODEL is a local model directory or a .gguf file; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def _engine_options() -> argparse.ArgumentParser:
     """Options shared by every command: which model, and the engine's options (one per `EngineConfig` field)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("model", nargs="?", default=None,
-                        help="local model directory (default: the embedded SmolLM2-135M-Instruct)")
+                        help="local model directory, .gguf file (converted once into the cache) or hub id in the local "
+                             "Hugging Face cache (default: the embedded SmolLM2-135M-Instruct)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs: auto is the GPU when there is one (CUDA), else the CPU "

