@@ -119,6 +119,8 @@ def _http_options() -> argparse.ArgumentParser:
                       help="the hermes format is the one read (or the tokenizer's own response template)")
     vllm.add_argument("--enable-prefix-caching", action="store_true", dest="vllm_prefix_caching",
                       help="prefix caching is on unless --no-prefix-caching")
+    vllm.add_argument("--enable-request-id-headers", action="store_true",
+                      help="every answer carries X-Request-Id (the client's, else a new one)")
     vllm.add_argument("--disable-log-requests", action="store_true",
                       help="requests' contents are never logged (the access log names their routes)")
     return parser

@@ -421,6 +421,25 @@ def test_errors_have_openai_shape(server):
     wait_until_idle(server.generator)
 
 
+def test_x_request_id_names_the_response_as_vllm(server):
+    """A proxy's trace id comes back in the header and the response id; clients that reuse one do not collide."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Id": "trace-123"}
+    with ThreadPoolExecutor(2) as pool:
+        both = list(pool.map(lambda _: httpx.post(f"{server.base}/v1/completions", json=body, headers=headers,
+                                                  timeout=60), range(2)))
+    for response in both:
+        assert response.status_code == 200 and response.headers["x-request-id"] == "trace-123"
+        assert response.json()["id"] == "cmpl-trace-123"
+    with httpx.stream("POST", f"{server.base}/v1/chat/completions", headers=headers, timeout=60,
+                      json={"model": MODEL, "messages": CHAT, "max_tokens": 2, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert response.headers["x-request-id"] == "trace-123" and {c["id"] for c in chunks} == {"chatcmpl-trace-123"}
+    refused = httpx.post(f"{server.base}/v1/completions", json=body, headers={"X-Request-Id": "x" * 129}, timeout=10)
+    assert refused.status_code == 401 and len(refused.headers["x-request-id"]) == 32  # too long: a new one
+    assert httpx.get(f"{server.base}/health", timeout=10).headers["x-request-id"]
+
+
 def test_client_disconnect_aborts_the_request(server):
     aborted_before = metric(server, "hf_paged:request_success_total", finished_reason="abort")
     first_tokens = metric(server, "hf_paged:time_to_first_token_seconds_count", model_name=MODEL)

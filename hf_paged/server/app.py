@@ -67,7 +67,7 @@ from ..generation import ContinuousBatchGenerator, SamplingParams
 from ..engine_loop import EngineLoop
 from .limits import ServerLimits
 from .metrics import ServerMetrics
-from .middleware import Gatekeeper
+from .middleware import Gatekeeper, RequestIds
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .serving import OpenAIServing
 from .tokenization import PromptEncoder
@@ -111,9 +111,10 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     app = FastAPI(title="hf_paged", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
     app.add_middleware(Gatekeeper, limits=limits, api_key=api_key)
-    if allowed_origins:  # added last, so outermost: preflights are answered before the key is asked for
+    if allowed_origins:  # added after the gatekeeper, so outside it: preflights are answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestIds)  # outermost: refusals carry the id too
     _install_error_handlers(app)
     card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "hf_paged",
             "max_model_len": generator.max_model_len}

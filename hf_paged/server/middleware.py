@@ -1,4 +1,5 @@
-"""`Gatekeeper`: pure ASGI middleware that refuses a call from its headers, before its body is read.
+"""Pure ASGI middleware: `Gatekeeper` refuses a call from its headers, before its body is read; `RequestIds` gives
+every call vLLM's ``X-Request-Id``.
 
 An unauthenticated or oversized POST is answered 401 / 413 without reading (or parsing) a byte of its body; a body
 sent without ``Content-Length`` (chunked) is read up to the limit and no further, and one that has not arrived within
@@ -13,6 +14,8 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import uuid
 
 from .limits import ServerLimits
 from .protocol import APIError
@@ -20,7 +23,32 @@ from .protocol import APIError
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # the routes an API key guards
 RETRY_AFTER_S = 1
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII: what goes back into a header and a body
 logger = logging.getLogger(__name__)
+
+
+class RequestIds:
+    """vLLM's ``X-Request-Id``: a call's id is the client's header (visible ASCII, up to 128 characters) or a new one,
+    in ``request.state.request_id``; every answer carries it back in the header (a generation's response id is made
+    from it, so a trace id set by a proxy finds its response)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((value for name, value in scope["headers"] if name == b"x-request-id"), b"").decode("latin-1")
+        request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class ClientStalled(Exception):

@@ -187,8 +187,9 @@ class OpenAIServing:
     async def serve(self, body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
                     prefix: str, prompt_param: str, request: Request) -> Response:
         """Run one call's requests; answer with a JSON body, or an event stream when ``body.stream``."""
-        call_id = f"{prefix}-{uuid.uuid4().hex}"
-        request_ids = [f"{call_id}-{i}" for i in range(len(prompts))]
+        call_id = f"{prefix}-{getattr(request.state, 'request_id', None) or uuid.uuid4().hex}"  # X-Request-Id's
+        engine_id = f"{prefix}-{uuid.uuid4().hex}"  # unique in the engine, whatever ids clients send
+        request_ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
         stream = await self.submit(body, prompts, params, request_ids, prompt_param)
         header = {"id": call_id, "created": int(time.time()), "model": self.served_model_name}
         fmt.prompt_top, fmt.return_token_ids = body.prompt_logprobs, bool(body.return_token_ids)
