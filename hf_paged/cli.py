@@ -270,7 +270,6 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=1.0,
                           help="sampling temperature, 0 = greedy (default: 1, as OpenAI's)")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1, off)")
-    generate.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     generate.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                           help="apply the chat template (default: when the tokenizer has one)")
     serve.set_defaults(run=run_serve, check=_serve_settings, command_parser=serve)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_paged import ContinuousBatchGenerator, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from hf_paged import ContinuousBatchGenerator, EngineConfig, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hf_paged.cache import KVCacheSpec
 from hf_paged.generation.model_runner import ModelRunner
 from hf_paged.generation.sequence import SequenceStatus
@@ -165,6 +165,21 @@ def test_a_failed_step_takes_back_its_admissions(smollm2, chat_prompts, monkeypa
         outputs.update((o.request_id, o) for o in gen.step())
     assert outputs[b].outputs[0].token_ids == expected
     assert_no_leak(gen)
+
+
+def test_an_engine_seed_makes_unseeded_requests_repeat(smollm2, chat_prompts):
+    """vLLM's engine seed: requests without a seed of their own draw the same when they come in the same order."""
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+
+    def texts(**options) -> list[str]:
+        outputs = make_generator(smollm2, **options).run(chat_prompts[:3], params, use_tqdm=False)
+        return [output.outputs[0].text for output in outputs]
+
+    assert texts(seed=7) == texts(seed=7) != texts(seed=8)
+    assert texts() != texts()  # no seed: different every run
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        make_generator(smollm2, seed="7")
+    assert EngineConfig(kv_cache_memory="64MiB").kv_cache_memory == 64 << 20  # the command line's sizes, in Python
 
 
 def test_seeded_sampling_is_independent_of_the_batch(smollm2, chat_prompts):

@@ -158,8 +158,18 @@ class EngineConfig:
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4} (prompt lookup), or "
         "{\"model\": \"/path/to/draft\", \"num_speculative_tokens\": 4} (a draft model with the same tokenizer); "
         "greedy outputs stay token-identical (default: off)", type_=parse_speculative_config)
+    seed: int | None = _option(
+        "seed of the draws of requests that give no seed of their own (vLLM's): sampled outputs then repeat when "
+        "the same requests come in the same order (default: none, different every run)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):  # "2GiB", as on the command line
+            try:
+                object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
+            except argparse.ArgumentTypeError as err:
+                raise ValueError(f"EngineConfig.kv_cache_memory: {err}") from None
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -97,7 +97,7 @@ class ContinuousBatchGenerator:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         eos_token_ids = model_eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
-                                     eos_token_ids, getattr(model, "generation_config", None))
+                                     eos_token_ids, getattr(model, "generation_config", None), config.seed)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(config, self.kv_manager, Detokenizer(tokenizer), self.max_model_len)
         self.requests: dict[str, Request] = {}

@@ -62,13 +62,14 @@ class InputProcessor:
     model's vocabulary and context and the engine's limits. Every refusal is a ``ValueError`` naming the problem."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, eos_token_ids: set[int],
-                 generation_config: GenerationConfig | None = None):
+                 generation_config: GenerationConfig | None = None, seed: int | None = None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generation_config = generation_config  # the model's: the settings that parameters leave out
+        self.seeds = random.Random(seed)  # of the requests that give none
 
     def request(self, request_id: str, prompt: Prompt,
                 params: SamplingParams | GenerationConfig | None) -> Request:
@@ -78,7 +79,7 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         self.check_prompt_length(len(token_ids))
         self.check_params(params)
-        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seed = params.seed if params.seed is not None else self.seeds.getrandbits(62)
         return Request(request_id, text, token_ids, params, seed, self.eos_token_ids,
                        bad_words_token_ids=params.bad_words_token_ids(self.tokenizer))
 
