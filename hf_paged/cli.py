@@ -259,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="seconds that Ctrl+C / SIGTERM waits for requests in flight; those still running then "
                             "end with a 503 error (default: 5)")
+    _uvicorn_options(serve)
     _limit_options(serve)
     _add_serve_ray(commands, [engine, http])
 
@@ -339,7 +340,7 @@ def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged serve``: run the HTTP server until interrupted."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the server extra's, as the next two)
 
         from .server import create_app
         from .server.app import GracefulServer
@@ -362,11 +363,39 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(parser, args),
                      generation_config=args.generation_config)
-    logging.getLogger("hf_paged").info("serving %r on http://%s:%d/v1 (max_model_len %d, %d KV blocks)", name,
-                                       args.host, args.port, generator.max_model_len, generator.stats().num_blocks)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    return serve_until_stopped(GracefulServer(config), app, sockets)
+    scheme = "https" if args.ssl_certfile else "http"
+    logging.getLogger("hf_paged").info("serving %r on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)", name, scheme,
+                                       args.host, args.port, args.root_path, generator.max_model_len,
+                                       generator.stats().num_blocks)
+    return serve_until_stopped(GracefulServer(_uvicorn_config(app, args)), app, sockets)
+
+
+def _uvicorn_options(serve: argparse.ArgumentParser) -> None:
+    """vLLM's options of its HTTP server (uvicorn's)."""
+    http = serve.add_argument_group("HTTP server (as vLLM's)")
+    http.add_argument("--root-path", default="", help="the path prefix a proxy serves the app under (default: none)")
+    http.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    http.add_argument("--ssl-certfile", default=None, help="and this certificate (PEM)")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
+    http.add_argument("--uvicorn-log-level", default=None, choices=("critical", "error", "warning", "info", "debug"),
+                      help="uvicorn's own log level (default: --log-level)")
+
+
+def _check_uvicorn_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("--ssl-keyfile and --ssl-certfile go together")
+    for option, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile)):
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"{option}: {path} is not a file")
+
+
+def _uvicorn_config(app, args: argparse.Namespace):
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                          timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          access_log=not args.disable_uvicorn_access_log)
 
 
 def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
@@ -393,6 +422,7 @@ def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if not args.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     _check_vllm_flags(parser, args)
+    _check_uvicorn_options(parser, args)
     return api_key(parser, args), server_limits(parser, args)
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -780,6 +782,49 @@ def test_cli_generate_into_a_reader_that_leaves_early_ends_quietly(smollm2_path)
     process.stdout.close()
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 0 and b"Traceback" not in stderr, stderr[-2000:]
+
+
+def test_cli_serves_https_under_a_root_path_as_vllm(smollm2_path, tmp_path, capsys):
+    """vLLM's --ssl-keyfile / --ssl-certfile, --root-path and --disable-uvicorn-access-log."""
+    from hf_paged.cli import main
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    with pytest.raises(SystemExit):
+        main(["serve", smollm2_path, "--ssl-keyfile", str(key)])
+    assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    command = [sys.executable, "-m", "hf_paged.cli", "serve", smollm2_path, "--port", str(port), "--num-blocks", "64",
+               "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
+               "--disable-uvicorn-access-log"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                health = httpx.get(f"{base}/health", verify=trusted, timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert health.status_code == 200
+        answer = httpx.post(f"{base}/v1/completions", verify=trusted, timeout=60,
+                            json={"prompt": PROMPT, "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+        assert "/api/openapi.json" in httpx.get(f"{base}/docs", verify=trusted, timeout=10).text
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0 and b'"POST /v1/completions' not in stderr and b"https://" in stderr
 
 
 def test_cli_server_stops_promptly_with_a_stream_in_flight(smollm2_path):
