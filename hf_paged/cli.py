@@ -339,9 +339,7 @@ def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged serve``: run the HTTP server until interrupted."""
-    try:
-        import uvicorn  # noqa: F401  (the server extra's, as the next two)
-
+    try:  # the server extra's (uvicorn, FastAPI)
         from .server import create_app
         from .server.app import GracefulServer
     except ImportError as err:
