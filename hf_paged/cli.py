@@ -339,7 +339,9 @@ def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged serve``: run the HTTP server until interrupted."""
-    try:  # the server extra's (uvicorn, FastAPI)
+    try:
+        import uvicorn
+
         from .server import create_app
         from .server.app import GracefulServer
     except ImportError as err:
@@ -365,7 +367,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     logging.getLogger("hf_paged").info("serving %r on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)", name, scheme,
                                        args.host, args.port, args.root_path, generator.max_model_len,
                                        generator.stats().num_blocks)
-    return serve_until_stopped(GracefulServer(_uvicorn_config(app, args)), app, sockets)
+    return serve_until_stopped(GracefulServer(uvicorn.Config(app, **_uvicorn_settings(args))), app, sockets)
 
 
 def _uvicorn_options(serve: argparse.ArgumentParser) -> None:
@@ -387,13 +389,12 @@ def _check_uvicorn_options(parser: argparse.ArgumentParser, args: argparse.Names
             parser.error(f"{option}: {path} is not a file")
 
 
-def _uvicorn_config(app, args: argparse.Namespace):
-    import uvicorn
-
-    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
-                          timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path,
-                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          access_log=not args.disable_uvicorn_access_log)
+def _uvicorn_settings(args: argparse.Namespace) -> dict:
+    """``uvicorn.Config``'s arguments from serve's options."""
+    return dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                timeout_graceful_shutdown=args.shutdown_timeout, root_path=args.root_path,
+                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                access_log=not args.disable_uvicorn_access_log)
 
 
 def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
