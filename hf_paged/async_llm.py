@@ -46,14 +46,17 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as ``sampling_params.output_kind`` asks (by default each time it grows, with
-        everything generated so far); the last has ``finished`` set. Leaving the loop early aborts the request.
-        Raises ``ValueError`` for a prompt or parameters the engine refuses, before anything is yielded."""
+        everything generated so far); the last has ``finished`` set. A generator closed early (left by ``break``
+        and released, or ``aclose()``d) aborts its request, as vLLM's. Raises ``ValueError`` for a prompt or
+        parameters the engine refuses, before anything is yielded."""
         params = self.generator.inputs.sampling_params(sampling_params)
         kind = params.output_kind
-        text, token_ids = tokenize_prompt(self.generator.tokenizer, prompt)  # not under the engine loop's lock
-        params.bad_words_token_ids(self.generator.tokenizer)  # likewise, kept in ``params``
-        stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}],
-                                    params.replace(output_kind=RequestOutputKind.DELTA), [request_id or uuid.uuid4().hex])
+        deltas = params.replace(output_kind=RequestOutputKind.DELTA)
+        # Tokenized here, not under the engine loop's lock (the bad words' tokens are kept in ``deltas``).
+        text, token_ids = tokenize_prompt(self.generator.tokenizer, prompt)
+        deltas.bad_words_token_ids(self.generator.tokenizer)
+        stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,
+                                    [request_id or uuid.uuid4().hex])
         so_far: RequestOutput | None = None
         try:
             async for delta in stream:
@@ -68,7 +71,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of a list); its `generate` ends with ``finish_reason="abort"``."""
-        self.generator.abort_request(request_id)  # its route stays: the abort is its last output
+        self.engine.end(request_id)
 
     async def get_tokenizer(self):
         return self.generator.tokenizer

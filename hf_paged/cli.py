@@ -282,6 +282,8 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
                    before_loading: Callable[[], None] | None = None) -> ContinuousBatchGenerator:
     """A `ContinuousBatchGenerator` over the model the options name; a bad model exits with code 2 (no traceback).
     ``before_loading`` runs once the options are checked, before the model loads."""
+    import torch
+
     from . import ContinuousBatchGenerator
     from .default_model import resolve_model
     from .loading import load_model, resolve_device
@@ -295,7 +297,8 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
     except ValueError as err:
         parser.error(str(err))
     _check_draft(parser, config)
-    _set_threads(parser, args.threads)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     template = None if args.chat_template is None else _chat_template(parser, args.chat_template)
     if before_loading is not None:
         before_loading()
@@ -306,20 +309,12 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"cannot load {path}: {err}")
     if template is not None:
         tokenizer.chat_template = template
+    if args.threads is not None:  # after loading, which sets a tensor-parallel rank's share of the cores
+        torch.set_num_threads(args.threads)  # the native kernels read it at every call too
     try:
         return ContinuousBatchGenerator(model, tokenizer, config)
     except Exception as err:
         parser.error(f"cannot serve {path}: {str(err) or type(err).__name__}")
-
-
-def _set_threads(parser: argparse.ArgumentParser, threads: int | None) -> None:
-    if threads is None:
-        return
-    if threads < 1:
-        parser.error(f"--threads must be at least 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)  # the native kernels read it at every call too
 
 
 def _check_draft(parser: argparse.ArgumentParser, config: EngineConfig) -> None:
@@ -398,13 +393,15 @@ def _uvicorn_settings(args: argparse.Namespace) -> dict:
 
 
 def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (it listens once the server starts): a port in use is named at once, not after
-    the model has loaded (minutes, for a large one)."""
+    """A socket listening on ``host:port``, which the server takes over once the model has loaded: a port in use is
+    named at once, not after minutes of loading. It listens from the start (connections wait in its backlog), since a
+    bound socket that does not listen yet lets another process bind the port too (SO_REUSEADDR)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
     except OSError as err:
         sock.close()
         parser.error(f"cannot listen on {host}:{port}: {err.strerror or err}")
@@ -422,6 +419,7 @@ def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     _check_vllm_flags(parser, args)
     _check_uvicorn_options(parser, args)
+    allowed_origins(parser, args)  # its refusal, before the model loads
     return api_key(parser, args), server_limits(parser, args)
 
 

@@ -179,13 +179,18 @@ class EngineLoop:
         return thread is not None and thread.is_alive() and not self._stopping and self.fatal is None
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
-            self._thread.start()
+        """Start the engine thread (idempotent); after a `stop` whose thread is still ending its step, once it has."""
+        while True:
+            with self._lock:
+                thread = self._thread
+                if thread is None or not thread.is_alive():
+                    self._stopping = False
+                    self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+                    self._thread.start()
+                    return
+                if not self._stopping:
+                    return
+            thread.join()  # outside the lock, which the ending step's delivery takes
 
     def stop(self, timeout: float = 30.0, reason: str = "the server is shutting down") -> None:
         """Stop the thread after its current step; requests still in flight fail (`EngineStopping` saying ``reason``)."""
@@ -230,6 +235,11 @@ class EngineLoop:
             finally:
                 self._wake.set()
         return stream
+
+    def end(self, request_ids: str | list[str]) -> None:
+        """Abort these requests in the generator; their streams still get their last output (``"abort"``)."""
+        self.generator.abort_request(request_ids)
+        self._wake.set()  # an idle engine takes the aborts in at once
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop routing these requests and abort them in the generator (their blocks are freed at the next step)."""

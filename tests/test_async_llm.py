@@ -1,6 +1,7 @@
 """`hf_paged.AsyncLLM`: vLLM's asynchronous entry point, over the engine thread the server uses."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -48,9 +49,14 @@ def test_leaving_early_or_abort_ends_a_request_and_frees_its_blocks(engine, chat
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def main():
-        async for output in engine.generate(chat_prompts[0], params):
+        async for output in engine.generate(chat_prompts[0], params, request_id="left"):
             if len(output.outputs[0].token_ids) >= 3:
+                break  # the generator is released here, and closed
+        for _ in range(200):
+            if "left" not in engine.generator.requests:
                 break
+            await asyncio.sleep(0.05)
+        assert "left" not in engine.generator.requests  # aborted now, not when asyncio.run ends
         aborted = asyncio.create_task(_collect(engine, chat_prompts[1], params, request_id="to-abort"))
         while "to-abort" not in engine.generator.requests:
             await asyncio.sleep(0.01)
@@ -62,6 +68,41 @@ def test_leaving_early_or_abort_ends_a_request_and_frees_its_blocks(engine, chat
     assert len(outputs[-1].outputs[0].token_ids) < 200
     assert not engine.generator.requests and engine.generator.kv_manager.pool.num_used_blocks == 0
     assert engine.is_running and not engine.errored
+
+
+def test_an_abort_of_an_unknown_id_leaves_the_engine_idle(engine):
+    async def main():
+        await engine.abort(["finished-long-ago", "never-seen"])
+        await asyncio.sleep(0.5)
+
+    asyncio.run(main())
+    assert not engine.generator.has_unfinished_requests()  # the idle engine took the aborts in
+    assert engine.generator.reset_prefix_cache()
+
+
+def test_generate_after_a_shutdown_whose_step_is_still_running(engine, chat_prompts, monkeypatch):
+    runner = engine.generator.runner
+    real_execute = runner.execute
+
+    def slow_execute(*args, **kwargs):
+        time.sleep(0.3)
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def main():
+        running = asyncio.create_task(_collect(engine, chat_prompts[0], params))
+        while not engine.generator.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.shutdown, 0.05)  # returns while the thread still ends its step
+        with pytest.raises(EngineError):
+            await running
+        again = SamplingParams(temperature=0, max_tokens=2)
+        return await asyncio.wait_for(_collect(engine, chat_prompts[1], again), 60)  # the thread was restarted
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 2 and engine.is_running
 
 
 def test_bad_input_is_refused_without_touching_requests_in_flight(engine, chat_prompts):

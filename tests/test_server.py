@@ -550,7 +550,8 @@ def test_harmless_and_unknown_fields_are_accepted(server):
     assert_error(post(server, "/v1/completions", {**completion, "stream_options": {"include_usage": True}}), 400,
                  "stream_options", "stream is true")
     harmless = {"response_format": {"type": "text"}, "tool_choice": "auto", "logit_bias": {}, "best_of": 1,
-                "metadata": {"anything": "goes"}}
+                "metadata": {"anything": "goes"}, "mirostat": 0, "typical_p": 1.0, "repeat_penalty": 1.0,
+                "n_probs": 0, "grammar": ""}  # llama.cpp's fields at their "off"
     assert post(server, "/v1/completions", {**completion, **harmless}).status_code == 200
 
 
@@ -669,6 +670,17 @@ def test_serve_names_a_port_in_use_before_loading_the_model(smollm2_path, monkey
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", smollm2_path, "--port", str(port)])
     assert exit_info.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    # Two servers started at once: the second is refused too (a bound socket that did not listen yet let it bind).
+    from hf_paged.cli import _listening_socket, build_parser
+
+    parser = build_parser()
+    with _listening_socket(parser, "127.0.0.1", 0) as first:
+        with pytest.raises(SystemExit):
+            _listening_socket(parser, "127.0.0.1", first.getsockname()[1])
+    assert "cannot listen on" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # as every option that needs no model: named before it loads
+        main(["serve", smollm2_path, "--port", "0", "--allowed-origins", '["https://a.example"'])
+    assert "--allowed-origins: not a JSON list" in capsys.readouterr().err
 
 
 def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(capsys):

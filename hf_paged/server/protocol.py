@@ -56,17 +56,19 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "generation_config": lambda value: value is None,  # transformers serve's
 }
 
-# Other servers' names (llama.cpp's, TGI's) for what this one takes under OpenAI's or vLLM's: refused with the name to
-# use, since ignoring them would change the output silently (an unconstrained ``grammar``, a default length).
-_OTHER_NAMES: dict[str, str] = {
-    "n_predict": "max_tokens",
-    "max_new_tokens": "max_tokens",
-    "repeat_penalty": "repetition_penalty",
-    "grammar": "structured_outputs: {\"grammar\": ...}",
-    "json_schema": "response_format: {\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}",
-    "n_probs": "logprobs / top_logprobs",
-    "typical_p": "nothing: typical sampling is not supported",
-    "mirostat": "nothing: mirostat sampling is not supported",
+# Other servers' names (llama.cpp's, TGI's) for what this one takes under OpenAI's or vLLM's, with the values that
+# ask for nothing (their "off"): any other value is refused with the name to use, since ignoring it would change the
+# output silently (an unconstrained ``grammar``, a default length).
+_OTHER_NAMES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "n_predict": ("max_tokens", lambda value: value is None),
+    "max_new_tokens": ("max_tokens", lambda value: value is None),
+    "repeat_penalty": ("repetition_penalty", lambda value: value in (None, 1, 1.0)),
+    "grammar": ("structured_outputs: {\"grammar\": ...}", lambda value: not value),
+    "json_schema": ("response_format: {\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}",
+                    lambda value: not value),
+    "n_probs": ("logprobs / top_logprobs", lambda value: not value),
+    "typical_p": ("nothing: typical sampling is not supported", lambda value: value in (None, 1, 1.0)),
+    "mirostat": ("nothing: mirostat sampling is not supported", lambda value: not value),
 }
 
 
@@ -259,8 +261,8 @@ class GenerationRequest(BaseModel):
                 return name, f"{name} is not supported by this server"
         if extra.get("best_of") not in (None, 1, self.n):
             return "best_of", "best_of is not supported by this server"
-        for name, ours in _OTHER_NAMES.items():
-            if extra.get(name) is not None:
+        for name, (ours, harmless) in _OTHER_NAMES.items():
+            if name in extra and not harmless(extra[name]):
                 return name, f"{name} is not a field of this server's API (OpenAI's, with vLLM's extensions); use {ours}"
         return None
 
