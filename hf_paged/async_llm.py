@@ -63,7 +63,10 @@ class AsyncLLM:
                 if kind is RequestOutputKind.DELTA:
                     yield delta
                     continue
-                so_far = delta if so_far is None else _merged(so_far, delta)
+                if so_far is None:
+                    so_far = delta
+                else:
+                    so_far.add(delta)
                 if kind is RequestOutputKind.CUMULATIVE or so_far.finished:
                     yield _copy(so_far)
         finally:
@@ -93,11 +96,6 @@ class AsyncLLM:
         """Stop the engine thread after its current step; requests still in flight raise `EngineError`. A later
         `generate` starts it again."""
         self.engine.stop(timeout, reason="AsyncLLM.shutdown() was called")
-
-
-def _merged(so_far: RequestOutput, delta: RequestOutput) -> RequestOutput:
-    so_far.add(delta)
-    return so_far
 
 
 def _copy(output: RequestOutput) -> RequestOutput:

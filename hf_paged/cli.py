@@ -4,7 +4,8 @@
     hf-paged serve-ray [MODEL] [--num-replicas 2] [--address ray://...] ...   (needs the ``ray`` extra)
     hf-paged generate [MODEL] "prompt" [--max-tokens 128] ...
 
-MODEL is a local model directory or a .gguf file; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is downloaded.
+MODEL is a local model directory or a .gguf file; omitted, it is the embedded SmolLM2-135M-Instruct. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _http_options() -> argparse.ArgumentParser:
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else "
-                          "vLLM's $VLLM_API_KEY, else no key); a key given here is visible to other users in `ps`, prefer the file or variable")
+                          "vLLM's $VLLM_API_KEY, else no key); a key given here is visible to other users in `ps`, "
+                          "prefer the file or variable")
     key.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: MODEL as given, or the "

@@ -193,7 +193,8 @@ class EngineLoop:
             thread.join()  # outside the lock, which the ending step's delivery takes
 
     def stop(self, timeout: float = 30.0, reason: str = "the server is shutting down") -> None:
-        """Stop the thread after its current step; requests still in flight fail (`EngineStopping` saying ``reason``)."""
+        """Stop the thread after its current step; requests still in flight fail (`EngineStopping`, saying
+        ``reason``)."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:

@@ -111,7 +111,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_
     app = FastAPI(title="hf_paged", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
     app.add_middleware(Gatekeeper, limits=limits, api_key=api_key)
-    if allowed_origins:  # added after the gatekeeper, so outside it: preflights are answered before the key is asked for
+    if allowed_origins:  # outside the gatekeeper: preflights are answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(RequestIds)  # outermost: refusals carry the id too

@@ -263,7 +263,8 @@ class GenerationRequest(BaseModel):
             return "best_of", "best_of is not supported by this server"
         for name, (ours, harmless) in _OTHER_NAMES.items():
             if name in extra and not harmless(extra[name]):
-                return name, f"{name} is not a field of this server's API (OpenAI's, with vLLM's extensions); use {ours}"
+                return name, (f"{name} is not a field of this server's API (OpenAI's, with vLLM's extensions); "
+                              f"use {ours}")
         return None
 
     def ignored_fields(self) -> list[str]:
