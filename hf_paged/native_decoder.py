@@ -134,6 +134,11 @@ class NativeDecoder:
         _watch_structure()
         self._bind(weights)
 
+    def linear_layers(self) -> list[nn.Module]:
+        """The linear layers whose products the decoder computes with its own packed copy of their weights."""
+        weights = set(map(id, self.weights.packed_from))
+        return [m for m in self.model.modules() if isinstance(m, nn.Linear) and id(m.weight) in weights]
+
     def _bind(self, weights: cpu_decoder.DecoderWeights) -> None:
         self.weights = weights  # keeps the tensors the native structures point into alive
         self._struct, self._layers = weights.struct()

@@ -46,6 +46,12 @@ def test_prepack_swaps_only_plain_linear_layers_and_keeps_the_state_dict():
     assert type(block.up) is nn.Linear and "_packed" not in vars(block.up)
 
 
+def test_layers_kept_plain_are_left_alone():
+    block = Block()
+    assert prepack_linear_layers(block, keep_plain=[block.down]) == 1
+    assert type(block.up) is PrepackedLinear and type(block.down) is nn.Linear
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48)])
 def test_packed_forward_matches_f_linear(dtype, shape):

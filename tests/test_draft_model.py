@@ -12,6 +12,7 @@ from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, LlamaConfi
 from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.generation import EngineConfig
 from hf_paged.generation.config import SpeculativeConfig
+from hf_paged.kernels.cpu_linear import PrepackedLinear
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41, 42], [5, 6, 7, 8, 9, 10, 11, 12, 99, 98, 97, 96, 95]]
 
@@ -49,7 +50,10 @@ def test_greedy_tokens_are_the_targets_whatever_the_draft(tokenizer):
     assert other == plain
     stats = gen.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_drafts
-    assert gen.speculator.draft.runner.native is not None  # the draft's own steps run natively too
+    draft = gen.speculator.draft
+    assert draft.runner.native is not None  # the draft's own steps run natively too
+    # over its own copy of the weights: the layers are left unpacked by oneDNN (a third copy)
+    assert not any(isinstance(m, PrepackedLinear) for m in draft.model.modules())
 
 
 def test_a_draft_that_is_the_target_has_every_guess_kept(tokenizer):

@@ -59,10 +59,10 @@ class DraftModel:
                                  dtype=config.kv_dtype(model.dtype), device=model.device,
                                  spec=KVCacheSpec.from_model(model))
         self.kv.allocate(self.kv.dtype, model.device)
-        if config.prepack_weights and model.device.type == "cpu":
-            prepack_linear_layers(model)
         native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv)
         self.runner = ModelRunner(model, self.kv, kv_manager, native)
+        if config.prepack_weights and model.device.type == "cpu":
+            prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
         self.runner.graphs = decode_graphs(self.runner, config, max_model_len)
         self.computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft keys and values are written
         self.max_tokens = config.max_num_batched_tokens  # per draft forward

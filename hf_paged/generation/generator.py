@@ -116,11 +116,11 @@ class ContinuousBatchGenerator:
         self._workers_stopped = False
         packed = 0
         try:
+            self.runner = self._runner(config)
             if config.prepack_weights and model.device.type == "cpu":
-                packed = prepack_linear_layers(model)
+                packed = prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
                 if self.lockstep is not None:
                     prepack_sharded_linear_layers(model)
-            self.runner = self._runner(config)
             self.speculator = self._speculator(config)
             self._check_model_runs()
         except BaseException:

@@ -64,6 +64,11 @@ class ModelRunner:
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
+    def native_linear_layers(self) -> list[torch.nn.Module]:
+        """The linear layers the native decoder multiplies by with its own copy of their weights (none without it):
+        a packed oneDNN copy of theirs would only serve the steps it does not take."""
+        return [] if self.native is None else self.native.linear_layers()
+
     def copy_blocks(self, out: SchedulerOutput) -> None:
         """Fill the blocks the scheduler gave sequences in place of shared ones (copy-on-write). Its tables already
         point at them, so this comes before anything in the step that can fail: a step that is undone keeps them."""

@@ -13,6 +13,8 @@ weight, streams it faster than oneDNN (SmolLM2's linear layers: 1.5x at one row,
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -92,16 +94,17 @@ class PrepackedLinear(nn.Linear):
         return F.linear(input, weight, self.bias)
 
 
-def prepack_linear_layers(model: nn.Module) -> int:
+def prepack_linear_layers(model: nn.Module, keep_plain: Collection[nn.Module] = ()) -> int:
     """Turn every plain CPU ``nn.Linear`` of ``model`` in a supported dtype into a `PrepackedLinear`, packing now.
 
-    Subclasses of ``nn.Linear`` and weights that are tensor subclasses (quantized layers of either kind) are left
-    alone. The model stays packed after the caller is done with it; `unpack_linear_layers` frees the copies. Returns
-    how many layers changed.
+    Subclasses of ``nn.Linear``, weights that are tensor subclasses (quantized layers of either kind) and the layers in
+    ``keep_plain`` are left alone. The model stays packed after the caller is done with it; `unpack_linear_layers`
+    frees the copies. Returns how many layers changed.
     """
     count = 0
+    kept = set(map(id, keep_plain))
     for module in model.modules():
-        if type(module) is not nn.Linear or type(module.weight.data) is not torch.Tensor:
+        if type(module) is not nn.Linear or type(module.weight.data) is not torch.Tensor or id(module) in kept:
             continue
         weight = module.weight
         if weight.device.type != "cpu" or not available(weight.dtype):
