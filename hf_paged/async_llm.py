@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import uuid
@@ -40,6 +41,9 @@ class AsyncLLM:
         if not generator.is_driver:
             raise ValueError("AsyncLLM serves rank 0 of a tensor-parallel model; the other ranks call run_worker()")
         self.generator = generator
+        # The event loop's own tokenizer: a fast tokenizer used from two threads at once can raise "Already borrowed",
+        # and the engine thread detokenizes with the generator's.
+        self.tokenizer = copy.deepcopy(generator.tokenizer)
         self.engine = EngineLoop(generator)
         self.engine.start()
 
@@ -53,8 +57,8 @@ class AsyncLLM:
         kind = params.output_kind
         deltas = params.replace(output_kind=RequestOutputKind.DELTA)
         # Tokenized here, not under the engine loop's lock (the bad words' tokens are kept in ``deltas``).
-        text, token_ids = tokenize_prompt(self.generator.tokenizer, prompt)
-        deltas.bad_words_token_ids(self.generator.tokenizer)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+        deltas.bad_words_token_ids(self.tokenizer)
         stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,
                                     [request_id or uuid.uuid4().hex])
         so_far: RequestOutput | None = None
@@ -77,7 +81,7 @@ class AsyncLLM:
         self.engine.end(request_id)
 
     async def get_tokenizer(self):
-        return self.generator.tokenizer
+        return self.tokenizer
 
     async def reset_prefix_cache(self) -> bool:
         return self.generator.reset_prefix_cache()

@@ -1,6 +1,8 @@
 """`hf_paged.AsyncLLM`: vLLM's asynchronous entry point, over the engine thread the server uses."""
 
 import asyncio
+import copy
+import threading
 import time
 
 import pytest
@@ -145,3 +147,43 @@ def test_shutdown_fails_requests_in_flight_and_a_later_call_starts_again(engine,
         asyncio.run(asyncio.sleep(0.05))
         deadline -= 1
     assert engine.generator.kv_manager.pool.num_used_blocks == 0
+
+
+def test_the_event_loop_never_uses_the_engine_threads_tokenizer(smollm2, chat_prompts):
+    """A fast tokenizer used from two threads at once can raise "Already borrowed": prompts are tokenized on the
+    event loop with a copy, the engine thread detokenizes with the generator's own."""
+    model, tokenizer = smollm2
+    generator = ContinuousBatchGenerator(model, copy.deepcopy(tokenizer), num_blocks=64)
+    engine = AsyncLLM.from_generator(generator)
+    threads = set()
+
+    class Recording(type(generator.tokenizer)):
+        def __call__(self, *args, **kwargs):
+            threads.add(threading.get_ident())
+            return super().__call__(*args, **kwargs)
+
+        def apply_chat_template(self, *args, **kwargs):
+            threads.add(threading.get_ident())
+            return super().apply_chat_template(*args, **kwargs)
+
+        def encode(self, *args, **kwargs):
+            threads.add(threading.get_ident())
+            return super().encode(*args, **kwargs)
+
+        def decode(self, *args, **kwargs):
+            threads.add(threading.get_ident())
+            return super().decode(*args, **kwargs)
+
+    generator.tokenizer.__class__ = Recording
+    params = SamplingParams(temperature=0, max_tokens=4, bad_words=["Paris"])
+
+    async def main():
+        return await asyncio.gather(_collect(engine, chat_prompts[0], params), _collect(engine, "Hello", params))
+
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert all(out[-1].finished and out[-1].outputs[0].text for out in outputs)
+    assert threads and threading.get_ident() not in threads  # only the engine thread's detokenizing
+    assert asyncio.run(engine.get_tokenizer()) is not generator.tokenizer
