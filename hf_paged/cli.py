@@ -96,11 +96,13 @@ def _http_options() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
     key = parser.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None,
+    key.add_argument("--api-key", default=None, action="append", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else "
-                          "vLLM's $VLLM_API_KEY, else no key); a key given here is visible to other users in `ps`, "
-                          "prefer the file or variable")
-    key.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
+                          "vLLM's $VLLM_API_KEY, else no key); several keys: repeat the option or separate them with "
+                          "commas (llama.cpp's form); a key given here is visible to other users in `ps`, prefer the "
+                          "file or variable")
+    key.add_argument("--api-key-file", default=None,
+                     help="read the API key from this file (several: one per line, as llama.cpp reads it)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
                              "default model's name)")
@@ -212,22 +214,25 @@ def server_limits(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"{_LIMITS[err.param][0]}: {err}")
 
 
-def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
-    """--api-key, else the first line of --api-key-file, else $HF_PAGED_API_KEY, else $VLLM_API_KEY (a vLLM
-    deployment's, which would otherwise run without a key), else None (no key)."""
+def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | tuple[str, ...] | None:
+    """The key, or the keys, the server accepts: those of --api-key (repeated or comma-separated), else the lines of
+    --api-key-file, else $HF_PAGED_API_KEY, else $VLLM_API_KEY (a vLLM deployment's, which would otherwise run
+    without a key), else None (no key)."""
     if args.api_key is not None:
-        key = args.api_key
+        keys = [k.strip() for given in args.api_key for k in given.split(",") if k.strip()]
+        if not keys:
+            parser.error("--api-key: no key given")
     elif args.api_key_file is not None:
         try:
             with open(args.api_key_file, encoding="utf-8") as file:
-                key = file.readline().strip()
+                keys = [line.strip() for line in file if line.strip()]
         except OSError as err:
             parser.error(f"--api-key-file: cannot read {args.api_key_file}: {err.strerror}")
-        if not key:
+        if not keys:
             parser.error(f"--api-key-file: {args.api_key_file} is empty")
     else:
-        key = os.environ.get("HF_PAGED_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-    return key
+        return os.environ.get("HF_PAGED_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    return keys[0] if len(keys) == 1 else tuple(keys)
 
 
 def allowed_origins(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:

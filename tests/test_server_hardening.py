@@ -207,11 +207,25 @@ def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
     (tmp_path / "key").write_text("from-file\n")
     assert key("--api-key-file", str(tmp_path / "key")) == "from-file"
     assert key("--api-key", "given") == "given"
-    (tmp_path / "empty").write_text("")
+    # Several keys, as llama.cpp takes them: comma-separated or one per line of the file; or the option repeated.
+    assert key("--api-key", "a,b", "--api-key", " c ") == ("a", "b", "c")
+    (tmp_path / "keys").write_text("first\n\n  second  \n")
+    assert key("--api-key-file", str(tmp_path / "keys")) == ("first", "second")
+    (tmp_path / "empty").write_text("\n")
     for path in ("empty", "missing"):
         with pytest.raises(SystemExit) as exit_info:
             key("--api-key-file", str(tmp_path / path))
         assert exit_info.value.code == 2 and "--api-key-file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        key("--api-key", " , ")
+    assert "--api-key: no key given" in capsys.readouterr().err
+
+
+def test_any_of_several_keys_opens_the_v1_routes(smollm2_path):
+    with live_server(create_app(tiny_generator(smollm2_path), MODEL, api_key=("first", "second"))) as live:
+        for key, status in (("first", 200), ("second", 200), ("third", 401), ("first,second", 401), ("firs", 401)):
+            answer = httpx.get(f"{live.base}/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert answer.status_code == status, key
 
 
 def test_allowed_origins_comma_separated_or_as_vllms_json_list(capsys):

@@ -77,8 +77,8 @@ class Ingress:
     hashes, so the router always takes the less loaded of two random replicas."""
 
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
-                 metrics_timeout_s: float = 5.0, api_key: str | None = None, limits: ServerLimits | None = None,
-                 cors: bool = False):
+                 metrics_timeout_s: float = 5.0, api_key: str | tuple[str, ...] | None = None,
+                 limits: ServerLimits | None = None, cors: bool = False):
         from transformers import AutoTokenizer
 
         # Its checks only: the replicas' apps count the calls. With ``cors``, preflights pass without the key (the

@@ -26,7 +26,7 @@ class ReplicaSpec:
     model: str  # a local model directory, the same path on every node
     served_model_name: str
     dtype: str = "auto"
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # the key, or any of several
     engine: EngineConfig = field(default_factory=EngineConfig)
     generation_config: str = "auto"  # `create_app`'s: the model's recommended sampling settings, or "vllm"
     device: str = "auto"  # `loading.resolve_device`'s: the replica's GPU when it has one

@@ -75,10 +75,11 @@ from .tokenization import PromptEncoder
 logger = logging.getLogger(__name__)
 
 
-def create_app(generator: ContinuousBatchGenerator, served_model_name: str, api_key: str | None = None,
-               limits: ServerLimits | None = None, allowed_origins: Sequence[str] = ("*",),
-               generation_config: str = "auto") -> FastAPI:
-    """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``; browsers may call
+def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
+               api_key: str | Sequence[str] | None = None, limits: ServerLimits | None = None,
+               allowed_origins: Sequence[str] = ("*",), generation_config: str = "auto") -> FastAPI:
+    """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``, to clients that send
+    ``api_key`` (or any of several; None: no key asked) on its ``/v1`` routes; browsers may call
     it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty). With ``generation_config``
     ``"auto"`` (vLLM's default), what a request leaves out of the sampling settings the model's generation config
     recommends is taken from it; with ``"vllm"``, OpenAI's defaults hold.

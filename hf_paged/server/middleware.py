@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Sequence
 
 from .limits import ServerLimits
 from .protocol import APIError
@@ -63,10 +64,11 @@ def overloaded(what: str) -> APIError:
 class Gatekeeper:
     """Checks the API key (on ``/v1`` routes), the body size and the number of generation calls in progress."""
 
-    def __init__(self, app, limits: ServerLimits, api_key: str | None = None):
+    def __init__(self, app, limits: ServerLimits, api_key: str | Sequence[str] | None = None):
         self.app = app
         self.limits = limits
-        self.api_key = api_key.encode() if api_key is not None else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self.api_keys = [key.encode() for key in keys]  # any of them (none: no key asked)
         self.in_flight = 0
 
     async def __call__(self, scope, receive, send) -> None:
@@ -116,9 +118,10 @@ class Gatekeeper:
         headers = {}
         for name, value in scope["headers"]:  # the first of a repeated header counts, as Starlette reads it
             headers.setdefault(name, value)
-        if self.api_key is not None and scope["path"].startswith(KEYED_PATHS):
+        if self.api_keys and scope["path"].startswith(KEYED_PATHS):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            known = [hmac.compare_digest(token.strip(), key) for key in self.api_keys]  # each compared, in full
+            if scheme.lower() != b"bearer" or not any(known):
                 return APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                 code="invalid_api_key")
         length = headers.get(b"content-length")
