@@ -26,8 +26,8 @@ class AsyncLLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-                 **engine_options):
-        hf_model, tokenizer = load_model(model, dtype, resolve_device(device))
+                 trust_remote_code: bool = False, **engine_options):
+        hf_model, tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code)
         self._serve(ContinuousBatchGenerator(hf_model, tokenizer, **engine_options))
 
     @classmethod

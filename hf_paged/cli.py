@@ -44,6 +44,9 @@ def _engine_options() -> argparse.ArgumentParser:
                              "(default: auto; each rank's own GPU under tensor parallelism)")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="run the Python code a model directory ships for its classes (its config's auto_map), "
+                             "as Transformers' trust_remote_code: only for models whose code you trust")
     engine.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                         help="CPU threads for the model's computation, as llama.cpp's -t (default: $OMP_NUM_THREADS, "
                              "else every core)")
@@ -311,9 +314,11 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
         before_loading()
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
-                                      tensor_parallel_size=args.tensor_parallel_size or 1)
+                                      tensor_parallel_size=args.tensor_parallel_size or 1,
+                                      trust_remote_code=args.trust_remote_code)
     except Exception as err:  # any reason a model cannot be loaded is the user's to read, not a traceback
-        parser.error(f"cannot load {path}: {err}")
+        hint = "" if args.trust_remote_code or "trust_remote_code" not in str(err) else " (--trust-remote-code runs it)"
+        parser.error(f"cannot load {path}: {err}{hint}")
     if template is not None:
         tokenizer.chat_template = template
     if args.threads is not None:  # after loading, which sets a tensor-parallel rank's share of the cores
@@ -496,11 +501,12 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:
         path = resolve_model(args.model)
-        AutoConfig.from_pretrained(path)  # a directory that holds no model is refused here, not on every replica
+        # A directory that holds no model is refused here, not on every replica.
+        AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            args.generation_config, args.device, server_limits(parser, args),
-                           tuple(allowed_origins(parser, args)))
+                           tuple(allowed_origins(parser, args)), args.trust_remote_code)
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

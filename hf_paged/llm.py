@@ -17,8 +17,8 @@ class LLM:
     (``max_num_seqs``, ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded."""
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-                 **engine_options):
-        hf_model, tokenizer = load_model(model, dtype, resolve_device(device))
+                 trust_remote_code: bool = False, **engine_options):
+        hf_model, tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code)
         self.generator = ContinuousBatchGenerator(hf_model, tokenizer, **engine_options)
 
     def get_tokenizer(self):

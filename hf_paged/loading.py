@@ -22,9 +22,10 @@ def resolve_device(device: str) -> str:
 
 def load_model(
     name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
-    quant_backend: str | None = None, tensor_parallel_size: int = 1,
+    quant_backend: str | None = None, tensor_parallel_size: int = 1, trust_remote_code: bool = False,
 ):
     """``(model, tokenizer)`` with ``attn_implementation="paged"``; None loads the embedded SmolLM2-135M-Instruct.
+    ``trust_remote_code`` runs the Python code a model directory ships (its ``auto_map``), as in Transformers.
 
     ``dtype`` is that of activations and the KV cache; GPTQ/AWQ weights stay 4-bit whatever it is, computed by the
     gptqmodel kernel ``quant_backend`` (see :mod:`hf_paged.quantization` for the default).
@@ -39,19 +40,20 @@ def load_model(
         from .distributed import check_checkpoint
 
         check_checkpoint(path)
-        return _load_tensor_parallel(path, _dtype(dtype), tensor_parallel_size)
-    return load_causal_lm(path, dtype, device, quant_backend), AutoTokenizer.from_pretrained(path)
+        return _load_tensor_parallel(path, _dtype(dtype), tensor_parallel_size, trust_remote_code)
+    model = load_causal_lm(path, dtype, device, quant_backend, trust_remote_code)
+    return model, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
-                   device: str = "cpu", quant_backend: str | None = None):
+                   device: str = "cpu", quant_backend: str | None = None, trust_remote_code: bool = False):
     """The model alone, as `load_model` loads it on one process (a draft model needs no tokenizer of its own)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name_or_path)
     kwargs = quantized_load_kwargs(path, device, quant_backend)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=_dtype(dtype),
-                                                 device_map=device, **kwargs)
+                                                 device_map=device, trust_remote_code=trust_remote_code, **kwargs)
     if kwargs:
         run_dequantize_eagerly(model)
     return model.eval()
@@ -65,7 +67,7 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype | str:
     return dtype
 
 
-def _load_tensor_parallel(path, dtype, tensor_parallel_size: int):
+def _load_tensor_parallel(path, dtype, tensor_parallel_size: int, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from . import distributed
@@ -75,8 +77,9 @@ def _load_tensor_parallel(path, dtype, tensor_parallel_size: int):
         raise ValueError(f"tensor_parallel_size is {tensor_parallel_size} but {distributed.world_size()} ranks were "
                          "started (one rank per shard)")
     distributed.set_cpu_threads()
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     kwargs = distributed.load_tensor_parallel_kwargs(config, tensor_parallel_size)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=dtype,
+                                                 trust_remote_code=trust_remote_code, **kwargs)
     distributed.shard_replicated_kv_heads(model)
-    return model.eval(), AutoTokenizer.from_pretrained(path)
+    return model.eval(), AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

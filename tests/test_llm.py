@@ -42,3 +42,45 @@ def test_chat_renders_one_or_many_conversations_with_vllms_options(llm):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     [called] = llm.chat(question, greedy, use_tqdm=False, tools=tools)
     assert "get_weather" in called.prompt
+
+
+def _model_with_its_own_code(root, smollm2_path):
+    """A tiny Llama saved as a model type of its own, whose classes come from Python files beside its weights."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(root)
+    AutoTokenizer.from_pretrained(smollm2_path).save_pretrained(root)
+    (root / "configuration_shout.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass ShoutConfig(LlamaConfig):\n    model_type = 'shout'\n")
+    (root / "modeling_shout.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_shout import ShoutConfig\n\n\n"
+        "class ShoutForCausalLM(LlamaForCausalLM):\n    config_class = ShoutConfig\n")
+    saved = json.loads((root / "config.json").read_text())
+    saved.update(model_type="shout", architectures=["ShoutForCausalLM"],
+                 auto_map={"AutoConfig": "configuration_shout.ShoutConfig",
+                           "AutoModelForCausalLM": "modeling_shout.ShoutForCausalLM"})
+    (root / "config.json").write_text(json.dumps(saved))
+    return root
+
+
+def test_a_model_with_its_own_code_runs_only_when_trusted(tmp_path, smollm2_path, capsys):
+    from hf_paged.cli import main
+
+    path = str(_model_with_its_own_code(tmp_path / "shout", smollm2_path))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        LLM(path, device="cpu", num_blocks=16)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", path, "Hello", "--max-tokens", "3", "--device", "cpu", "--num-blocks", "16"])
+    assert exit_info.value.code == 2 and "(--trust-remote-code runs it)" in capsys.readouterr().err
+    trusted = LLM(path, device="cpu", trust_remote_code=True, num_blocks=16)
+    assert type(trusted.generator.model).__name__ == "ShoutForCausalLM"
+    [output] = trusted.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
+    assert main(["generate", path, "Hello", "--max-tokens", "3", "--device", "cpu", "--num-blocks", "16",
+                 "--trust-remote-code"]) == 0

@@ -85,7 +85,8 @@ def ingress(engine, config: ServeRayConfig):
     capacity = config.max_ongoing_requests * (config.max_replicas or config.num_replicas) + 16  # never the limit
     return Ingress.options(max_ongoing_requests=capacity, ray_actor_options={"num_cpus": 0}).bind(
         engine, config.replica.model, config.replica.engine.block_size, config.prefix_affinity,
-        api_key=config.replica.api_key, limits=config.replica.limits, cors=bool(config.replica.allowed_origins))
+        api_key=config.replica.api_key, limits=config.replica.limits, cors=bool(config.replica.allowed_origins),
+        trust_remote_code=config.replica.trust_remote_code)
 
 
 def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: int) -> None:

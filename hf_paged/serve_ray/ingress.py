@@ -78,7 +78,7 @@ class Ingress:
 
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
                  metrics_timeout_s: float = 5.0, api_key: str | tuple[str, ...] | None = None,
-                 limits: ServerLimits | None = None, cors: bool = False):
+                 limits: ServerLimits | None = None, cors: bool = False, trust_remote_code: bool = False):
         from transformers import AutoTokenizer
 
         # Its checks only: the replicas' apps count the calls. With ``cors``, preflights pass without the key (the
@@ -87,7 +87,7 @@ class Ingress:
         self.cors = cors
         self.engine = engine
         self.stream = engine.options(stream=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         self.tokenizer_lock = threading.Lock()  # prompts are tokenized on worker threads, one at a time
         self.block_size = block_size
         self.prefix_affinity = prefix_affinity

@@ -32,13 +32,15 @@ class ReplicaSpec:
     device: str = "auto"  # `loading.resolve_device`'s: the replica's GPU when it has one
     limits: ServerLimits = field(default_factory=ServerLimits)  # each replica's (the ingress checks the body's too)
     allowed_origins: tuple[str, ...] = ("*",)  # CORS, as `create_app`'s
+    trust_remote_code: bool = False  # `loading.load_model`'s
 
     def load(self):
         """The replica's generator (call on the replica)."""
         from ..generation import ContinuousBatchGenerator
         from ..loading import load_model, resolve_device
 
-        model, tokenizer = load_model(self.model, dtype=self.dtype, device=resolve_device(self.device))
+        model, tokenizer = load_model(self.model, dtype=self.dtype, device=resolve_device(self.device),
+                                      trust_remote_code=self.trust_remote_code)
         return ContinuousBatchGenerator(model, tokenizer, self.engine)
 
 
