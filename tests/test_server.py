@@ -352,9 +352,45 @@ def test_concurrent_streams_batch_together(server, client):
     finished = sum(metric(server, "hf_paged:request_success_total", finished_reason=r) for r in ("stop", "length"))
     assert finished >= 16
     assert metric(server, "hf_paged:time_to_first_token_seconds_count") >= 16
+    # vLLM's per-request histograms: each finished request's phases, prompt and output lengths.
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert metric(server, f"hf_paged:request_{phase}_time_seconds_count") >= 16
+    assert metric(server, "hf_paged:request_prompt_tokens_count") >= 16
+    assert metric(server, "hf_paged:request_prompt_tokens_bucket", le="1.0") == 0  # chat prompts are longer
+    generated = metric(server, "hf_paged:request_generation_tokens_sum")
+    assert metric(server, "hf_paged:request_generation_tokens_bucket", le="20.0") == metric(
+        server, "hf_paged:request_generation_tokens_count") and generated >= 16
     wait_until_idle(server.generator)
     assert metric(server, "hf_paged:kv_cache_usage_perc") == 0
     assert metric(server, "hf_paged:num_requests_running") == 0
+
+
+def test_a_finished_requests_phases_and_lengths_are_observed_as_vllms():
+    from prometheus_client import generate_latest
+
+    from hf_paged.generation import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+    from hf_paged.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(model_name="m", max_model_len=300)
+    times = RequestMetrics(arrival_time=10.0, first_scheduled_time=11.0, first_token_time=13.5, finished_time=20.0,
+                           num_output_tokens=7)
+    done = RequestOutput("r", None, list(range(30)), [CompletionOutput(0, "", [], "stop")], True, times)
+    never_ran = RequestOutput("q", None, [1], [CompletionOutput(0, "", [], "abort")], True,
+                              RequestMetrics(arrival_time=10.0, finished_time=12.0))
+    metrics.observe_step(EngineStats(0, 0, 0.0, 0, 16, 0, 0, 0, 0, 0, 0), [done, never_ran])
+    samples = {(s.name, s.labels.get("le")): s.value
+               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for s in family.samples}
+    for phase, seconds in (("queue", 1.0), ("prefill", 2.5), ("decode", 6.5), ("inference", 9.0)):
+        assert samples[(f"hf_paged:request_{phase}_time_seconds_count", None)] == 1
+        assert samples[(f"hf_paged:request_{phase}_time_seconds_sum", None)] == seconds
+    assert samples[("hf_paged:e2e_request_latency_seconds_count", None)] == 2
+    assert samples[("hf_paged:request_prompt_tokens_sum", None)] == 31
+    assert samples[("hf_paged:request_prompt_tokens_bucket", "50.0")] == 2
+    assert samples[("hf_paged:request_prompt_tokens_bucket", "20.0")] == 1
+    assert samples[("hf_paged:request_generation_tokens_sum", None)] == 7
+    assert ("hf_paged:request_generation_tokens_bucket", "200.0") in samples
+    assert ("hf_paged:request_generation_tokens_bucket", "500.0") not in samples  # up to max_model_len
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None, words: str = "") -> dict:

@@ -88,7 +88,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
     """
     limits = limits or ServerLimits()
-    metrics = ServerMetrics(model_name=served_model_name)
+    metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len)
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
     if generation_config not in ("auto", "vllm"):

@@ -20,6 +20,24 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# A finished request's phases (vLLM's request_*_time_seconds): arrival -> first scheduled -> first token -> finished.
+_PHASES = (("queue", "Arrival to first scheduled (waiting for a place in the batch).", "arrival_time",
+            "first_scheduled_time"),
+           ("prefill", "First scheduled to first token (the prompt's prefill, chunks and all).", "first_scheduled_time",
+            "first_token_time"),
+           ("decode", "First token to finish.", "first_token_time", "finished_time"),
+           ("inference", "First scheduled to finish.", "first_scheduled_time", "finished_time"))
+
+
+def _one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit``: token-count buckets, as vLLM's."""
+    buckets, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
 
 # Cumulative EngineStats fields, exported as counters of the same name.
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
@@ -30,7 +48,7 @@ class ServerMetrics:
     """The server's gauges, counters and histograms, registered in ``registry``, each labelled with vLLM's
     ``model_name`` (the served model's name), which vLLM's dashboards select by."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", max_model_len: int = 1 << 20):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
 
@@ -57,6 +75,13 @@ class ServerMetrics:
         self.tpot = made(Histogram, "time_per_output_token_seconds", "A finished request's mean time between its "
                          "output tokens.", buckets=_TPOT_BUCKETS)
         self.e2e = made(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=_E2E_BUCKETS)
+        self.phases = [(made(Histogram, f"request_{phase}_time_seconds", text, buckets=_E2E_BUCKETS), start, end)
+                       for phase, text, start, end in _PHASES]
+        tokens = _one_two_five(max_model_len)
+        self.prompt_tokens = made(Histogram, "request_prompt_tokens", "A finished request's prompt tokens.",
+                                  buckets=tokens)
+        self.generation_tokens = made(Histogram, "request_generation_tokens",
+                                      "A finished request's generated tokens (of its longest sample).", buckets=tokens)
         self.batch_size = made(Histogram, "num_running_per_step",
                                "Sequences that produced tokens in one step (the decode batch size).",
                                buckets=_BATCH_BUCKETS)
@@ -104,6 +129,13 @@ class ServerMetrics:
         m = output.metrics
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+        for histogram, start, end in self.phases:  # the phases it went through (none for one refused or aborted early)
+            began, ended = getattr(m, start), getattr(m, end)
+            if began is not None and ended is not None:
+                histogram.observe(ended - began)
+        if output.error is None:
+            self.prompt_tokens.observe(len(output.prompt_token_ids))
+            self.generation_tokens.observe(m.num_output_tokens)
         num_tokens = m.num_output_tokens
         if m.first_token_time is not None and num_tokens > 1 and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
