@@ -299,10 +299,6 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
     from .loading import load_model, resolve_device
 
     try:
-        path = resolve_model(args.model)
-    except Exception as err:  # e.g. the default model's conversion failing
-        parser.error(str(err))
-    try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as err:
         parser.error(str(err))
@@ -310,8 +306,12 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     template = None if args.chat_template is None else _chat_template(parser, args.chat_template)
-    if before_loading is not None:
+    if before_loading is not None:  # before the model is resolved too: a GGUF file's first conversion takes a while
         before_loading()
+    try:
+        path = resolve_model(args.model)
+    except Exception as err:  # e.g. the default model's conversion failing
+        parser.error(str(err))
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=args.tensor_parallel_size or 1,

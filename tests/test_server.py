@@ -696,9 +696,10 @@ def test_serve_names_a_port_in_use_before_loading_the_model(smollm2_path, monkey
     from hf_paged.cli import main
 
     def loads(*args, **kwargs):
-        raise AssertionError("the model was loaded before the port was taken")
+        raise AssertionError("the model was loaded, or converted from a GGUF file, before the port was taken")
 
     monkeypatch.setattr("hf_paged.loading.load_model", loads)
+    monkeypatch.setattr("hf_paged.default_model.resolve_model", loads)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
