@@ -22,6 +22,7 @@ from ..chat_template import TEMPLATE_PARAMETERS
 from ..generation import (
     CompletionOutput, InvalidParameter, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams,
 )
+from .reasoning import ReasoningParser, ReasoningStream
 from .tool_calls import ToolCallParser, calls_schema, tool_functions
 
 if TYPE_CHECKING:
@@ -586,11 +587,18 @@ class CompletionFormat:
 
 
 class ChatFormat(CompletionFormat):
-    """Choices of ``/v1/chat/completions`` (``chat.completion`` objects)."""
+    """Choices of ``/v1/chat/completions`` (``chat.completion`` objects). With a `ReasoningParser`, an answer's
+    reasoning goes in ``message.reasoning`` (vLLM's field) and ``message.reasoning_content`` (its former name, and
+    DeepSeek's), streamed in ``delta`` fields of the same names."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prompt_fields_at = "response"
+
+    def __init__(self, decode: TokenText, top_k: int | None, reasoning: ReasoningParser | None = None):
+        super().__init__(decode, top_k)
+        self.reasoning = reasoning
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
         if logprobs is None or self.top_k is None:
@@ -606,14 +614,36 @@ class ChatFormat(CompletionFormat):
         return {"content": content}
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": output.text},
+        reasoning, content = (None, output.text) if self.reasoning is None else self.reasoning.split(output.text)
+        return {"index": index, "message": {"role": "assistant", "content": content, **_reasoning_fields(reasoning)},
                 "logprobs": self.logprobs(output.token_ids, output.logprobs, 0), "finish_reason": output.finish_reason,
                 "stop_reason": output.stop_reason}
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
                      text_offset: int, finish_reason: str | None, stop_reason: str | int | None = None) -> dict | None:
-        return {"index": index, "delta": {"content": text} if text else {},
-                "logprobs": self.logprobs(token_ids, logprobs, text_offset), "finish_reason": finish_reason,
+        reasoning, content = self.split_piece(index, text, finish_reason is not None)
+        return self.chunk(index, reasoning, content, self.logprobs(token_ids, logprobs, text_offset), finish_reason,
+                          stop_reason)
+
+    def split_piece(self, index: int, text: str, last: bool) -> tuple[str, str]:
+        """A streamed piece of choice ``index`` as ``(reasoning, content)`` (all content without a parser)."""
+        if self.reasoning is None:
+            return "", text
+        stream = self.reasoning_streams.setdefault(index, self.reasoning.stream())
+        reasoning, content = stream.feed(text)
+        if last:
+            rest_reasoning, rest_content = stream.finish()
+            reasoning, content = reasoning + rest_reasoning, content + rest_content
+        return reasoning, content
+
+    @staticmethod
+    def chunk(index: int, reasoning: str, content: str, logprobs: dict | None, finish_reason: str | None,
+              stop_reason: str | int | None, tool_calls: list[dict] | None = None) -> dict | None:
+        delta = {**_reasoning_fields(reasoning or None), **({"content": content} if content else {}),
+                 **({"tool_calls": tool_calls} if tool_calls else {})}
+        if not delta and logprobs is None and finish_reason is None:
+            return None  # text a parser holds back: nothing to send yet
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
     def opening_choice(self, index: int) -> dict | None:
@@ -624,41 +654,40 @@ class ToolChatFormat(ChatFormat):
     """Chat choices whose text may hold tool calls: those are answered as ``message.tool_calls`` (streamed as
     ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``."""
 
-    def __init__(self, decode: TokenText, top_k: int | None, parser: ToolCallParser):
-        super().__init__(decode, top_k)
+    def __init__(self, decode: TokenText, top_k: int | None, parser: ToolCallParser,
+                 reasoning: ReasoningParser | None = None):
+        super().__init__(decode, top_k, reasoning)
         self.parser = parser
         self.streams = {}
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         choice = super().choice(index, output)
-        content, calls = self.parser.parse(output.text)
+        content, calls = self.parser.parse(choice["message"]["content"] or "")  # calls come after any reasoning
         if calls:
-            choice["message"] = {"role": "assistant", "content": content,
-                                 "tool_calls": [call.to_dict() for call in calls]}
+            choice["message"].update(content=content, tool_calls=[call.to_dict() for call in calls])
             choice["finish_reason"] = self._finish(output.finish_reason)
         return choice
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
                      text_offset: int, finish_reason: str | None, stop_reason: str | int | None = None) -> dict | None:
+        reasoning, text = self.split_piece(index, text, finish_reason is not None)
         stream = self.streams.setdefault(index, self.parser.stream())
         content, calls = stream.feed(text)
         called = False
         if finish_reason is not None:
             rest, last, called = stream.finish()
             content, calls = content + rest, calls + last
-        choice = super().chunk_choice(index, content, token_ids, logprobs, text_offset, finish_reason, stop_reason)
-        if calls:
-            choice["delta"]["tool_calls"] = calls
-        if called:
-            choice["finish_reason"] = self._finish(finish_reason)
-        if not choice["delta"] and choice["logprobs"] is None and finish_reason is None:
-            return None  # text the call parser holds back: nothing to send yet
-        return choice
+        return self.chunk(index, reasoning, content, self.logprobs(token_ids, logprobs, text_offset),
+                          self._finish(finish_reason) if called else finish_reason, stop_reason, calls)
 
     def _finish(self, finish_reason: str | None) -> str | None:
         """As OpenAI's and vLLM's: "tool_calls" for calls of ``tool_choice`` auto or required; a call of a named
         function ends as it ended ("stop")."""
         return "tool_calls" if finish_reason == "stop" and not self.parser.named else finish_reason
+
+
+def _reasoning_fields(reasoning: str | None) -> dict:
+    return {} if reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -33,6 +33,7 @@ from .protocol import (
     error_body,
     usage,
 )
+from .reasoning import ReasoningParser
 from .tokenization import PromptEncoder, check_text
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,9 @@ class OpenAIServing:
     """Checks a call, compiles its constraint, tokenizes its prompts, queues it on the engine and answers it."""
 
     def __init__(self, generator: ContinuousBatchGenerator, engine: EngineLoop, encoder: PromptEncoder,
-                 limits: ServerLimits, served_model_name: str, sampling_defaults: dict) -> None:
+                 limits: ServerLimits, served_model_name: str, sampling_defaults: dict, reasoning: bool = False):
         self.generator, self.engine, self.encoder, self.limits = generator, engine, encoder, limits
+        self.reasoning = reasoning  # whether chat replies' reasoning is answered apart (a --reasoning-parser)
         self.served_model_name = served_model_name
         self.sampling_defaults = sampling_defaults  # what a request leaves out (`SamplingParams.model_defaults`)
         self.decode = encoder.decoder()
@@ -138,7 +140,7 @@ class OpenAIServing:
         """The prompt to submit and the answer's format; tools, earlier tool calls and template options go through
         `render_prompt`, on a tokenizing thread with its own tokenizer, as every prompt is."""
         try:
-            if not body.needs_own_rendering():
+            if not body.needs_own_rendering() and not self.reasoning:  # the reasoning parser reads the prompt
                 return messages, ChatFormat(self.decode, top_k)
             options = body.template_options()
         except ValueError as err:
@@ -159,8 +161,10 @@ class OpenAIServing:
         except (ValueError, TypeError, TemplateError) as err:
             raise _bad_request(err, "messages") from err
         parser = body.tool_parser(self.generator.tokenizer, text)
-        fmt = ToolChatFormat(self.decode, top_k, parser) if parser is not None else ChatFormat(self.decode, top_k)
-        return token_ids, fmt
+        reasoning = ReasoningParser(text) if self.reasoning else None
+        if parser is None:
+            return token_ids, ChatFormat(self.decode, top_k, reasoning)
+        return token_ids, ToolChatFormat(self.decode, top_k, parser, reasoning)
 
     async def submit(self, body: GenerationRequest, prompts: list, params: SamplingParams, request_ids: list[str],
                      prompt_param: str) -> RequestStream:

@@ -1,0 +1,77 @@
+"""Reasoning parsers (``hf-paged serve --reasoning-parser``, vLLM's): a thinking model's answer split into its
+reasoning, between ``<think>`` and ``</think>``, and its content after them.
+
+Whether an answer starts inside the reasoning is read from its prompt: templates that open the block themselves
+(DeepSeek-R1's, Qwen3's newer ones) end the prompt inside it, and Qwen3's with ``enable_thinking=False`` end it with
+an empty, closed block. Otherwise an answer that opens with ``<think>`` (after blank space) reasons until
+``</think>``. An answer that never closes its block is all reasoning. vLLM's parser names ``deepseek_r1`` and
+``qwen3`` both read these tags.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")
+
+
+class ReasoningParser:
+    """Splits the answers to one prompt; `split` reads a whole answer, `stream` one that comes in pieces."""
+
+    def __init__(self, prompt: str):
+        self.starts_inside = prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """``(reasoning, content)``; None for a part the answer does not have."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        rest_reasoning, rest_content = stream.finish()
+        reasoning, content = reasoning + rest_reasoning, content + rest_content
+        if not stream.reasoned:
+            return None, content
+        return reasoning, content or None
+
+    def stream(self) -> "ReasoningStream":
+        return ReasoningStream(self.starts_inside)
+
+
+class ReasoningStream:
+    """One answer's pieces as they come: each `feed` returns the reasoning and content it can tell apart so far,
+    holding back what might be the start of a tag; `finish` returns what is held."""
+
+    def __init__(self, inside: bool):
+        self.state = "reasoning" if inside else "start"
+        self.reasoned = inside  # whether the answer has a reasoning part
+        self.held = ""
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        text, self.held = self.held + piece, ""
+        if self.state == "start":
+            opening = text.lstrip()
+            if OPEN.startswith(opening):  # blank, or perhaps the start of the tag: wait for more
+                self.held = text
+                return "", ""
+            if not opening.startswith(OPEN):
+                self.state = "content"
+                return "", text
+            self.state, self.reasoned, text = "reasoning", True, opening[len(OPEN):]
+        if self.state == "content":
+            return "", text
+        end = text.find(CLOSE)
+        if end >= 0:
+            self.state = "content"
+            return text[:end], text[end + len(CLOSE):]
+        keep = _partial_suffix(text, CLOSE)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        held, self.held = self.held, ""
+        return (held, "") if self.state == "reasoning" else ("", held)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
