@@ -101,22 +101,30 @@ def test_steps_of_more_than_one_pass_of_rows_are_native_and_give_the_same_tokens
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_steps_longer_than_the_decoders_run_the_transformers_forward(dtype, tokenizer):
-    """Steps of up to 512 tokens (`cpu_decoder.MAX_TOKENS`) can run natively, prompts included; longer ones run the
-    Transformers forward, and the decode steps after them are native again."""
+    """Steps of up to 512 tokens (`cpu_decoder.MAX_TOKENS`) can run natively, prompts included; longer ones (asked
+    for with ``max_num_batched_tokens``) run the Transformers forward, and the decode steps after them are native
+    again. By default the engine's steps are no longer than the native decoder takes: all of them run natively."""
     torch.manual_seed(2)
     steps = {}
-    for lengths in ((3, 9, 17, 30, 5, 70, 12, 8, 40, 90), (200, 150, 170)):  # first steps of 284 and 520 tokens
+    for lengths, budget in (((3, 9, 17, 30, 5, 70, 12, 8, 40, 90), 2048), ((200, 150, 170), 2048),
+                            ((200, 150, 170), None)):  # first steps of 284 and 520 tokens
         prompts = [torch.randint(3, 250, (n,)).tolist() for n in lengths]
-        gen = ContinuousBatchGenerator(tiny("llama", dtype), tokenizer, num_blocks=512, block_size=4)
+        gen = ContinuousBatchGenerator(tiny("llama", dtype), tokenizer, num_blocks=512, block_size=4,
+                                       max_num_batched_tokens=budget)
         assert gen.runner.native.max_tokens == cpu_decoder.faster_tokens(dtype) in (160, 512)
+        native_steps_only = gen.runner.native.max_tokens == cpu_decoder.MAX_TOKENS
+        assert gen.config.max_num_batched_tokens == (budget or (512 if native_steps_only else 2048))
         gen.runner.native.max_tokens = cpu_decoder.MAX_TOKENS
         native_steps, forward_steps = record_steps(gen)
-        gen.run(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        steps[sum(lengths)] = native_steps, forward_steps
+        outputs = gen.run(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        steps[sum(lengths), budget] = native_steps, forward_steps, [o.outputs[0].token_ids for o in outputs]
     assert cpu_decoder.MAX_TOKENS == 512
     # The prompts' step, then three decode steps of every sequence.
-    assert steps[284] == ([284] + [10] * 3, [])
-    assert steps[520] == ([3] * 3, [520])
+    assert steps[284, 2048][:2] == ([284] + [10] * 3, [])
+    assert steps[520, 2048][:2] == ([3] * 3, [520])
+    if native_steps_only:  # the first two prompts and the third's first 162 tokens, then its 8 more beside two decodes
+        assert steps[520, None][:2] == ([512, 8 + 2, 3, 3, 1], [])
+        assert steps[520, None][2] == steps[520, 2048][2]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -197,7 +205,7 @@ def test_the_avx2_build_leaves_long_fp32_steps_to_the_transformers_forward(token
     steps = {}
     for lengths in ((100, 60), (100, 61)):  # first steps of 160 and 161 tokens
         gen = ContinuousBatchGenerator(tiny("llama"), tokenizer, num_blocks=256, block_size=4)
-        assert gen.runner.native.max_tokens == 160
+        assert gen.runner.native.max_tokens == 160 and gen.config.max_num_batched_tokens == 2048
         native_steps, forward_steps = record_steps(gen)
         prompts = [torch.randint(3, 250, (n,)).tolist() for n in lengths]
         gen.run(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)

@@ -26,7 +26,8 @@ class FakeTokenizer:
 
 def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, **options):
     kv = KVCacheManager(BlockPool(num_blocks, block_size), enable_prefix_caching=True)
-    return Scheduler(EngineConfig(block_size=block_size, **options), kv, Detokenizer(FakeTokenizer()), max_model_len)
+    config = EngineConfig(block_size=block_size, **{"max_num_batched_tokens": 2048, **options})  # as the engine sets it
+    return Scheduler(config, kv, Detokenizer(FakeTokenizer()), max_model_len)
 
 
 def make_request(name, prompt, **params):

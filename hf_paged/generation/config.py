@@ -15,6 +15,7 @@ import torch
 from ..cache import DEFAULT_BLOCK_SIZE
 
 DEFAULT_CPU_KV_MEMORY = 2 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -140,8 +141,9 @@ class EngineConfig:
         "KV cache dtype: float32, bfloat16 or float16 (default: auto, the weights' dtype); bfloat16 under float32 "
         "weights halves the cache's memory and the bytes attention reads")
     max_num_seqs: int = _option("most sequences in one step (default: 256)", 256)
-    max_num_batched_tokens: int = _option(
-        "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048)", 2048)
+    max_num_batched_tokens: int | None = _option(
+        "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048; on CPU 512 when "
+        "the native decoder runs the model, which then takes every step)")
     max_model_len: int | None = _option(
         "longest prompt + output in tokens (default: the model's context, capped by the cache; more than either "
         "is refused)")
@@ -149,7 +151,8 @@ class EngineConfig:
         "do not reuse the KV of prompt prefixes shared between requests", True, flag="--no-prefix-caching")
     prepack_weights: bool = _option(
         "on CPU, run linear layers through plain torch instead of oneDNN with weights packed once (packing is "
-        "faster and costs the linear weights' memory once more; layers the native decoder covers are not packed)", True, flag="--no-prepack-weights")
+        "faster and costs the linear weights' memory once more; layers the native decoder covers are not packed)",
+        True, flag="--no-prepack-weights")
     enforce_eager: bool = _option(
         "run every step through the model's own eager Transformers forward: no CUDA graphs for decode steps on GPU, "
         "no native CPU decoder for short steps of Llama, Mistral and Qwen2/3 models", False)

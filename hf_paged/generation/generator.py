@@ -20,9 +20,10 @@ from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
 from ..distributed import (DistributedError, Lockstep, check_engine_config, is_tensor_parallel,
                            prepack_sharded_linear_layers, smallest_over_ranks)
 from ..integration import switch_to_paged_attention
+from ..kernels import cpu_decoder
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
-from .config import EngineConfig
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .cuda_graphs import decode_graphs
 from .detokenizer import Detokenizer
 from .draft_model import DraftModel
@@ -49,6 +50,18 @@ def _check_temperature_tuning(text_config, max_model_len: int, config: EngineCon
         raise NotImplementedError(
             f"{text_config.model_type}'s attention temperature tuning counts positions the engine cannot give it past "
             f"floor_scale ({floor}): set max_model_len and max_num_batched_tokens below {floor}")
+
+
+def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> EngineConfig:
+    """``config`` with ``max_num_batched_tokens`` set: the caller's, else the steps the native decoder takes (512)
+    where it runs the model, so that every step runs natively (prompts prefill faster in its 512-token chunks than
+    in 2048-token Transformers forwards, and decodes wait less behind them), else 2048. Where the native decoder
+    stops sooner (fp32 on CPUs with AVX2 alone: oneDNN's GEMMs beat it on longer steps), long steps keep going to
+    the Transformers forward."""
+    if config.max_num_batched_tokens is not None:
+        return config
+    native_steps = native is not None and native.max_tokens >= cpu_decoder.MAX_TOKENS
+    return config.replace(max_num_batched_tokens=native.max_tokens if native_steps else DEFAULT_MAX_NUM_BATCHED_TOKENS)
 
 
 def _check_memory(size: int, option: str, device: torch.device) -> None:
@@ -88,11 +101,12 @@ class ContinuousBatchGenerator:
             raise
 
     def _build(self, model: torch.nn.Module, tokenizer, config: EngineConfig) -> None:
-        self.config = config
         self.model = model  # left in its mode: each step runs in eval mode (see ModelRunner.run)
         self.tokenizer = tokenizer
         self.kv_storage = self._kv_storage(model, config)
         self.kv_manager = KVCacheManager(self.kv_storage.pool, config.enable_prefix_caching)
+        native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv_storage)
+        config = self.config = _with_step_budget(config, native)
         self.max_model_len = self._max_model_len(config)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         eos_token_ids = model_eos_token_ids(model, tokenizer)
@@ -116,7 +130,7 @@ class ContinuousBatchGenerator:
         self._workers_stopped = False
         packed = 0
         try:
-            self.runner = self._runner(config)
+            self.runner = self._runner(config, native)
             if config.prepack_weights and model.device.type == "cpu":
                 packed = prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
                 if self.lockstep is not None:
@@ -165,8 +179,7 @@ class ContinuousBatchGenerator:
                              "give the cache more memory (kv_cache_memory, num_blocks) or lower max_model_len")
         return min(limit for limit in (held, asked, context) if limit is not None)
 
-    def _runner(self, config: EngineConfig) -> ModelRunner:
-        native = None if config.enforce_eager else NativeDecoder.for_model(self.model, self.kv_storage)
+    def _runner(self, config: EngineConfig, native: NativeDecoder | None) -> ModelRunner:
         runner = ModelRunner(self.model, self.kv_storage, self.kv_manager, native)
         spec = config.speculative_config  # a verifying step holds 1 + k tokens per sequence
         runner.graphs = decode_graphs(runner, config, self.max_model_len,

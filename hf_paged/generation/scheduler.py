@@ -57,6 +57,7 @@ class Scheduler:
     difference. Running sequences go first (a decode is one token; a prompt being prefilled in chunks takes what
     the budget leaves), then waiting ones in arrival order. When blocks run out the newest running sequence is
     preempted: its blocks are freed and it waits to be recomputed (prefix caching usually makes that cheap).
+    ``config.max_num_batched_tokens`` is each step's budget, set (the engine sets it when the caller did not).
     """
 
     def __init__(self, config: EngineConfig, kv_manager: KVCacheManager, detokenizer: Detokenizer,
