@@ -26,9 +26,10 @@ class AsyncLLM:
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-                 trust_remote_code: bool = False, **engine_options):
-        hf_model, tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code)
-        self._serve(ContinuousBatchGenerator(hf_model, tokenizer, **engine_options))
+                 trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None, **engine_options):
+        hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device),
+                                            trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+        self._serve(ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options))
 
     @classmethod
     def from_generator(cls, generator: ContinuousBatchGenerator) -> "AsyncLLM":

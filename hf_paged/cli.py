@@ -44,6 +44,8 @@ def _engine_options() -> argparse.ArgumentParser:
                              "(default: auto; each rank's own GPU under tensor parallelism)")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto",
                         help="weights dtype (default: auto, the checkpoint's own)")
+    engine.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="a tokenizer directory or cached hub id other than the model's (as vLLM's)")
     engine.add_argument("--trust-remote-code", action="store_true",
                         help="run the Python code a model directory ships for its classes (its config's auto_map), "
                              "as Transformers' trust_remote_code: only for models whose code you trust")
@@ -134,6 +136,15 @@ def _http_options() -> argparse.ArgumentParser:
                       help="every answer carries X-Request-Id (the client's, else a new one)")
     vllm.add_argument("--disable-log-requests", action="store_true",
                       help="requests' contents are never logged (the access log names their routes)")
+    vllm.add_argument("--enable-chunked-prefill", action="store_true",
+                      help="long prompts are always prefilled in chunks of --max-num-batched-tokens")
+    vllm.add_argument("--disable-log-stats", action="store_true",
+                      help="no statistics are logged periodically (/metrics has them)")
+    vllm.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                      help="the server and its engine always run in one process")
+    vllm.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                      help="preempted sequences are recomputed (their prefixes mostly from the prefix cache), never "
+                           "swapped to CPU memory, as in vLLM's V1 engine")
     return parser
 
 
@@ -319,7 +330,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=args.tensor_parallel_size or 1,
-                                      trust_remote_code=args.trust_remote_code)
+                                      trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer)
     except Exception as err:  # any reason a model cannot be loaded is the user's to read, not a traceback
         hint = "" if args.trust_remote_code or "trust_remote_code" not in str(err) else " (--trust-remote-code runs it)"
         parser.error(f"cannot load {path}: {err}{hint}")
@@ -504,8 +515,9 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     from .default_model import DEFAULT_MODEL_NAME, resolve_model
 
-    if args.chat_template is not None:
-        parser.error("--chat-template is not supported by serve-ray yet (serve takes it)")
+    for option, value in (("--chat-template", args.chat_template), ("--tokenizer", args.tokenizer)):
+        if value is not None:
+            parser.error(f"{option} is not supported by serve-ray yet (serve takes it)")
     if args.threads is not None:
         parser.error("--threads is not taken by serve-ray: each replica uses its --replica-cpus")
     _check_vllm_flags(parser, args)

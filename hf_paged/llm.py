@@ -13,13 +13,15 @@ class LLM:
     """Loads ``model`` (a local directory, a .gguf file, a hub id whose copy is in the local Hugging Face cache;
     None: the embedded default) with paged attention and serves it with a `ContinuousBatchGenerator`
     (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
-    ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; other keyword arguments are `EngineConfig` fields
-    (``max_num_seqs``, ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded."""
+    ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; ``trust_remote_code`` and ``tokenizer`` are
+    `loading.load_model`'s; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
+    ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded."""
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-                 trust_remote_code: bool = False, **engine_options):
-        hf_model, tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code)
-        self.generator = ContinuousBatchGenerator(hf_model, tokenizer, **engine_options)
+                 trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None, **engine_options):
+        hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device),
+                                            trust_remote_code=trust_remote_code, tokenizer=tokenizer)
+        self.generator = ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options)
 
     def get_tokenizer(self):
         return self.generator.tokenizer

@@ -10,7 +10,8 @@ from .default_model import resolve_model
 from .generation.config import KV_CACHE_DTYPES
 from .quantization import quantized_load_kwargs, run_dequantize_eagerly
 
-DTYPES = {"auto": "auto", **KV_CACHE_DTYPES}  # the dtypes a model loads in
+# The dtypes a model loads in, with vLLM's other names for two of them.
+DTYPES = {"auto": "auto", **KV_CACHE_DTYPES, "half": torch.float16, "float": torch.float32}
 
 
 def resolve_device(device: str) -> str:
@@ -23,9 +24,11 @@ def resolve_device(device: str) -> str:
 def load_model(
     name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
     quant_backend: str | None = None, tensor_parallel_size: int = 1, trust_remote_code: bool = False,
+    tokenizer: str | os.PathLike | None = None,
 ):
     """``(model, tokenizer)`` with ``attn_implementation="paged"``; None loads the embedded SmolLM2-135M-Instruct.
-    ``trust_remote_code`` runs the Python code a model directory ships (its ``auto_map``), as in Transformers.
+    ``trust_remote_code`` runs the Python code a model directory ships (its ``auto_map``), as in Transformers;
+    ``tokenizer`` names a tokenizer other than the model's (a directory or a cached hub id), as vLLM's.
 
     ``dtype`` is that of activations and the KV cache; GPTQ/AWQ weights stay 4-bit whatever it is, computed by the
     gptqmodel kernel ``quant_backend`` (see :mod:`hf_paged.quantization` for the default).
@@ -40,9 +43,10 @@ def load_model(
         from .distributed import check_checkpoint
 
         check_checkpoint(path)
-        return _load_tensor_parallel(path, _dtype(dtype), tensor_parallel_size, trust_remote_code)
-    model = load_causal_lm(path, dtype, device, quant_backend, trust_remote_code)
-    return model, AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = _load_tensor_parallel(path, _dtype(dtype), tensor_parallel_size, trust_remote_code)
+    else:
+        model = load_causal_lm(path, dtype, device, quant_backend, trust_remote_code)
+    return model, AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust_remote_code)
 
 
 def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32",
@@ -68,7 +72,7 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype | str:
 
 
 def _load_tensor_parallel(path, dtype, tensor_parallel_size: int, trust_remote_code: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from . import distributed
 
@@ -82,4 +86,4 @@ def _load_tensor_parallel(path, dtype, tensor_parallel_size: int, trust_remote_c
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=dtype,
                                                  trust_remote_code=trust_remote_code, **kwargs)
     distributed.shard_replicated_kv_heads(model)
-    return model.eval(), AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model.eval()

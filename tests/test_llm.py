@@ -84,3 +84,14 @@ def test_a_model_with_its_own_code_runs_only_when_trusted(tmp_path, smollm2_path
     assert len(output.outputs[0].token_ids) == 3
     assert main(["generate", path, "Hello", "--max-tokens", "3", "--device", "cpu", "--num-blocks", "16",
                  "--trust-remote-code"]) == 0
+
+
+def test_a_tokenizer_other_than_the_models(tmp_path, smollm2_path):
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(smollm2_path)
+    other.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %} =>"
+    other.save_pretrained(tmp_path / "tokenizer")
+    llm = LLM(smollm2_path, device="cpu", tokenizer=str(tmp_path / "tokenizer"), num_blocks=16)
+    [output] = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert output.prompt == "Hi =>"

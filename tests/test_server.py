@@ -763,6 +763,23 @@ def test_cli_turns_any_load_failure_into_a_message(smollm2_path, tmp_path, capsy
     assert exit_info.value.code == 2 and "num_blocks asks for a 6.87e+08 GiB KV cache, more than this machine" in err
 
 
+def test_vllms_usual_serve_options_are_taken(capsys):
+    """A vLLM command line runs as it is: its dtype names, gpu_memory_utilization (on GPU), and its flags for what is
+    always so here."""
+    from hf_paged.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--dtype", "half", "--gpu-memory-utilization", "0.85", "--enable-chunked-prefill",
+         "--disable-log-stats", "--disable-frontend-multiprocessing", "--swap-space", "4", "--tokenizer", "t"])
+    assert args.dtype == "half" and args.tokenizer == "t"
+    from hf_paged.generation import EngineConfig
+
+    assert EngineConfig.from_cli_args(args).gpu_memory_utilization == 0.85
+    from hf_paged.loading import _dtype
+
+    assert (_dtype("half"), _dtype("float")) == (torch.float16, torch.float32)
+
+
 def test_cli_generate_with_engine_options(capsys):
     import torch
 

@@ -31,6 +31,21 @@ def parse_memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+CPU_KV_SPACE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def cpu_kv_space() -> int | None:
+    """vLLM's ``$VLLM_CPU_KVCACHE_SPACE``: the CPU KV cache's size in GiB (None when unset or 0, vLLM's default)."""
+    text = os.environ.get(CPU_KV_SPACE_VARIABLE, "").strip()
+    try:
+        gib = float(text or 0)
+    except ValueError:
+        gib = -1
+    if gib < 0:
+        raise ValueError(f"${CPU_KV_SPACE_VARIABLE} is the CPU KV cache's size in GiB, not {text!r}")
+    return int(gib * 2**30) or None
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATION_SCHEDULES = ("constant", "heuristic")
 
@@ -135,8 +150,12 @@ class EngineConfig:
     block_size: int = _option(f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})", DEFAULT_BLOCK_SIZE)
     num_blocks: int | None = _option("KV cache size in blocks (default: what --kv-cache-memory holds; not with it)")
     kv_cache_memory: int | None = _option(
-        "KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, half the free memory on GPU)",
-        type_=parse_memory)
+        "KV cache size in bytes, e.g. 2GiB or 512MB (default: 2GiB on CPU, or vLLM's $VLLM_CPU_KVCACHE_SPACE GiB; "
+        "half the free memory on GPU)", type_=parse_memory)
+    gpu_memory_utilization: float | None = _option(
+        "on GPU, the fraction of its memory the engine may hold, weights included: the KV cache takes what is left "
+        "of it once the model is loaded (vLLM's; default: the KV cache takes half the free memory; ignored on CPU, "
+        "as vLLM's CPU backend ignores it)", type_=float)
     kv_cache_dtype: str | None = _option(
         "KV cache dtype: float32, bfloat16 or float16 (default: auto, the weights' dtype); bfloat16 under float32 "
         "weights halves the cache's memory and the bytes attention reads")
@@ -177,8 +196,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if self.num_blocks is not None and self.kv_cache_memory is not None:
-            raise ValueError("EngineConfig: give num_blocks or kv_cache_memory, not both")
+        sizes = [name for name in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
+                 if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"EngineConfig: give one of num_blocks, kv_cache_memory and gpu_memory_utilization, not "
+                             f"{' and '.join(sizes)}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
+                                        or not 0 < utilization <= 1):
+            raise ValueError(f"EngineConfig.gpu_memory_utilization is a fraction in (0, 1], got {utilization!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2 (a prompt token and an output "
                              f"token), got {self.max_model_len!r}")
@@ -201,11 +227,23 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_cache_dtype else model_dtype
 
     def kv_memory(self, device: torch.device) -> int | None:
-        """The KV cache's bytes: ``kv_cache_memory``, else (unless ``num_blocks`` sizes it) 2 GiB on CPU and half the
-        free memory on GPU."""
+        """The KV cache's bytes: ``kv_cache_memory``, else (unless ``num_blocks`` sizes it) on CPU
+        ``$VLLM_CPU_KVCACHE_SPACE`` GiB or 2 GiB, on GPU what ``gpu_memory_utilization`` leaves of the device's
+        memory with everything on it now (the loaded model's weights, other processes), or half the free memory."""
         if self.num_blocks is not None or self.kv_cache_memory is not None:
             return self.kv_cache_memory
-        return torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else DEFAULT_CPU_KV_MEMORY
+        if device.type != "cuda":
+            return cpu_kv_space() or DEFAULT_CPU_KV_MEMORY
+        free, total = torch.cuda.mem_get_info(device)
+        if self.gpu_memory_utilization is None:
+            return free // 2
+        left = int(self.gpu_memory_utilization * total) - (total - free)
+        if left <= 0:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization} allows "
+                             f"{self.gpu_memory_utilization * total / 2**30:.3g} GiB of the GPU, but "
+                             f"{(total - free) / 2**30:.3g} GiB are in use already (the weights, other processes): "
+                             "nothing is left for the KV cache")
+        return left
 
     # --------------------------------------------------------------------------------------------- command line
     @classmethod

@@ -23,7 +23,7 @@ from ..integration import switch_to_paged_attention
 from ..kernels import cpu_decoder
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
-from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, cpu_kv_space
 from .cuda_graphs import decode_graphs
 from .detokenizer import Detokenizer
 from .draft_model import DraftModel
@@ -65,13 +65,13 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
 
 
 def _check_memory(size: int, option: str, device: torch.device) -> None:
-    """Refuse a KV cache larger than the machine's memory (on CPU; a GPU's allocator says so itself): the zeroed
-    blocks would be overcommitted, then the process killed, or a bare MemoryError raised."""
+    """Refuse a KV cache larger than the machine's memory (on CPU; a GPU's allocator says so itself): its blocks,
+    taken from the system as they fill, would run it out of memory mid-serving and the process be killed."""
     if device.type != "cpu":
         return
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if size > total:
-        raise ValueError(f"EngineConfig.{option} asks for a {size / 2**30:.3g} GiB KV cache, more than this machine's "
+        raise ValueError(f"{option} asks for a {size / 2**30:.3g} GiB KV cache, more than this machine's "
                          f"{total / 2**30:.3g} GiB of memory")
 
 
@@ -146,12 +146,18 @@ class ContinuousBatchGenerator:
     @staticmethod
     def _kv_storage(model: torch.nn.Module, config: EngineConfig) -> PagedKVStorage:
         memory = config.kv_memory(model.device)
+        if config.gpu_memory_utilization is not None and model.device.type != "cuda":
+            logger.info("gpu_memory_utilization is ignored on %s (as vLLM's CPU backend ignores it): the KV cache takes "
+                        "kv_cache_memory, $%s GiB or 2 GiB", model.device.type, CPU_KV_SPACE_VARIABLE)
         dtype = config.kv_dtype(model.dtype)
         spec = KVCacheSpec.from_model(model)
         if config.num_blocks is not None:
-            _check_memory(config.num_blocks * spec.bytes_per_block(config.block_size, dtype), "num_blocks", model.device)
+            blocks_size = config.num_blocks * spec.bytes_per_block(config.block_size, dtype)
+            _check_memory(blocks_size, "EngineConfig.num_blocks", model.device)
         elif config.kv_cache_memory is not None:  # the default is the caller's to size, not this machine's to refuse
-            _check_memory(memory, "kv_cache_memory", model.device)
+            _check_memory(memory, "EngineConfig.kv_cache_memory", model.device)
+        elif model.device.type == "cpu" and cpu_kv_space() is not None:
+            _check_memory(memory, f"${CPU_KV_SPACE_VARIABLE}", model.device)
 
         def make(blocks: int | None, budget: int | None) -> PagedKVStorage:
             return PagedKVStorage(model.config, num_blocks=blocks, block_size=config.block_size, memory_budget=budget,
