@@ -103,9 +103,8 @@ def _http_options() -> argparse.ArgumentParser:
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None, action="append", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on /v1 routes (default: $HF_PAGED_API_KEY, else "
-                          "vLLM's $VLLM_API_KEY, else no key); several keys: repeat the option or separate them with "
-                          "commas (llama.cpp's form); a key given here is visible to other users in `ps`, prefer the "
-                          "file or variable")
+                          "vLLM's $VLLM_API_KEY, else no key); several keys: repeat the option (a comma is part of a "
+                          "key); a key given here is visible to other users in `ps`, prefer the file or variable")
     key.add_argument("--api-key-file", default=None,
                      help="read the API key from this file (several: one per line, as llama.cpp reads it)")
     parser.add_argument("--served-model-name", default=None,
@@ -233,19 +232,21 @@ def server_limits(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
 
 def api_key(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | tuple[str, ...] | None:
-    """The key, or the keys, the server accepts: those of --api-key (repeated or comma-separated), else the lines of
-    --api-key-file, else $HF_PAGED_API_KEY, else $VLLM_API_KEY (a vLLM deployment's, which would otherwise run
-    without a key), else None (no key)."""
+    """The key, or the keys, the server accepts: those of --api-key (repeated), else the lines of --api-key-file,
+    else $HF_PAGED_API_KEY, else $VLLM_API_KEY (a vLLM deployment's, which would otherwise run without a key), else
+    None (no key)."""
     if args.api_key is not None:
-        keys = [k.strip() for given in args.api_key for k in given.split(",") if k.strip()]
-        if not keys:
-            parser.error("--api-key: no key given")
+        keys = [key.strip() for key in args.api_key if key.strip()]
+        if len(keys) != len(args.api_key):
+            parser.error("--api-key: an empty key")
     elif args.api_key_file is not None:
         try:
             with open(args.api_key_file, encoding="utf-8") as file:
                 keys = [line.strip() for line in file if line.strip()]
         except OSError as err:
             parser.error(f"--api-key-file: cannot read {args.api_key_file}: {err.strerror}")
+        except UnicodeDecodeError:
+            parser.error(f"--api-key-file: {args.api_key_file} is not UTF-8 text")
         if not keys:
             parser.error(f"--api-key-file: {args.api_key_file} is empty")
     else:
@@ -651,7 +652,8 @@ def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespa
         distributed.check_engine_config(config)
         distributed.check_checkpoint(path)
         _check_draft(parser, config)
-        distributed.load_tensor_parallel_kwargs(AutoConfig.from_pretrained(path), size)  # its plan, its heads
+        config = AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        distributed.load_tensor_parallel_kwargs(config, size)  # its plan, its heads
         for local_rank in range(size):
             distributed.cpu_share(local_rank, size, distributed.cpu_bind_setting(args.cpu_bind))
     except Exception as err:  # noqa: BLE001 - whatever the ranks would fail on is the user's to read

@@ -65,10 +65,12 @@ def run_greedy(gen, prompt_ids):
         dict(enable_prefix_caching=False),
         dict(num_blocks=24, block_size=8),
         dict(max_num_batched_tokens=16),
+        dict(max_num_batched_tokens=2048),
         dict(prepack_weights=False),
         dict(enforce_eager=True),
     ],
-    ids=["default", "no-prefix-caching", "preemption", "chunked-prefill", "plain-linear", "transformers-forward"],
+    ids=["default", "no-prefix-caching", "preemption", "chunked-prefill", "long-steps", "plain-linear",
+         "transformers-forward"],
 )
 def test_batch_is_token_identical_to_generate_alone(smollm2, prompt_ids, reference, options):
     """Steps of up to 8 tokens run the native decoder (unless enforce_eager), longer ones the Transformers forward."""
@@ -76,18 +78,21 @@ def test_batch_is_token_identical_to_generate_alone(smollm2, prompt_ids, referen
     gen = make_generator(smollm2, **options)
     native_runs = not options.get("enforce_eager", False) and native.compiler() is not None
     assert (gen.runner.native is not None) == native_runs
-    # The native decoder multiplies by its own copy of the weights: a oneDNN copy of them as well would only cost
-    # memory (the layers it does not cover, none in this model, are packed).
+    # The native decoder multiplies by its own copy of the weights: where it takes every step, a oneDNN copy of them
+    # as well would only cost memory (the layers it does not cover, none in this model, are packed).
+    budget = gen.config.max_num_batched_tokens
+    native_takes_all = native_runs and budget <= gen.runner.native.max_tokens
+    assert budget == options.get("max_num_batched_tokens", gen.runner.native.max_tokens if native_takes_all else 2048)
     linears = [m for m in gen.model.modules() if isinstance(m, torch.nn.Linear)]
     packed = {isinstance(m, PrepackedLinear) for m in linears}
-    assert packed == {options.get("prepack_weights", True) and available(torch.float32) and not native_runs}
+    assert packed == {options.get("prepack_weights", True) and available(torch.float32) and not native_takes_all}
     if native_runs:
-        assert len(gen.runner.native_linear_layers()) == len(linears)
+        assert len(gen.runner.native_linear_layers(budget)) == (len(linears) if native_takes_all else 0)
     assert run_greedy(gen, prompt_ids) == reference
     stats = gen.stats()
     if "num_blocks" in options:
         assert stats.num_preemptions > 0
-    if "max_num_batched_tokens" in options:
+    if options.get("max_num_batched_tokens") == 16:
         assert stats.num_partial_prefills > 0
     assert_no_leak(gen)
 

@@ -68,3 +68,16 @@ def test_kv_memory_from_vllms_settings(monkeypatch):
             EngineConfig(gpu_memory_utilization=bad)
     with pytest.raises(ValueError, match="not num_blocks and gpu_memory_utilization"):
         EngineConfig(num_blocks=4, gpu_memory_utilization=0.9)
+
+
+def test_a_forked_process_writes_its_own_copy_of_the_cache():
+    import os
+
+    storage = PagedKVStorage(CONFIG, num_blocks=4, dtype=torch.float32, device="cpu")
+    storage.allocate(torch.float32, torch.device("cpu"))
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        storage.key_cache[0][1] = 42.0
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert storage.key_cache[0].abs().sum() == 0  # as any memory: copied on write, not shared

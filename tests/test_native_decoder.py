@@ -122,6 +122,9 @@ def test_steps_longer_than_the_decoders_run_the_transformers_forward(dtype, toke
     # The prompts' step, then three decode steps of every sequence.
     assert steps[284, 2048][:2] == ([284] + [10] * 3, [])
     assert steps[520, 2048][:2] == ([3] * 3, [520])
+    # Never below max_num_seqs: a step decodes every running sequence.
+    wide = ContinuousBatchGenerator(tiny("llama", dtype), tokenizer, num_blocks=64, block_size=4, max_num_seqs=600)
+    assert wide.config.max_num_batched_tokens == (600 if native_steps_only else 2048)
     if native_steps_only:  # the first two prompts and the third's first 162 tokens, then its 8 more beside two decodes
         assert steps[520, None][:2] == ([512, 8 + 2, 3, 3, 1], [])
         assert steps[520, None][2] == steps[520, 2048][2]

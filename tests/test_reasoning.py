@@ -28,6 +28,9 @@ OPENS_THE_BLOCK = "<|im_start|>assistant\n<think>\n"
     ("<|im_start|>assistant\n", "", (None, "")),
     ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Done.", (None, "Done.")),  # thinking turned off
     ("<think>old</think> then <|im_start|>assistant\n<think>", "a</think>b", ("a", "b")),
+    # A message that quotes the tag does not open a block: only the prompt's end does.
+    ("<|im_start|>user\nUse <think> tags<|im_end|>\n<|im_start|>assistant\n", "Sure.", (None, "Sure.")),
+    ("<|im_start|>assistant\n", " <think>", ("", None)),  # opened, then cut
 ])
 def test_a_whole_answer_splits_by_its_prompt_and_tags(prompt, answer, expected):
     assert ReasoningParser(prompt).split(answer) == expected
@@ -90,6 +93,13 @@ def test_replies_carry_their_reasoning_apart_streamed_or_not(thinking_server):
     # Cut before the block closes: all reasoning.
     cut = client.chat.completions.create(**{**asked, "max_tokens": 2}).choices[0].message
     assert cut.content is None and cut.reasoning and reasoning.startswith(cut.reasoning)
+    # A JSON constraint holds from the first token: the answer is all content, and calls are read from it.
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    for extra in ({"response_format": {"type": "json_object"}}, {"tools": tools, "tool_choice": "required"}):
+        answer = client.chat.completions.create(**{**asked, "extra_body": {}, "max_tokens": 24, **extra})
+        message = answer.choices[0].message
+        assert getattr(message, "reasoning", None) is None
+        assert message.tool_calls if "tools" in extra else message.content.startswith("{")
 
 
 def test_an_unknown_reasoning_parser_is_refused(smollm2_path, capsys):

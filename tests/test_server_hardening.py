@@ -207,18 +207,20 @@ def test_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
     (tmp_path / "key").write_text("from-file\n")
     assert key("--api-key-file", str(tmp_path / "key")) == "from-file"
     assert key("--api-key", "given") == "given"
-    # Several keys, as llama.cpp takes them: comma-separated or one per line of the file; or the option repeated.
-    assert key("--api-key", "a,b", "--api-key", " c ") == ("a", "b", "c")
+    # Several keys: the option repeated, or one per line of the file (as llama.cpp reads it). A comma is part of a
+    # key (splitting there would let each part in alone).
+    assert key("--api-key", "a,b", "--api-key", " c ") == ("a,b", "c")
     (tmp_path / "keys").write_text("first\n\n  second  \n")
     assert key("--api-key-file", str(tmp_path / "keys")) == ("first", "second")
     (tmp_path / "empty").write_text("\n")
-    for path in ("empty", "missing"):
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00key")
+    for path in ("empty", "missing", "binary"):
         with pytest.raises(SystemExit) as exit_info:
             key("--api-key-file", str(tmp_path / path))
         assert exit_info.value.code == 2 and "--api-key-file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        key("--api-key", " , ")
-    assert "--api-key: no key given" in capsys.readouterr().err
+        key("--api-key", "a", "--api-key", " ")
+    assert "--api-key: an empty key" in capsys.readouterr().err
 
 
 def test_any_of_several_keys_opens_the_v1_routes(smollm2_path):

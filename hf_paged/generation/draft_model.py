@@ -61,11 +61,11 @@ class DraftModel:
         self.kv.allocate(self.kv.dtype, model.device)
         native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv)
         self.runner = ModelRunner(model, self.kv, kv_manager, native)
+        self.max_tokens = config.max_num_batched_tokens  # per draft forward
         if config.prepack_weights and model.device.type == "cpu":
-            prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
+            prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers(self.max_tokens))
         self.runner.graphs = decode_graphs(self.runner, config, max_model_len)
         self.computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft keys and values are written
-        self.max_tokens = config.max_num_batched_tokens  # per draft forward
 
     @staticmethod
     def _load(model, target: torch.nn.Module) -> torch.nn.Module:

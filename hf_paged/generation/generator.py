@@ -55,13 +55,15 @@ def _check_temperature_tuning(text_config, max_model_len: int, config: EngineCon
 def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> EngineConfig:
     """``config`` with ``max_num_batched_tokens`` set: the caller's, else the steps the native decoder takes (512)
     where it runs the model, so that every step runs natively (prompts prefill faster in its 512-token chunks than
-    in 2048-token Transformers forwards, and decodes wait less behind them), else 2048. Where the native decoder
-    stops sooner (fp32 on CPUs with AVX2 alone: oneDNN's GEMMs beat it on longer steps), long steps keep going to
-    the Transformers forward."""
+    in 2048-token Transformers forwards, and decodes wait less behind them), else 2048; never below
+    ``max_num_seqs`` (a step decodes every running sequence, as vLLM asks). Where the native decoder stops sooner
+    (fp32 on CPUs with AVX2 alone: oneDNN's GEMMs beat it on longer steps), long steps keep going to the
+    Transformers forward."""
     if config.max_num_batched_tokens is not None:
         return config
     native_steps = native is not None and native.max_tokens >= cpu_decoder.MAX_TOKENS
-    return config.replace(max_num_batched_tokens=native.max_tokens if native_steps else DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    budget = native.max_tokens if native_steps else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return config.replace(max_num_batched_tokens=max(budget, config.max_num_seqs))
 
 
 def _check_memory(size: int, option: str, device: torch.device) -> None:
@@ -132,7 +134,8 @@ class ContinuousBatchGenerator:
         try:
             self.runner = self._runner(config, native)
             if config.prepack_weights and model.device.type == "cpu":
-                packed = prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
+                native_only = self.runner.native_linear_layers(config.max_num_batched_tokens)
+                packed = prepack_linear_layers(model, keep_plain=native_only)
                 if self.lockstep is not None:
                     prepack_sharded_linear_layers(model)
             self.speculator = self._speculator(config)

@@ -64,10 +64,12 @@ class ModelRunner:
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def native_linear_layers(self) -> list[torch.nn.Module]:
-        """The linear layers the native decoder multiplies by with its own copy of their weights (none without it):
-        a packed oneDNN copy of theirs would only serve the steps it does not take."""
-        return [] if self.native is None else self.native.linear_layers()
+    def native_linear_layers(self, step_tokens: int) -> list[torch.nn.Module]:
+        """The linear layers the native decoder multiplies by with its own copy of their weights, when it takes every
+        step of up to ``step_tokens`` tokens (else none): a packed oneDNN copy of theirs would serve no step."""
+        if self.native is None or step_tokens > self.native.max_tokens:
+            return []
+        return self.native.linear_layers()
 
     def copy_blocks(self, out: SchedulerOutput) -> None:
         """Fill the blocks the scheduler gave sequences in place of shared ones (copy-on-write). Its tables already

@@ -31,13 +31,8 @@ _PHASES = (("queue", "Arrival to first scheduled (waiting for a place in the bat
 
 def _one_two_five(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``limit``: token-count buckets, as vLLM's."""
-    buckets, scale = [], 1
-    while True:
-        for step in (1, 2, 5):
-            if step * scale > limit:
-                return tuple(buckets)
-            buckets.append(step * scale)
-        scale *= 10
+    return tuple(step * 10**power for power in range(len(str(limit))) for step in (1, 2, 5)
+                 if step * 10**power <= limit)
 
 # Cumulative EngineStats fields, exported as counters of the same name.
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",

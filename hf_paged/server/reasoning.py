@@ -1,11 +1,12 @@
 """Reasoning parsers (``hf-paged serve --reasoning-parser``, vLLM's): a thinking model's answer split into its
 reasoning, between ``<think>`` and ``</think>``, and its content after them.
 
-Whether an answer starts inside the reasoning is read from its prompt: templates that open the block themselves
-(DeepSeek-R1's, Qwen3's newer ones) end the prompt inside it, and Qwen3's with ``enable_thinking=False`` end it with
-an empty, closed block. Otherwise an answer that opens with ``<think>`` (after blank space) reasons until
-``</think>``. An answer that never closes its block is all reasoning. vLLM's parser names ``deepseek_r1`` and
-``qwen3`` both read these tags.
+Whether an answer starts inside the reasoning is read from the end of its prompt: templates that open the block
+themselves (DeepSeek-R1's, Qwen3's newer ones) end the prompt with ``<think>``; Qwen3's with ``enable_thinking=False``
+end it with an empty, closed block, and others with no tag. Otherwise an answer that opens with ``<think>`` (after
+blank space) reasons until ``</think>``. An answer that never closes its block is all reasoning. vLLM's parser names
+``deepseek_r1`` and ``qwen3`` both read these tags. (An answer under a JSON constraint, which holds from its first
+token, is not split: it is all content.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ class ReasoningParser:
     """Splits the answers to one prompt; `split` reads a whole answer, `stream` one that comes in pieces."""
 
     def __init__(self, prompt: str):
-        self.starts_inside = prompt.rfind(OPEN) > prompt.rfind(CLOSE)
+        self.starts_inside = prompt.rstrip().endswith(OPEN)  # not a tag that a message quotes
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)``; None for a part the answer does not have."""
@@ -66,6 +67,9 @@ class ReasoningStream:
 
     def finish(self) -> tuple[str, str]:
         held, self.held = self.held, ""
+        if self.state == "start" and held.lstrip() == OPEN:  # the block opened, then the answer was cut
+            self.state, self.reasoned = "reasoning", True
+            return "", ""
         return (held, "") if self.state == "reasoning" else ("", held)
 
 

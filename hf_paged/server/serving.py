@@ -161,7 +161,11 @@ class OpenAIServing:
         except (ValueError, TypeError, TemplateError) as err:
             raise _bad_request(err, "messages") from err
         parser = body.tool_parser(self.generator.tokenizer, text)
-        reasoning = ReasoningParser(text) if self.reasoning else None
+        # A JSON constraint (response_format, tool_choice required or named) holds from the first token: the whole
+        # answer is the JSON, its content. A regex, choice or grammar may spell out a reasoning block itself.
+        constraint = body.constraint()
+        json_answer = constraint is not None and (constraint.spec.json is not None or constraint.spec.json_object)
+        reasoning = ReasoningParser(text) if self.reasoning and not json_answer else None
         if parser is None:
             return token_ids, ChatFormat(self.decode, top_k, reasoning)
         return token_ids, ToolChatFormat(self.decode, top_k, parser, reasoning)
