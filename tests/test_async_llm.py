@@ -157,24 +157,15 @@ def test_the_event_loop_never_uses_the_engine_threads_tokenizer(smollm2, chat_pr
     engine = AsyncLLM.from_generator(generator)
     threads = set()
 
-    class Recording(type(generator.tokenizer)):
-        def __call__(self, *args, **kwargs):
+    def recorded(name):
+        def method(self, *args, **kwargs):
             threads.add(threading.get_ident())
-            return super().__call__(*args, **kwargs)
+            return getattr(super(recording, self), name)(*args, **kwargs)
+        return method
 
-        def apply_chat_template(self, *args, **kwargs):
-            threads.add(threading.get_ident())
-            return super().apply_chat_template(*args, **kwargs)
-
-        def encode(self, *args, **kwargs):
-            threads.add(threading.get_ident())
-            return super().encode(*args, **kwargs)
-
-        def decode(self, *args, **kwargs):
-            threads.add(threading.get_ident())
-            return super().decode(*args, **kwargs)
-
-    generator.tokenizer.__class__ = Recording
+    recording = type("Recording", (type(generator.tokenizer),), {
+        name: recorded(name) for name in ("__call__", "apply_chat_template", "encode", "decode")})
+    generator.tokenizer.__class__ = recording
     params = SamplingParams(temperature=0, max_tokens=4, bad_words=["Paris"])
 
     async def main():

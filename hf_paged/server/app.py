@@ -94,16 +94,10 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len)
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
-    if generation_config not in ("auto", "vllm"):
-        raise ValueError(f"generation_config is 'auto' or 'vllm', got {generation_config!r}")
-    model_config = getattr(generator.model, "generation_config", None) if generation_config == "auto" else None
-    defaults = SamplingParams.model_defaults(model_config)
-    if defaults:
-        logger.info("sampling settings a request leaves out come from the model's generation config: %s", defaults)
     if reasoning_parser is not None and reasoning_parser not in PARSERS:
         raise ValueError(f"reasoning_parser is one of {list(PARSERS)}, got {reasoning_parser!r}")
-    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, defaults,
-                            reasoning=reasoning_parser is not None)
+    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name,
+                            _sampling_defaults(generator, generation_config), reasoning=reasoning_parser is not None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -127,6 +121,17 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
             "max_model_len": generator.max_model_len}
     _install_routes(app, serving, card)
     return app
+
+
+def _sampling_defaults(generator: ContinuousBatchGenerator, generation_config: str) -> dict:
+    """What a request leaves out of its sampling settings: the model's generation config's ("auto") or none."""
+    if generation_config not in ("auto", "vllm"):
+        raise ValueError(f"generation_config is 'auto' or 'vllm', got {generation_config!r}")
+    model_config = getattr(generator.model, "generation_config", None) if generation_config == "auto" else None
+    defaults = SamplingParams.model_defaults(model_config)
+    if defaults:
+        logger.info("sampling settings a request leaves out come from the model's generation config: %s", defaults)
+    return defaults
 
 
 class GracefulServer(uvicorn.Server):
