@@ -134,6 +134,12 @@ class NativeDecoder:
         _watch_structure()
         self._bind(weights)
 
+    @property
+    def prefills_on_tiles(self) -> bool:
+        """Whether its prompt rows multiply on AMX tiles (bf16, on a CPU with AMX): prompts then prefill faster in
+        its steps than in longer Transformers forwards."""
+        return self.model.dtype == torch.bfloat16 and cpu_decoder.prompt_tiles()
+
     def linear_layers(self) -> list[nn.Module]:
         """The linear layers whose products the decoder computes with its own packed copy of their weights."""
         weights = set(map(id, self.weights.packed_from))

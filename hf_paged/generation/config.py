@@ -161,8 +161,8 @@ class EngineConfig:
         "weights halves the cache's memory and the bytes attention reads")
     max_num_seqs: int = _option("most sequences in one step (default: 256)", 256)
     max_num_batched_tokens: int | None = _option(
-        "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048; on CPU 512 when "
-        "the native decoder runs the model, which then takes every step; never below --max-num-seqs)")
+        "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048; 512 for bf16 "
+        "models the native decoder runs on a CPU with AMX, which then takes every step; never below --max-num-seqs)")
     max_model_len: int | None = _option(
         "longest prompt + output in tokens (default: the model's context, capped by the cache; more than either "
         "is refused)")

@@ -63,7 +63,7 @@ class DraftModel:
         self.runner = ModelRunner(model, self.kv, kv_manager, native)
         self.max_tokens = config.max_num_batched_tokens  # per draft forward
         if config.prepack_weights and model.device.type == "cpu":
-            prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers(self.max_tokens))
+            prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
         self.runner.graphs = decode_graphs(self.runner, config, max_model_len)
         self.computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft keys and values are written
 

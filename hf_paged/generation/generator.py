@@ -20,7 +20,6 @@ from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
 from ..distributed import (DistributedError, Lockstep, check_engine_config, is_tensor_parallel,
                            prepack_sharded_linear_layers, smallest_over_ranks)
 from ..integration import switch_to_paged_attention
-from ..kernels import cpu_decoder
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..native_decoder import NativeDecoder
 from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, cpu_kv_space
@@ -53,16 +52,14 @@ def _check_temperature_tuning(text_config, max_model_len: int, config: EngineCon
 
 
 def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> EngineConfig:
-    """``config`` with ``max_num_batched_tokens`` set: the caller's, else the steps the native decoder takes (512)
-    where it runs the model, so that every step runs natively (prompts prefill faster in its 512-token chunks than
-    in 2048-token Transformers forwards, and decodes wait less behind them), else 2048; never below
-    ``max_num_seqs`` (a step decodes every running sequence, as vLLM asks). Where the native decoder stops sooner
-    (fp32 on CPUs with AVX2 alone: oneDNN's GEMMs beat it on longer steps), long steps keep going to the
-    Transformers forward."""
+    """``config`` with ``max_num_batched_tokens`` set: the caller's, else the steps the native decoder takes where
+    it prefills on AMX tiles (bf16), so that every step runs natively (prompts prefill faster in its 512-token chunks
+    than in 2048-token Transformers forwards, and decodes wait less behind them), else 2048 (in fp32 its prefill of
+    long prompts is the slower); never below ``max_num_seqs`` (a step decodes every running sequence, as vLLM
+    asks)."""
     if config.max_num_batched_tokens is not None:
         return config
-    native_steps = native is not None and native.max_tokens >= cpu_decoder.MAX_TOKENS
-    budget = native.max_tokens if native_steps else DEFAULT_MAX_NUM_BATCHED_TOKENS
+    budget = native.max_tokens if native is not None and native.prefills_on_tiles else DEFAULT_MAX_NUM_BATCHED_TOKENS
     return config.replace(max_num_batched_tokens=max(budget, config.max_num_seqs))
 
 
@@ -134,8 +131,7 @@ class ContinuousBatchGenerator:
         try:
             self.runner = self._runner(config, native)
             if config.prepack_weights and model.device.type == "cpu":
-                native_only = self.runner.native_linear_layers(config.max_num_batched_tokens)
-                packed = prepack_linear_layers(model, keep_plain=native_only)
+                packed = prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
                 if self.lockstep is not None:
                     prepack_sharded_linear_layers(model)
             self.speculator = self._speculator(config)
