@@ -3,8 +3,6 @@ and `generate`; `KVCacheSpec`: their shape, read from a model config."""
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,21 +12,6 @@ from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from .kv_cache_manager import BlockCopy
 
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor for KV blocks (zeros, not empty: attention reads whole blocks and masks the unused rows, which
-    must stay finite). On CPU its memory is an anonymous mapping, whose pages the system gives, zeroed, as they are
-    first written: a cache sized for the worst case costs only what requests have filled (a 2 GiB default took 2 GiB
-    at start, whatever the model)."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # Private: a forked process gets its own copy on write, as of any other memory (a shared mapping it would share).
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
@@ -174,17 +157,16 @@ class PagedKVStorage:
         self.device = self.device or device
         shape = (self.num_blocks, self.spec.num_kv_heads, self.block_size, self.spec.head_dim)
         for _ in range(self.spec.num_cached_layers):
-            self.key_cache.append(zeros(shape, self.dtype, self.device))
-            self.value_cache.append(zeros(shape, self.dtype, self.device))
+            # Zeros, not empty: attention reads whole blocks and masks the unused rows, which must stay finite.
+            self.key_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.value_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def grow(self, num_blocks: int) -> None:
         """Add ``num_blocks`` blocks, copying the KV tensors into larger ones."""
         self.pool.grow(num_blocks)
         for caches in (self.key_cache, self.value_cache):
             for i, old in enumerate(caches):
-                grown = zeros((old.shape[0] + num_blocks, *old.shape[1:]), old.dtype, old.device)
-                grown[: old.shape[0]] = old
-                caches[i] = grown
+                caches[i] = torch.cat([old, old.new_zeros(num_blocks, *old.shape[1:])])
 
     def layer(self, layer_idx: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(k, v)`` block tensors of ``layer_idx`` as ``[num_blocks, block_size, num_kv_heads, head_dim]`` views,

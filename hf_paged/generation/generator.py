@@ -64,8 +64,8 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
 
 
 def _check_memory(size: int, option: str, device: torch.device) -> None:
-    """Refuse a KV cache larger than the machine's memory (on CPU; a GPU's allocator says so itself): its blocks,
-    taken from the system as they fill, would run it out of memory mid-serving and the process be killed."""
+    """Refuse a KV cache larger than the machine's memory (on CPU; a GPU's allocator says so itself): the zeroed
+    blocks would be overcommitted, then the process killed, or a bare MemoryError raised."""
     if device.type != "cpu":
         return
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
