@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("fastapi")
+pytest.importorskip("fastapi")  # the server extra, which the README's test command installs (.[test])
 
 from live_server import MODEL, live_server, tiny_generator  # noqa: E402
 
