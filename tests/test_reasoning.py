@@ -24,7 +24,7 @@ OPENS_THE_BLOCK = "<|im_start|>assistant\n<think>\n"
     (OPENS_THE_BLOCK, "still thinking", ("still thinking", None)),  # never closed: all reasoning
     (OPENS_THE_BLOCK, "plan it</think>", ("plan it", None)),
     ("<|im_start|>assistant\n", "  <think>plan</think>Done.", ("plan", "Done.")),  # the model opens it
-    ("<|im_start|>assistant\n", "Done. <think>not at the start</think>", (None, "Done. <think>not at the start</think>")),
+    ("<|im_start|>assistant\n", "Done. <think>late</think>", (None, "Done. <think>late</think>")),
     ("<|im_start|>assistant\n", "", (None, "")),
     ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Done.", (None, "Done.")),  # thinking turned off
     ("<think>old</think> then <|im_start|>assistant\n<think>", "a</think>b", ("a", "b")),
