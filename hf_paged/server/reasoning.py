@@ -11,6 +11,8 @@ token, is not split: it is all content.)
 
 from __future__ import annotations
 
+from .tool_calls import partial_tag
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -61,7 +63,7 @@ class ReasoningStream:
         if end >= 0:
             self.state = "content"
             return text[:end], text[end + len(CLOSE):]
-        keep = _partial_suffix(text, CLOSE)
+        keep = partial_tag(text, CLOSE)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
@@ -71,11 +73,3 @@ class ReasoningStream:
             self.state, self.reasoned = "reasoning", True
             return "", ""
         return (held, "") if self.state == "reasoning" else ("", held)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag``."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0

@@ -173,7 +173,7 @@ class ToolCallStream:
             # that a call may follow (a whole answer's content ends before it).
             start = self.text.find(OPEN_TAG, self.sent)
             self.holding = start >= 0
-            end = start if self.holding else len(self.text) - _partial_tag(self.text)
+            end = start if self.holding else len(self.text) - partial_tag(self.text)
             end = max(self.sent, len(self.text[:end].rstrip()))
             content, self.sent = self.text[self.sent:end], end
             self.scan = max(self.scan, self.sent)
@@ -193,7 +193,7 @@ class ToolCallStream:
             quoted = not written and self.text.startswith('"', self.args_start)
             upto = end
             if end is None:  # what may yet begin the block's end, or whitespace before it, waits
-                held = max(_partial_tag(self.text, CLOSE_TAG), _partial_tag(self.text, OPEN_TAG))
+                held = max(partial_tag(self.text, CLOSE_TAG), partial_tag(self.text, OPEN_TAG))
                 upto = len(self.text[:len(self.text) - held].rstrip())
             if upto > self.args_sent and (end is not None or not quoted):
                 entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
@@ -332,8 +332,8 @@ def _json_string(body: str) -> str | None:
         return None
 
 
-def _partial_tag(text: str, tag: str = OPEN_TAG) -> int:
-    """Length of the longest end of ``text`` that begins ``tag``, held back until it is decided."""
+def partial_tag(text: str, tag: str = OPEN_TAG) -> int:
+    """Length of the longest end of ``text`` that begins ``tag``: held back from a stream until it is decided."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
             return size
