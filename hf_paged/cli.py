@@ -119,10 +119,6 @@ def _http_options() -> argparse.ArgumentParser:
                              "vLLM's (default: *, any origin, as vLLM; '' sends no CORS headers)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="server log level (default: info)")
-    parser.add_argument("--reasoning-parser", default=None, metavar="{deepseek_r1,qwen3}",
-                        help="answer a thinking model's reasoning (between <think> and </think>) in the chat reply's "
-                             "reasoning and reasoning_content fields, apart from its content, as vLLM's (both names "
-                             "read these tags)")
     vllm = parser.add_argument_group("vLLM's flags, for its command lines: what they ask is always so here")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="tool_choice auto is always served (calls read from hermes blocks or the tokenizer's "
@@ -385,7 +381,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(parser, args),
-                     generation_config=args.generation_config, reasoning_parser=args.reasoning_parser)
+                     generation_config=args.generation_config)
     scheme = "https" if args.ssl_certfile else "http"
     logging.getLogger("hf_paged").info("serving %r on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)", name, scheme,
                                        args.host, args.port, args.root_path, generator.max_model_len,
@@ -436,13 +432,6 @@ def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> 
     return sock
 
 
-def _check_reasoning_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from .server.reasoning import PARSERS
-
-    if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
-        parser.error(f"--reasoning-parser: one of {', '.join(PARSERS)}, not {args.reasoning_parser!r}")
-
-
 def _check_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.vllm_prefix_caching and not args.enable_prefix_caching:
         parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
@@ -454,7 +443,6 @@ def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     _check_vllm_flags(parser, args)
     _check_uvicorn_options(parser, args)
-    _check_reasoning_parser(parser, args)
     allowed_origins(parser, args)  # its refusal, before the model loads
     return api_key(parser, args), server_limits(parser, args)
 
@@ -522,7 +510,6 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.threads is not None:
         parser.error("--threads is not taken by serve-ray: each replica uses its --replica-cpus")
     _check_vllm_flags(parser, args)
-    _check_reasoning_parser(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:
@@ -532,7 +519,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            args.generation_config, args.device, server_limits(parser, args),
-                           tuple(allowed_origins(parser, args)), args.trust_remote_code, args.reasoning_parser)
+                           tuple(allowed_origins(parser, args)), args.trust_remote_code)
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

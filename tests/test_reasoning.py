@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import copy
 import re
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")  # the server extra, which the README's test command installs (.[test])
 
-from live_server import MODEL, live_server, tiny_generator  # noqa: E402
+from live_server import MODEL, live_server, tiny_generator, tiny_model  # noqa: E402
 
+from hf_paged import ContinuousBatchGenerator, SamplingParams, StructuredOutputsParams  # noqa: E402
+from hf_paged.reasoning import CLOSE, OPEN, ReasoningParser  # noqa: E402
 from hf_paged.server import create_app  # noqa: E402
-from hf_paged.server.reasoning import ReasoningParser  # noqa: E402
 
 OPENS_THE_BLOCK = "<|im_start|>assistant\n<think>\n"
 
@@ -59,57 +60,90 @@ THINKING_TEMPLATE = (
     "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
 
 
+def thinking_model(smollm2_path):
+    """`tiny_model` with a thinking template, whose tokenizer holds <think> and </think> as tokens (as Qwen3's and
+    DeepSeek-R1's do)."""
+    model, tokenizer = tiny_model(smollm2_path)
+    tokenizer.add_tokens([OPEN, CLOSE])
+    model.resize_token_embeddings(len(tokenizer))
+    tokenizer.chat_template = THINKING_TEMPLATE
+    return model, tokenizer
+
+
 @pytest.fixture(scope="module")
 def thinking_server(smollm2_path):
-    generator = tiny_generator(smollm2_path)
-    generator.tokenizer = copy.deepcopy(generator.tokenizer)
-    generator.tokenizer.chat_template = THINKING_TEMPLATE
-    generator.inputs.tokenizer = generator.tokenizer
-    with live_server(create_app(generator, MODEL, reasoning_parser="deepseek_r1")) as live:
+    generator = ContinuousBatchGenerator(*thinking_model(smollm2_path), num_blocks=256, reasoning_parser="deepseek_r1")
+    with live_server(create_app(generator, MODEL)) as live:
+        live.close_id = generator.tokenizer.convert_tokens_to_ids(CLOSE)
         yield live
+
+
+def _replies(client, asked: dict) -> tuple[dict, dict]:
+    """The reply's reasoning and content fields, and those of the same request streamed (joined)."""
+    message = client.chat.completions.create(**asked).choices[0].message
+    whole = {field: getattr(message, field, None) for field in ("reasoning", "reasoning_content", "content")}
+    streamed = dict.fromkeys(whole, "")
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for field in streamed:
+            streamed[field] += getattr(delta, field, None) or ""
+    return whole, streamed
 
 
 def test_replies_carry_their_reasoning_apart_streamed_or_not(thinking_server):
     import openai
 
     client = openai.OpenAI(base_url=f"{thinking_server.base}/v1", api_key="none", max_retries=0, timeout=60)
-    asked = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=40,
-                 extra_body={"structured_outputs": {"regex": "[a-z]{3,8}</think>[a-z]{2,6}"}})
-    message = client.chat.completions.create(**asked).choices[0].message
-    reasoning, content = message.reasoning, message.content
-    assert message.reasoning_content == reasoning and 3 <= len(reasoning) <= 8 and reasoning.isalpha()
-    assert 2 <= len(content) <= 6 and content.isalpha()
-    streamed = {"reasoning": "", "reasoning_content": "", "content": ""}
-    for chunk in client.chat.completions.create(**asked, stream=True):
-        delta = chunk.choices[0].delta if chunk.choices else None
-        for field in streamed:
-            streamed[field] += getattr(delta, field, None) or ""
-    assert streamed == {"reasoning": reasoning, "reasoning_content": reasoning, "content": content}
-    # Thinking turned off in the template: the block is closed in the prompt, the whole answer is content.
-    off = client.chat.completions.create(**{**asked, "extra_body": {**asked["extra_body"],
-                                                                   "chat_template_kwargs": {"enable_thinking": False}}})
-    assert re.fullmatch("[a-z]{3,8}</think>[a-z]{2,6}", off.choices[0].message.content)
+    asked = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=6)
+    # The random model never closes the block: all reasoning.
+    whole, streamed = _replies(client, asked)
+    assert whole["content"] is None and whole["reasoning"] and whole["reasoning_content"] == whole["reasoning"]
+    assert streamed == {**whole, "content": ""}
+    left_out, streamed = _replies(client, {**asked, "extra_body": {"include_reasoning": False}})
+    assert left_out == {"reasoning": None, "reasoning_content": None, "content": None}
+    assert streamed == {"reasoning": "", "reasoning_content": "", "content": ""}
+    # The block closed (its token pushed first): the constraint holds from there, in the content.
+    closing = {**asked, "max_tokens": 12, "logit_bias": {str(thinking_server.close_id): 100},
+               "extra_body": {"structured_outputs": {"regex": "[a-z]{2,6}"}}}
+    whole, streamed = _replies(client, closing)
+    assert whole["reasoning"] == "" and re.fullmatch("[a-z]{2,6}", whole["content"])
+    assert streamed == {**whole, "reasoning": ""}
+    # Thinking turned off in the template: the block is closed in the prompt, the constraint holds from the first
+    # token (which the pushed </think> is not) and the whole answer is content.
+    thinking_off = {**closing["extra_body"], "chat_template_kwargs": {"enable_thinking": False}}
+    off = client.chat.completions.create(**{**closing, "extra_body": thinking_off})
+    assert re.fullmatch("[a-z]{2,6}", off.choices[0].message.content)
     assert getattr(off.choices[0].message, "reasoning", None) is None
-    # Cut before the block closes: all reasoning.
-    cut = client.chat.completions.create(**{**asked, "max_tokens": 2}).choices[0].message
-    assert cut.content is None and cut.reasoning and reasoning.startswith(cut.reasoning)
-    # A JSON constraint holds from the first token: the answer is all content, and calls are read from it.
+    # JSON constraints too start after the reasoning: the JSON is the content, and calls are read from it.
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     for extra in ({"response_format": {"type": "json_object"}}, {"tools": tools, "tool_choice": "required"}):
-        answer = client.chat.completions.create(**{**asked, "extra_body": {}, "max_tokens": 24, **extra})
+        answer = client.chat.completions.create(**{**closing, "extra_body": {}, "max_tokens": 24, **extra})
         message = answer.choices[0].message
-        assert getattr(message, "reasoning", None) is None
+        assert message.reasoning == ""
         assert message.tool_calls if "tools" in extra else message.content.startswith("{")
+
+
+def test_a_constraint_starts_when_the_reasoning_block_its_prompt_opens_ends(smollm2_path):
+    model, tokenizer = thinking_model(smollm2_path)
+    close = tokenizer.convert_tokens_to_ids(CLOSE)
+    params = SamplingParams(temperature=0, max_tokens=8, logit_bias={close: 100},  # closes the block at once
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    prompts = ["<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n"]
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, reasoning_parser="qwen3")
+    thinking, direct = [output.outputs[0].text for output in generator.run(prompts, params)]
+    assert thinking in ("</think>yes", "</think>no") and direct in ("yes", "no")
+    without = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
+    assert all(output.outputs[0].text in ("yes", "no") for output in without.run(prompts, params))
 
 
 def test_an_unknown_reasoning_parser_is_refused(smollm2_path, capsys):
     from hf_paged.cli import main
 
-    with pytest.raises(ValueError, match="reasoning_parser"):
-        create_app(tiny_generator(smollm2_path, num_blocks=16), MODEL, reasoning_parser="granite")
+    with pytest.raises(ValueError, match="reasoning_parser is one of deepseek_r1, qwen3, got 'granite'"):
+        tiny_generator(smollm2_path, num_blocks=16, reasoning_parser="granite")
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", smollm2_path, "--reasoning-parser", "granite", "--port", "0"])
-    assert exit_info.value.code == 2 and "--reasoning-parser: one of deepseek_r1, qwen3" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "reasoning_parser is one of deepseek_r1, qwen3" in capsys.readouterr().err
 
 
 def test_tool_calls_are_read_from_the_content_after_the_reasoning():
@@ -135,3 +169,52 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning():
             assert "content" not in sent["delta"]
     assert reasoning == "call <tool_call> later" and [c["function"]["name"] for c in calls] == ["get_time"]
     assert sent["finish_reason"] == "tool_calls"
+
+
+def test_the_scheduler_starts_a_grammar_after_the_tokens_that_close_the_block(smollm2_path):
+    """Model-free, SmolLM2's tokenizer (where </think> is three tokens): a request whose prompt opens the block is
+    unconstrained until the tag's tokens come, then its grammar takes the tokens after them; one whose prompt does
+    not is constrained from its first token."""
+    from test_scheduler import assert_no_leak, step
+    from transformers import AutoTokenizer
+
+    from hf_paged.cache import BlockPool, KVCacheManager
+    from hf_paged.generation.config import EngineConfig
+    from hf_paged.generation.detokenizer import Detokenizer
+    from hf_paged.generation.sampler import build_sampling_batch
+    from hf_paged.generation.scheduler import Scheduler
+    from hf_paged.generation.sequence import Request
+    from hf_paged.generation.structured_outputs import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    config = EngineConfig(block_size=4, max_num_batched_tokens=2048, reasoning_parser="qwen3")
+    scheduler = Scheduler(config, KVCacheManager(BlockPool(64, 4), True), Detokenizer(tokenizer), 256)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = compiler.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    grammar.result(timeout=60)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    answers = {"thinking": ids("plan it") + ids(CLOSE) + ids("yes") + [tokenizer.eos_token_id],
+               "direct": ids("no") + [tokenizer.eos_token_id]}
+    requests = [Request(name, None, ids(prompt), SamplingParams(temperature=0, max_tokens=20), seed=0,
+                        eos_token_ids=frozenset({tokenizer.eos_token_id}), grammar=grammar)
+                for name, prompt in (("thinking", OPENS_THE_BLOCK), ("direct", "<|im_start|>assistant\n"))]
+    for request in requests:
+        scheduler.add(request)
+    assert scheduler.admit_compiled() == []
+    thinking, direct = (request.seqs[0] for request in requests)
+    assert thinking.matcher is None and thinking.in_reasoning and direct.matcher is not None
+    closed_at = len(ids("plan it")) + len(ids(CLOSE))
+    while scheduler.has_work():
+        constrained = [seq for seq in (thinking, direct) if not seq.is_finished and seq.matcher is not None]
+        draws = [(seq, 0) for seq in (thinking, direct) if not seq.is_finished]
+        masked = build_sampling_batch(draws, torch.device("cpu")).token_bitmask
+        assert [draws[row][0] for row in (masked[1] if masked else [])] == constrained
+        assert (thinking.matcher is None) == (thinking.num_output_tokens < closed_at)
+        step(scheduler, lambda seq, k: answers[seq.request.request_id][seq.num_output_tokens])
+    assert thinking.text == "plan it</think>yes" and direct.text == "no"
+    assert thinking.finish_reason == direct.finish_reason == "stop"
+    assert_no_leak(scheduler)
+    compiler.shutdown()

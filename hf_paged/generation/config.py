@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import DEFAULT_BLOCK_SIZE
+from ..reasoning import PARSERS
 
 DEFAULT_CPU_KV_MEMORY = 2 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -180,6 +181,10 @@ class EngineConfig:
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4} (prompt lookup), or "
         "{\"model\": \"/path/to/draft\", \"num_speculative_tokens\": 4} (a draft model with the same tokenizer); "
         "greedy outputs stay token-identical (default: off)", type_=parse_speculative_config)
+    reasoning_parser: str | None = _option(
+        "a thinking model's reasoning (between <think> and </think>) is read apart: the chat reply answers it in "
+        "its reasoning and reasoning_content fields, apart from the content, and a structured output starts after "
+        f"it (vLLM's; one of {', '.join(PARSERS)}: both read these tags) (default: none)", type_=str)
     seed: int | None = _option(
         "seed of the draws of requests that give no seed of their own (vLLM's): sampled outputs then repeat when "
         "the same requests come in the same order (default: none, different every run)")
@@ -209,6 +214,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2 (a prompt token and an output "
                              f"token), got {self.max_model_len!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"EngineConfig.reasoning_parser is one of {', '.join(PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if isinstance(self.kv_cache_dtype, torch.dtype):  # accepted as a dtype, kept as its name
             object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).removeprefix("torch."))
         if self.kv_cache_dtype == "auto":

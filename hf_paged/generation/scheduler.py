@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..cache import KVCacheManager
 from ..cache.kv_cache_manager import BlockCopy
+from ..reasoning import ReasoningEnd
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .outputs import ranked_logprobs
@@ -66,6 +67,7 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.detokenizer = detokenizer
         self.max_model_len = max_model_len
+        self.reasoning_end = ReasoningEnd(detokenizer.tokenizer) if config.reasoning_parser else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.compiling: dict[str, Request] = {}  # constrained requests whose grammar is not compiled yet, by id
@@ -100,9 +102,17 @@ class Scheduler:
                 self.fail(request, str(error), getattr(error, "param", None))
                 failed.append(request)
             else:
-                request.seqs[0].matcher = GrammarMatcher.of(request.grammar.result())
-                self.waiting.append(request.seqs[0])
+                self._queue_constrained(request.seqs[0])
         return failed
+
+    def _queue_constrained(self, seq: Sequence) -> None:
+        """Queue a request whose grammar compiled: constrained from its first token, or, when its prompt opens a
+        reasoning block (a reasoning parser is set), from the end of the block (see `_append`)."""
+        if self.reasoning_end is not None and self.reasoning_end.waits(seq.request.prompt_token_ids):
+            seq.in_reasoning = True
+        else:
+            seq.matcher = GrammarMatcher.of(seq.request.grammar.result())
+        self.waiting.append(seq)
 
     # ------------------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -313,6 +323,8 @@ class Scheduler:
             # The grammar is complete: its end token came (min_tokens cannot hold it back, and it is the reason even
             # as the last token max_tokens allows); its text goes, as EOS's.
             stop = Stop("stop", None, None if params.include_stop_str_in_output else len(seq.text) - len(new_text))
+        if seq.in_reasoning and self.reasoning_end.ended(seq.token_ids, seq.num_output_tokens):
+            seq.in_reasoning, seq.matcher = False, GrammarMatcher.of(seq.request.grammar.result())
         if stop is not None:
             if stop.text_end is not None:
                 seq.text = seq.text[: stop.text_end]

@@ -49,6 +49,7 @@ class Sequence:
         self.num_sent_chars = 0
         self.sent_finish = False
         self.matcher = None  # a structured_outputs.GrammarMatcher over the output, for a constrained request
+        self.in_reasoning = False  # in a reasoning block its constraint starts after (`reasoning.ReasoningEnd`)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +79,7 @@ class Sequence:
         child.status = self.status
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         child.matcher = self.matcher.fork() if self.matcher is not None else None
+        child.in_reasoning = self.in_reasoning
         self.request.seqs.append(child)
         return child
 

@@ -33,7 +33,6 @@ class ReplicaSpec:
     limits: ServerLimits = field(default_factory=ServerLimits)  # each replica's (the ingress checks the body's too)
     allowed_origins: tuple[str, ...] = ("*",)  # CORS, as `create_app`'s
     trust_remote_code: bool = False  # `loading.load_model`'s
-    reasoning_parser: str | None = None  # `create_app`'s
 
     def load(self):
         """The replica's generator (call on the replica)."""
@@ -52,8 +51,7 @@ class EngineReplica:
 
         self.generator = spec.load()
         self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key, limits=spec.limits,
-                              allowed_origins=list(spec.allowed_origins), generation_config=spec.generation_config,
-                              reasoning_parser=spec.reasoning_parser)
+                              allowed_origins=list(spec.allowed_origins), generation_config=spec.generation_config)
         self.app.state.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
 

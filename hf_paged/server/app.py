@@ -69,7 +69,6 @@ from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper, RequestIds
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from .reasoning import PARSERS
 from .serving import OpenAIServing
 from .tokenization import PromptEncoder
 
@@ -78,14 +77,13 @@ logger = logging.getLogger(__name__)
 
 def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
                api_key: str | Sequence[str] | None = None, limits: ServerLimits | None = None,
-               allowed_origins: Sequence[str] = ("*",), generation_config: str = "auto",
-               reasoning_parser: str | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] = ("*",), generation_config: str = "auto") -> FastAPI:
     """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``, to clients that send
     ``api_key`` (or any of several; None: no key asked) on its ``/v1`` routes; browsers may call
     it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty). With ``generation_config``
     ``"auto"`` (vLLM's default), what a request leaves out of the sampling settings the model's generation config
-    recommends is taken from it; with ``"vllm"``, OpenAI's defaults hold. A ``reasoning_parser`` (vLLM's names, see
-    `reasoning.PARSERS`) answers chat replies' reasoning apart from their content.
+    recommends is taken from it; with ``"vllm"``, OpenAI's defaults hold. With the engine's ``reasoning_parser``,
+    chat replies answer their reasoning apart from their content.
 
     The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
     stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
@@ -94,10 +92,9 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len)
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
-    if reasoning_parser is not None and reasoning_parser not in PARSERS:
-        raise ValueError(f"reasoning_parser is one of {list(PARSERS)}, got {reasoning_parser!r}")
     serving = OpenAIServing(generator, engine, encoder, limits, served_model_name,
-                            _sampling_defaults(generator, generation_config), reasoning=reasoning_parser is not None)
+                            _sampling_defaults(generator, generation_config),
+                            reasoning=generator.config.reasoning_parser is not None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -22,7 +22,7 @@ from ..chat_template import TEMPLATE_PARAMETERS
 from ..generation import (
     CompletionOutput, InvalidParameter, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams,
 )
-from .reasoning import ReasoningParser, ReasoningStream
+from ..reasoning import ReasoningParser, ReasoningStream
 from .tool_calls import ToolCallParser, calls_schema, tool_functions
 
 if TYPE_CHECKING:
@@ -370,6 +370,7 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out of the reply
 
     def tool_choice_mode(self) -> tuple[str, str | None]:
         """``("none" | "auto" | "required", None)``, or ``("named", the function's name)``; raises
@@ -589,15 +590,16 @@ class CompletionFormat:
 class ChatFormat(CompletionFormat):
     """Choices of ``/v1/chat/completions`` (``chat.completion`` objects). With a `ReasoningParser`, an answer's
     reasoning goes in ``message.reasoning`` (vLLM's field) and ``message.reasoning_content`` (its former name, and
-    DeepSeek's), streamed in ``delta`` fields of the same names."""
+    DeepSeek's), streamed in ``delta`` fields of the same names; without ``include_reasoning`` it is left out."""
 
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prompt_fields_at = "response"
 
-    def __init__(self, decode: TokenText, top_k: int | None, reasoning: ReasoningParser | None = None):
+    def __init__(self, decode: TokenText, top_k: int | None, reasoning: ReasoningParser | None = None,
+                 include_reasoning: bool = True):
         super().__init__(decode, top_k)
-        self.reasoning = reasoning
+        self.reasoning, self.include_reasoning = reasoning, include_reasoning
         self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
@@ -615,6 +617,7 @@ class ChatFormat(CompletionFormat):
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         reasoning, content = (None, output.text) if self.reasoning is None else self.reasoning.split(output.text)
+        reasoning = reasoning if self.include_reasoning else None
         return {"index": index, "message": {"role": "assistant", "content": content, **_reasoning_fields(reasoning)},
                 "logprobs": self.logprobs(output.token_ids, output.logprobs, 0), "finish_reason": output.finish_reason,
                 "stop_reason": output.stop_reason}
@@ -634,7 +637,7 @@ class ChatFormat(CompletionFormat):
         if last:
             rest_reasoning, rest_content = stream.finish()
             reasoning, content = reasoning + rest_reasoning, content + rest_content
-        return reasoning, content
+        return reasoning if self.include_reasoning else "", content
 
     @staticmethod
     def chunk(index: int, reasoning: str, content: str, logprobs: dict | None, finish_reason: str | None,
@@ -655,8 +658,8 @@ class ToolChatFormat(ChatFormat):
     ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``."""
 
     def __init__(self, decode: TokenText, top_k: int | None, parser: ToolCallParser,
-                 reasoning: ReasoningParser | None = None):
-        super().__init__(decode, top_k, reasoning)
+                 reasoning: ReasoningParser | None = None, include_reasoning: bool = True):
+        super().__init__(decode, top_k, reasoning, include_reasoning)
         self.parser = parser
         self.streams = {}
 

@@ -33,7 +33,7 @@ from .protocol import (
     error_body,
     usage,
 )
-from .reasoning import ReasoningParser
+from ..reasoning import ReasoningParser
 from .tokenization import PromptEncoder, check_text
 
 logger = logging.getLogger(__name__)
@@ -161,14 +161,12 @@ class OpenAIServing:
         except (ValueError, TypeError, TemplateError) as err:
             raise _bad_request(err, "messages") from err
         parser = body.tool_parser(self.generator.tokenizer, text)
-        # A JSON constraint (response_format, tool_choice required or named) holds from the first token: the whole
-        # answer is the JSON, its content. A regex, choice or grammar may spell out a reasoning block itself.
-        constraint = body.constraint()
-        json_answer = constraint is not None and (constraint.spec.json is not None or constraint.spec.json_object)
-        reasoning = ReasoningParser(text) if self.reasoning and not json_answer else None
+        # A constraint (response_format, tool_choice required or named) starts after the reasoning (the engine's
+        # `ReasoningEnd` reads the same prompt), so the content is what it constrains.
+        reasoning = ReasoningParser(text) if self.reasoning else None
         if parser is None:
-            return token_ids, ChatFormat(self.decode, top_k, reasoning)
-        return token_ids, ToolChatFormat(self.decode, top_k, parser, reasoning)
+            return token_ids, ChatFormat(self.decode, top_k, reasoning, body.include_reasoning)
+        return token_ids, ToolChatFormat(self.decode, top_k, parser, reasoning, body.include_reasoning)
 
     async def submit(self, body: GenerationRequest, prompts: list, params: SamplingParams, request_ids: list[str],
                      prompt_param: str) -> RequestStream:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..chat_template import CLOSE_TAG, NOT_JSON, OPEN_TAG
 from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
+from ..reasoning import partial_tag
 
 # A block ends at its closing tag, where the next block opens, or where the text ends.
 _HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*((?:(?!" + re.escape(OPEN_TAG) + r").)*?)\s*(?:"
@@ -173,7 +174,7 @@ class ToolCallStream:
             # that a call may follow (a whole answer's content ends before it).
             start = self.text.find(OPEN_TAG, self.sent)
             self.holding = start >= 0
-            end = start if self.holding else len(self.text) - partial_tag(self.text)
+            end = start if self.holding else len(self.text) - partial_tag(self.text, OPEN_TAG)
             end = max(self.sent, len(self.text[:end].rstrip()))
             content, self.sent = self.text[self.sent:end], end
             self.scan = max(self.scan, self.sent)
@@ -330,11 +331,3 @@ def _json_string(body: str) -> str | None:
         return json.loads(f'"{body}"')
     except ValueError:
         return None
-
-
-def partial_tag(text: str, tag: str = OPEN_TAG) -> int:
-    """Length of the longest end of ``text`` that begins ``tag``: held back from a stream until it is decided."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

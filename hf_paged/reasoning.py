@@ -1,27 +1,64 @@
-"""Reasoning parsers (``hf-paged serve --reasoning-parser``, vLLM's): a thinking model's answer split into its
-reasoning, between ``<think>`` and ``</think>``, and its content after them.
+"""Reasoning blocks: a thinking model's reasoning, between ``<think>`` and ``</think>``, before its answer's content.
+
+With a reasoning parser (``EngineConfig.reasoning_parser``, vLLM's ``--reasoning-parser``) the server answers the
+reasoning apart from the content (`ReasoningParser`), and the engine starts a request's structured output after the
+block (`ReasoningEnd`), so a thinking model thinks freely and then answers in the constrained form.
 
 Whether an answer starts inside the reasoning is read from the end of its prompt: templates that open the block
 themselves (DeepSeek-R1's, Qwen3's newer ones) end the prompt with ``<think>``; Qwen3's with ``enable_thinking=False``
 end it with an empty, closed block, and others with no tag. Otherwise an answer that opens with ``<think>`` (after
 blank space) reasons until ``</think>``. An answer that never closes its block is all reasoning. vLLM's parser names
-``deepseek_r1`` and ``qwen3`` both read these tags. (An answer under a JSON constraint, which holds from its first
-token, is not split: it is all content.)
+``deepseek_r1`` and ``qwen3`` both read these tags.
 """
 
 from __future__ import annotations
 
-from .tool_calls import partial_tag
-
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether an answer to ``prompt`` starts inside a reasoning block: the prompt ends by opening one (not a tag
+    that a message quotes)."""
+    return prompt.rstrip().endswith(OPEN)
+
+
+class ReasoningEnd:
+    """The engine's side: which requests' structured outputs wait for the end of a reasoning block, and where it is.
+
+    Only answers whose prompt opens the block wait (an answer that might open one itself is constrained from its
+    first token, so a grammar that does not allow the tag keeps it out). The block ends at the tokens of ``</think>``
+    (one token in the tokenizers of Qwen3 and DeepSeek-R1).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids = tokenizer.encode(CLOSE, add_special_tokens=False)
+
+    def waits(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the answer to this prompt reasons before its grammar starts."""
+        return opens_reasoning(self.tokenizer.decode(prompt_token_ids[-16:]))
+
+    def ended(self, token_ids: list[int], num_output_tokens: int) -> bool:
+        """Whether the newest tokens of an output (the last ``num_output_tokens`` of ``token_ids``) close the
+        block."""
+        size = len(self.token_ids)
+        return num_output_tokens >= size and token_ids[-size:] == self.token_ids
+
+
+def partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag``: held back from a stream until it is decided."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
 
 
 class ReasoningParser:
     """Splits the answers to one prompt; `split` reads a whole answer, `stream` one that comes in pieces."""
 
     def __init__(self, prompt: str):
-        self.starts_inside = prompt.rstrip().endswith(OPEN)  # not a tag that a message quotes
+        self.starts_inside = opens_reasoning(prompt)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)``; None for a part the answer does not have."""
