@@ -123,6 +123,24 @@ def test_replies_carry_their_reasoning_apart_streamed_or_not(thinking_server):
         assert message.tool_calls if "tools" in extra else message.content.startswith("{")
 
 
+def test_a_response_answers_the_reasoning_as_its_own_item(thinking_server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{thinking_server.base}/v1", api_key="none", max_retries=0, timeout=60)
+    asked = dict(model=MODEL, input="Hi", temperature=0, max_output_tokens=6)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                          max_tokens=6).choices[0].message
+    [item] = client.responses.create(**asked).output  # never closed: all reasoning
+    assert item.type == "reasoning" and item.content[0].text == chat.reasoning
+    events = list(client.responses.create(**asked, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat.reasoning
+    assert [item.type for item in events[-1].response.output] == ["reasoning"]
+    closing = {**asked, "max_output_tokens": 12, "extra_body": {"logit_bias": {str(thinking_server.close_id): 100}},
+               "text": {"format": {"type": "json_object"}}}
+    [message] = client.responses.create(**closing).output  # the block closed at once: no reasoning to answer
+    assert message.type == "message" and message.content[0].text.startswith("{")
+
+
 def test_a_constraint_starts_when_the_reasoning_block_its_prompt_opens_ends(smollm2_path):
     model, tokenizer = thinking_model(smollm2_path)
     close = tokenizer.convert_tokens_to_ids(CLOSE)

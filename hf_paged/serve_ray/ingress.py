@@ -21,6 +21,7 @@ from ..generation.inputs import Prompt, tokenize_prompt
 from ..server.limits import ServerLimits
 from ..server.middleware import Gatekeeper
 from ..server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from ..server.responses import ResponsesRequest
 from .affinity import prefix_hashes
 from .asgi import HTTPRequest, HTTPResponseStart
 from .metrics import merged_metrics
@@ -32,8 +33,10 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
 def _prompt(path: str, body: bytes) -> Prompt | None:
-    if path == "/v1/chat/completions":
-        return [m.to_template_dict() for m in ChatCompletionRequest.model_validate_json(body).messages]
+    if path in ("/v1/chat/completions", "/v1/responses"):
+        chat = ChatCompletionRequest.model_validate_json(body) if path == "/v1/chat/completions" else \
+            ResponsesRequest.model_validate_json(body).to_chat()
+        return [m.to_template_dict() for m in chat.messages]
     if path == "/v1/completions":
         prompts = CompletionRequest.model_validate_json(body).prompts()
         return prompts[0] if prompts else None

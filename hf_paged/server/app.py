@@ -69,6 +69,7 @@ from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper, RequestIds
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .responses import ResponsesRequest
 from .serving import OpenAIServing
 from .tokenization import PromptEncoder
 
@@ -189,6 +190,14 @@ def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await serving.responses(body, request)
+
+    _install_token_routes(app, serving)
+
+
+def _install_token_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]) -> dict:
         model = ChatCompletionRequest if "messages" in body else TokenizeRequest

@@ -11,13 +11,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from ..chat_template import render_prompt
 from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
+from ..reasoning import ReasoningParser
 from .limits import ServerLimits
 from .middleware import overloaded
 from .protocol import (
@@ -33,7 +34,7 @@ from .protocol import (
     error_body,
     usage,
 )
-from ..reasoning import ReasoningParser
+from .responses import ResponseEvents, ResponsesRequest, output_items, response_usage
 from .tokenization import PromptEncoder, check_text
 
 logger = logging.getLogger(__name__)
@@ -69,15 +70,42 @@ class OpenAIServing:
         return await self.serve(body, prompts, fmt, params, "cmpl", "prompt", request)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        prompt, fmt, params = await self.chat_call(body, "messages")
+        return await self.serve(body, [prompt], fmt, params, "chatcmpl", "messages", request)
+
+    async def chat_call(self, body: ChatCompletionRequest, param: str) -> tuple[list, ChatFormat, SamplingParams]:
+        """A chat request checked, its constraint compiled and its prompt rendered: the prompt, the answer's format
+        and the sampling parameters (a bad field is a 400, naming ``param`` when it names none itself)."""
         self.check_request(body)
         try:
             params = body.to_sampling_params(self.sampling_defaults)
             messages = [message.to_template_dict() for message in body.messages]
         except ValueError as err:
-            raise _bad_request(err, "messages") from err
+            raise _bad_request(err, param) from err
         await self.compile_constraint(body)
         prompt, fmt = await self.chat_prompt(body, messages, (body.top_logprobs or 0) if body.logprobs else None)
-        return await self.serve(body, [prompt], fmt, params, "chatcmpl", "messages", request)
+        return prompt, fmt, params
+
+    async def responses(self, body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API: the request runs as the chat request it makes, answered as output items."""
+        try:
+            chat = body.to_chat()
+        except ValueError as err:
+            raise _bad_request(err, "input") from err
+        prompt, fmt, params = await self.chat_call(chat, "input")
+        request_id = f"resp-{uuid.uuid4().hex}"
+        stream = await self.submit(chat, [prompt], params, [request_id], "input")
+        events = ResponseEvents(body, self.served_model_name)
+        if body.stream:
+            return StreamingResponse(_response_events(stream, fmt, events), media_type="text/event-stream")
+        outputs = await _finished_outputs(stream, [request_id], request)
+        if outputs is None:
+            return Response(status_code=499)  # the client has gone: nobody reads this
+        output, completion = outputs[0], outputs[0].outputs[0]
+        status = "incomplete" if completion.finish_reason == "length" else "completed"
+        items = output_items(fmt.choice(0, completion)["message"], status)
+        used = response_usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens)
+        return JSONResponse(body.answer(events.id, events.created, self.served_model_name, status, items, used))
 
     async def tokenize(self, body: TokenizeRequest | ChatCompletionRequest) -> dict:
         """vLLM's ``/tokenize``: the token ids the server would run for a completion's prompt or a chat's messages
@@ -378,5 +406,31 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
     except (EngineError, APIError) as err:
         yield f"data: {json.dumps(_error_event(err))}\n\n"
         yield "data: [DONE]\n\n"
+    finally:
+        stream.close()
+
+
+async def _response_events(stream: RequestStream, fmt: ChatFormat, events: ResponseEvents) -> AsyncIterator[str]:
+    """Server-sent events of a streamed response (see `responses.ResponseEvents`); a failure ends it with an
+    ``error`` event."""
+    output_tokens, cached, status = 0, 0, "completed"
+    try:
+        for event in events.start():
+            yield event
+        async for output in stream:
+            if output.error is not None:
+                raise _failure(output)
+            cached = output.num_cached_tokens
+            for choice in output.outputs:
+                output_tokens += len(choice.token_ids)
+                status = "incomplete" if choice.finish_reason == "length" else status
+                sent = fmt.chunk_choice(0, choice.text, choice.token_ids, None, 0, choice.finish_reason)
+                for event in events.delta(sent["delta"] if sent else {}):
+                    yield event
+        for event in events.finish(status, response_usage(stream.num_prompt_tokens, output_tokens, cached)):
+            yield event
+    except (EngineError, APIError) as err:
+        error = _error_event(err)["error"]
+        yield events.event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
     finally:
         stream.close()

@@ -1,0 +1,284 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless as vLLM's is without a store.
+
+A request becomes a chat request: ``instructions`` and the ``input`` items as messages (function calls and their
+outputs as tool calls and tool messages), ``text.format`` as ``response_format``, function tools as chat tools,
+``max_output_tokens`` as ``max_completion_tokens``; fields of neither API's core (vLLM's ``top_k``,
+``structured_outputs``, ``chat_template_kwargs``, ...) pass on as they are. It runs as that chat request does, and its
+answer is written as output items: the reasoning (with a reasoning parser), the message, the function calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..generation.sampling_params import InvalidParameter
+from .protocol import ChatCompletionRequest
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ITEMS = "message, function_call, function_call_output, reasoning"
+_FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
+
+
+class ResponsesRequest(BaseModel):
+    """Body of ``POST /v1/responses``."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    store: bool | None = None  # nothing is stored here: the answer says false
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None  # effort and summary: the chat template decides how a model reasons
+    include: list[str] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    background: bool | None = None
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: no obfuscation is added here
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat request this one runs as; raises `InvalidParameter` naming the field it cannot take."""
+        if self.previous_response_id is not None:
+            raise InvalidParameter("previous_response_id", "previous_response_id needs stored responses, which this "
+                                   "server does not keep: send the whole conversation in input")
+        if self.background:
+            raise InvalidParameter("background", "background responses are fetched later from a store, which this "
+                                   "server does not keep: ask without background (or stream)")
+        if self.truncation not in (None, "disabled"):
+            raise InvalidParameter("truncation", f"truncation {self.truncation!r} is not supported: the input must "
+                                   "fit the model's context (truncation 'disabled')")
+        if (self.model_extra or {}).get("n") not in (None, 1):
+            raise InvalidParameter("n", "a response has one answer: n must be 1")
+        instructions = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        fields = {**(self.model_extra or {}), "model": self.model, "messages": instructions + _messages(self.input),
+                  "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+                  "top_p": self.top_p, "stream": self.stream, "user": self.user,
+                  "tools": None if self.tools is None else [_chat_tool(i, t) for i, t in enumerate(self.tools)],
+                  "tool_choice": _chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
+                  "response_format": _response_format(self.text)}
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as err:
+            problem = err.errors()[0]
+            where = [str(part) for part in problem.get("loc", ())] or ["input"]
+            param = _FIELDS_OF_CHAT.get(where[0], where[0])
+            raise InvalidParameter(param, f"{param}: {'.'.join(where[1:]) or 'value'}: "
+                                          f"{problem.get('msg', 'invalid')}") from None
+
+    def answer(self, response_id: str, created: int, model: str, status: str, output: list[dict],
+               usage: dict | None) -> dict:
+        """The ``response`` object, with ``output`` items as far as they are written."""
+        return {"id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+                "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "previous_response_id": None, "reasoning": self.reasoning, "store": False,
+                "temperature": self.temperature, "top_p": self.top_p,
+                "text": self.text or {"format": {"type": "text"}}, "tool_choice": self.tool_choice or "auto",
+                "tools": self.tools or [], "truncation": "disabled", "usage": usage, "user": self.user}
+
+
+def _messages(given: str | list[dict]) -> list[dict]:
+    """The ``input`` as chat messages."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    messages = []
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text(item.get("content"), i)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _text(output, i)})
+        elif kind != "reasoning":  # earlier reasoning is not part of a chat prompt (templates drop it)
+            raise InvalidParameter("input", f"input[{i}] is of type {kind!r}; this server takes {_ITEMS} items")
+    return messages
+
+
+def _text(content, index: int) -> str | None:
+    """A message's content as text: a string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS
+                                                 for p in content):
+        raise InvalidParameter("input", f"input[{index}].content: only text parts ({', '.join(_TEXT_PARTS[:2])}) "
+                                        "are supported")
+    return "\n".join(str(part.get("text", "")) for part in content)
+
+
+def _chat_tool(index: int, tool: dict) -> dict:
+    if tool.get("type") != "function":
+        raise InvalidParameter("tools", f"tools[{index}] is of type {tool.get('type')!r}: this server runs "
+                                        "function tools only")
+    return {"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters",
+                                                                           "strict") if key in tool}}
+
+
+def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function":
+        raise InvalidParameter("tool_choice", f"tool_choice of type {choice.get('type')!r} is not supported: "
+                                              "none, auto, required or {\"type\": \"function\", \"name\": ...}")
+    return {"type": "function", "function": {"name": choice.get("name")}}
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """``text.format`` as a chat ``response_format``."""
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") != "json_schema":
+        return fmt
+    schema = {key: fmt[key] for key in ("name", "description", "schema", "strict") if key in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def output_items(message: dict, status: str) -> list[dict]:
+    """A finished chat message as output items: its reasoning, its text, its calls."""
+    items = []
+    if message.get("reasoning"):
+        items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": "completed",
+                      "content": [{"type": "reasoning_text", "text": message["reasoning"]}]})
+    if message.get("content"):
+        items.append({"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
+                      "content": [_output_text(message["content"])]})
+    for call in message.get("tool_calls") or []:
+        items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call["id"], "status": "completed",
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+    return items
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
+
+
+class ResponseEvents:
+    """The server-sent events of a streamed response, from the deltas of its chat chunks: each output item is
+    added, written (text, reasoning text, call arguments) and done in turn, and ``response.completed`` (or
+    ``response.incomplete``) ends the stream with the whole response."""
+
+    def __init__(self, request: ResponsesRequest, model: str):
+        self.request, self.model = request, model
+        self.id, self.created = _item_id("resp"), int(time.time())
+        self.number = 0  # each event's sequence_number
+        self.output: list[dict] = []
+        self.open: dict | None = None  # the reasoning or message item being written
+        self.calls: dict[int, dict] = {}  # function_call items by the chat delta's call index
+
+    def event(self, kind: str, **fields) -> str:
+        body = {"type": kind, "sequence_number": self.number, **fields}
+        self.number += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def start(self) -> list[str]:
+        response = self.request.answer(self.id, self.created, self.model, "in_progress", [], None)
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
+
+    def delta(self, delta: dict) -> list[str]:
+        """The events of one chat chunk's ``delta``."""
+        events = []
+        if delta.get("reasoning"):
+            events += self._text("reasoning", delta["reasoning"])
+        if delta.get("content"):
+            events += self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or []:
+            events += self._call(call)
+        return events
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        events = [] if self.open is not None and self.open["type"] == kind else self._close("completed")
+        if self.open is None:
+            if kind == "reasoning":
+                self.open = {"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": "in_progress",
+                             "content": [{"type": "reasoning_text", "text": ""}]}
+            else:
+                self.open = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
+                             "content": [_output_text("")]}
+            events += self._added(self.open)
+            events.append(self.event("response.content_part.added", **self._where(self.open), content_index=0,
+                                      part=self.open["content"][0]))
+        self.open["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        events.append(self.event(name, **self._where(self.open), content_index=0, delta=text, **extra))
+        return events
+
+    def _close(self, status: str) -> list[str]:
+        """The events that finish the reasoning or message item being written, if one is."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        part, item["status"] = item["content"][0], "completed" if item["type"] == "reasoning" else status
+        name = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
+        extra = {} if item["type"] == "reasoning" else {"logprobs": []}
+        return [self.event(name, **self._where(item), content_index=0, text=part["text"], **extra),
+                self.event("response.content_part.done", **self._where(item), content_index=0, part=part),
+                self.event("response.output_item.done", output_index=self.output.index(item), item=item)]
+
+    def _call(self, call: dict) -> list[str]:
+        events = []
+        item = self.calls.get(call["index"])
+        if item is None:
+            events += self._close("completed")
+            item = self.calls[call["index"]] = {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
+                                                "name": call["function"]["name"], "arguments": "",
+                                                "status": "in_progress"}
+            events += self._added(item)
+        piece = call.get("function", {}).get("arguments", "")
+        if piece:
+            item["arguments"] += piece
+            events.append(self.event("response.function_call_arguments.delta", **self._where(item), delta=piece))
+        return events
+
+    def finish(self, status: str, usage: dict) -> list[str]:
+        """The events that end the stream: every item done, then the whole response."""
+        events = self._close(status)
+        for item in self.calls.values():
+            item["status"] = "completed"
+            events += [self.event("response.function_call_arguments.done", **self._where(item),
+                                  arguments=item["arguments"]),
+                       self.event("response.output_item.done", output_index=self.output.index(item), item=item)]
+        response = self.request.answer(self.id, self.created, self.model, status, self.output, usage)
+        return events + [self.event(f"response.{status}", response=response)]
+
+    def _added(self, item: dict) -> list[str]:
+        self.output.append(item)
+        return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+
+    def _where(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}

@@ -1,0 +1,143 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on a live server, through the official client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")  # the server extra, which the README's test command installs (.[test])
+
+from live_server import MODEL, live_server, tiny_generator  # noqa: E402
+
+from hf_paged.server import create_app  # noqa: E402
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                          "additionalProperties": False}}
+CHAT_WEATHER = {"type": "function", "function": {key: WEATHER[key] for key in ("name", "description", "parameters")}}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    with live_server(create_app(tiny_generator(smollm2_path), MODEL)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_a_response_is_the_chat_answer_of_its_instructions_and_input(client):
+    response = client.responses.create(model=MODEL, instructions="Be brief.", input="Hi", max_output_tokens=8,
+                                       temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert response.object == "response" and response.id.startswith("resp_") and response.store is False
+    assert response.output_text == chat.choices[0].message.content
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
+    assert (response.status, message.status) == (("incomplete", "incomplete") if chat.choices[0].finish_reason ==
+                                                 "length" else ("completed", "completed"))
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    # Messages with text parts, a developer message as the system's.
+    parts = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}])
+    assert parts.output_text == response.output_text
+
+
+def test_a_streamed_response_sends_each_item_added_written_and_done(client):
+    asked = dict(model=MODEL, input="Tell me a story", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**asked)
+    events = list(client.responses.create(**asked, stream=True))
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == events[-4].text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_text_format_constrains_the_answer(client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    response = client.responses.create(model=MODEL, input="Yes or no?", max_output_tokens=20, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "reply", "schema": schema}})
+    assert json.loads(response.output_text)["answer"] in ("yes", "no")
+
+
+def test_function_calls_are_output_items_and_come_back_as_input(client):
+    asked = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                 max_output_tokens=40, temperature=0)
+    response = client.responses.create(**asked)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(call.name == "get_weather" and call.call_id.startswith("call_") for call in calls)
+    assert all(json.loads(call.arguments) in ({"city": "Paris"}, {"city": "Rome"}) for call in calls)
+    events = list(client.responses.create(**asked, stream=True))
+    streamed = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [(item.name, item.arguments) for item in streamed] == [(call.name, call.arguments) for call in calls]
+    deltas = "".join(event.delta for event in events if event.type == "response.function_call_arguments.delta")
+    assert deltas == "".join(call.arguments for call in calls)
+    # The calls and their outputs sent back: the same prompt as the chat conversation that holds them.
+    call = calls[0]
+    turn = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C, sunny"}])
+    chat = client.chat.completions.create(model=MODEL, tools=[CHAT_WEATHER], max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C, sunny"}])
+    assert turn.usage.input_tokens == chat.usage.prompt_tokens
+    assert turn.output_text == (chat.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "Hi", "truncation": "auto"}, "truncation"),
+    ({"input": "Hi", "background": True}, "background"),
+    ({"input": "Hi", "temperature": -1}, "temperature"),
+    ({"input": [{"role": "user"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+])
+def test_what_it_cannot_take_is_a_400_naming_the_field(server, body, param):
+    answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_ray_routes_a_response_by_the_prefix_of_its_chat_prompt():
+    pytest.importorskip("ray")
+    from hf_paged.serve_ray.ingress import _prompt
+
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    response = {"instructions": "Be brief.", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                     "text": "Hi"}]}]}
+    assert _prompt("/v1/responses", json.dumps(response).encode()) == \
+        _prompt("/v1/chat/completions", json.dumps(chat).encode()) == chat["messages"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"role": 5, "content": "Hi"}]}, "input"),
+    ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, "text"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input"),
+    ({"input": "Hi", "max_output_tokens": "many"}, "max_output_tokens"),
+])
+def test_input_that_makes_no_chat_request_is_a_400_naming_its_field(server, body, param):
+    answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
