@@ -12,8 +12,8 @@ from .kernels import paged_attention
 from .kernels.torch_ops import dense_attention
 
 # Keyword arguments some models pass for attention features the paged kernels do not implement.
-_UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks",
-                       "position_bias": "an additive position bias"}
+_UNSUPPORTED_KWARGS = {"position_bias": "an additive position bias"}
+_SINKS_KWARGS = ("s_aux", "sinks")  # attention sinks, one logit per query head (gpt-oss passes s_aux)
 
 
 def _closure_value(function, name: str):
@@ -135,7 +135,7 @@ class _NoGradients(torch.autograd.Function):
                                   "without a PagedCache (no cache, or use_cache=False)")
 
 
-def _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap):
+def _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap, sinks):
     """Attention without a PagedCache (a plain forward, or `generate(use_cache=False)`)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     last_key = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
@@ -147,7 +147,7 @@ def _contiguous_attention(query, key, value, attention_mask, scale, sliding_wind
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, -kv_len:]
     mask = mask | ~mask.any(dim=-1, keepdim=True)  # padding queries see nothing; keep them finite
-    out = dense_attention(query, key, value, mask, scale, softcap)
+    out = dense_attention(query, key, value, mask, scale, softcap, sinks)
     return out.transpose(1, 2).contiguous()
 
 
@@ -179,6 +179,7 @@ def paged_attention_forward(
         if not attention_mask.paged_is_padding:
             attention_mask = None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    sinks = next((kwargs[name] for name in _SINKS_KWARGS if kwargs.get(name) is not None), None)
     batch, num_heads, q_len, head_dim = query.shape
     paged_cache = paged_cache if paged_cache is not None else getattr(key, "paged_cache", None)
     if paged_metadata is None and paged_cache is not None:
@@ -189,14 +190,14 @@ def paged_attention_forward(
         # there again rewrites the same values into the same slots.
         paged_metadata, layer_idx = source
     elif paged_metadata is None:
-        return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap), None
+        return _contiguous_attention(query, key, value, attention_mask, scale, sliding_window, softcap, sinks), None
     else:
         layer_idx = _claim_layer(module, paged_metadata, key)
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
     with torch.no_grad() if grad else contextlib.nullcontext():  # the blocks stay out of any autograd graph
         k_cache, v_cache = paged_metadata.kv.layer(layer_idx, key)
         q, k, v = (x.transpose(1, 2).reshape(batch * q_len, x.shape[1], head_dim) for x in (query, key, value))
-        out = paged_attention(q, k, v, k_cache, v_cache, paged_metadata, scale, sliding_window, softcap)
+        out = paged_attention(q, k, v, k_cache, v_cache, paged_metadata, scale, sliding_window, softcap, sinks)
     if grad:
         out = _NoGradients.apply(out, query, key, value)
     return out.view(batch, q_len, num_heads, head_dim), None

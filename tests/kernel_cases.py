@@ -39,8 +39,14 @@ def slot_index(slot_mapping, block_size):
     return slot_mapping.div(block_size, rounding_mode="floor"), slot_mapping.remainder(block_size)
 
 
-def naive_attention(case, scale, sliding_window=None, softcap=None):
-    """Token-by-token float64 attention reading the cache one key at a time through the block table."""
+def sink_logits(num_heads, seed=0):
+    """Attention sinks large enough to take a good part of some rows' weight."""
+    return 2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(seed))
+
+
+def naive_attention(case, scale, sliding_window=None, softcap=None, sinks=None):
+    """Token-by-token float64 attention reading the cache one key at a time through the block table; ``sinks`` join
+    each row's softmax as a key without a value."""
     q, kc, vc = case["query"].double(), case["k_cache"].double(), case["v_cache"].double()
     bs = kc.shape[1]
     groups = q.shape[1] // kc.shape[2]
@@ -61,5 +67,8 @@ def naive_attention(case, scale, sliding_window=None, softcap=None):
                 scores = (k @ q[qsl[s] + j, h]) * scale
                 if softcap:
                     scores = torch.tanh(scores / softcap) * softcap
-                out[qsl[s] + j, h] = torch.softmax(scores, 0) @ values[lo:hi, h // groups]
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double()])
+                weights = torch.softmax(scores, 0)[: hi - lo]
+                out[qsl[s] + j, h] = weights @ values[lo:hi, h // groups]
     return out

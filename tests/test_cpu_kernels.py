@@ -6,7 +6,7 @@ import torch
 import hf_paged.kernels as kernels
 from hf_paged.cache.metadata import PagedMetadata
 from hf_paged.kernels import cpu_ops, native, torch_ops
-from kernel_cases import make_case, naive_attention, slot_index
+from kernel_cases import make_case, naive_attention, sink_logits, slot_index
 
 # Without a C++ compiler hf_paged runs the torch path (tested in test_torch_kernels.py) and there is no kernel to test.
 # With one, as in CI and the README set-up, a kernel that fails to build fails test_kernel_builds instead of skipping.
@@ -105,6 +105,25 @@ def test_prefill_matches_naive(case_args, window, softcap, dtype):
                                           window, softcap)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (10, 30.0)])
+@pytest.mark.parametrize("case_args", PREFILL_CASES[:3])
+def test_attention_sinks_match_naive(case_args, window, softcap, dtype):
+    """Decodes and prefill chunks (the row kernel), with a sink logit per query head in every row's softmax."""
+    seq_lens, q_lens, kv_heads, groups, dim, bs = case_args
+    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, dtype=dtype, paged_layout=True)
+    sinks = sink_logits(kv_heads * groups)
+    got = cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                          case["seq_lens"], case["query_start_loc"], case["max_query_len"], 0.125,
+                                          window, softcap, sinks)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), naive_attention(case, 0.125, window, softcap, sinks), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                        case["seq_lens"], case["query_start_loc"], case["max_query_len"], 0.125,
+                                        sinks=sinks[:-1])
 
 
 def test_prefill_left_padding_queries_return_zeros():

@@ -36,6 +36,27 @@ def test_tiny_architectures_greedy_match_reference(arch):
         assert torch.equal(model.generate(**one), generate_with(model, reference, **one))
 
 
+def test_attention_sinks_are_served_token_identically_in_batches_and_chunks(smollm2_path):
+    """gpt-oss's attention sinks through the engine (decodes and prompt chunks in one step, windows shorter than the
+    prompts) give the tokens of Transformers' eager attention, one prompt at a time."""
+    from transformers import AutoTokenizer
+
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+
+    model, reference = tiny_model("gpt_oss")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)  # the tiny models' 256 ids are its first 256 tokens
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 17, 30, 12)]
+    expected = []
+    for prompt in prompts:
+        out = generate_with(model, reference, input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                            pad_token_id=0)
+        expected.append(out[0, len(prompt):].tolist())
+    engine = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    outputs = engine.run(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
 def test_sliding_window_is_shorter_than_the_sequence():
     model, _ = tiny_model("mistral")
     ids, _ = _left_padded_batch(lengths=(30,))
@@ -318,8 +339,8 @@ def test_unsupported_feature_is_named():
 
     module = torch.nn.Module()
     q = torch.zeros(1, 2, 3, 8)
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        paged_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="an additive position bias"):
+        paged_attention_forward(module, q, q, q, None, position_bias=torch.zeros(2))
     model, _ = tiny_model("llama")
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, output_attentions=True,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_paged.kernels import cpu_ops, native
-from kernel_cases import make_case, naive_attention
+from kernel_cases import make_case, naive_attention, sink_logits
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler: hf_paged has no native kernels")
 
@@ -19,10 +19,10 @@ def needs_tiles(head_dim: int):
         pytest.skip("this CPU has no AMX tiles for bf16 attention")
 
 
-def attend(case, scale, window=None, softcap=None, prompt_rows=None):
+def attend(case, scale, window=None, softcap=None, prompt_rows=None, sinks=None):
     return cpu_ops.paged_prefill_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                            case["seq_lens"], case["query_start_loc"], case["max_query_len"], scale,
-                                           window, softcap, prompt_rows=prompt_rows)
+                                           window, softcap, sinks, prompt_rows=prompt_rows)
 
 
 def test_tiles_are_offered_for_bf16_head_sizes_in_multiples_of_32():
@@ -54,6 +54,19 @@ def test_prompt_rows_on_tiles_match_naive_and_other_rows_are_untouched(case_args
     torch.testing.assert_close(tiled.double(), naive_attention(case, scale, window, softcap), rtol=1.6e-2, atol=1.6e-2)
     assert not torch.equal(tiled[prompt_rows], rows[prompt_rows])  # the tiles sum in another order
     assert torch.equal(tiled[~prompt_rows], rows[~prompt_rows])  # generated rows keep the row kernel, to the bit
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (10, 30.0)])
+@pytest.mark.parametrize("case_args", CASES[:3])
+def test_prompt_rows_on_tiles_with_attention_sinks_match_naive(case_args, window, softcap):
+    seq_lens, q_lens, prompts, kv_heads, groups, dim, bs = case_args
+    needs_tiles(dim)
+    case = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, dtype=torch.bfloat16, paged_layout=True)
+    prompt_rows = torch.cat([torch.arange(q) < p for q, p in zip(q_lens, prompts)])
+    sinks = sink_logits(kv_heads * groups)
+    tiled = attend(case, 0.125, window, softcap, prompt_rows, sinks)
+    expected = naive_attention(case, 0.125, window, softcap, sinks)
+    torch.testing.assert_close(tiled.double(), expected, rtol=1.6e-2, atol=1.6e-2)
 
 
 @pytest.mark.parametrize("window", [None, 40])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_paged.kernels import torch_ops
-from kernel_cases import make_case, naive_attention
+from kernel_cases import make_case, naive_attention, sink_logits
 
 CASES = [
     # seq_lens, q_lens (for prefill), kv heads, GQA groups, head dim, block size
@@ -25,6 +25,23 @@ def test_decode_matches_naive(case_args, window, softcap, paged_layout):
     got = torch_ops.paged_decode_attention(case["query"], case["k_cache"], case["v_cache"], case["block_tables"],
                                            case["seq_lens"], scale, window, softcap)
     torch.testing.assert_close(got.double(), naive_attention(case, scale, window, softcap), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("case_args", CASES)
+def test_attention_sinks_match_naive(case_args, window):
+    seq_lens, q_lens, kv_heads, groups, dim, bs = case_args
+    sinks = sink_logits(kv_heads * groups)
+    decode = make_case(seq_lens, [1] * len(seq_lens), kv_heads, groups, dim, bs, paged_layout=True)
+    got = torch_ops.paged_decode_attention(decode["query"], decode["k_cache"], decode["v_cache"],
+                                           decode["block_tables"], decode["seq_lens"], 0.125, window, None, sinks)
+    torch.testing.assert_close(got.double(), naive_attention(decode, 0.125, window, None, sinks), rtol=1e-5, atol=1e-5)
+    prefill = make_case(seq_lens, q_lens, kv_heads, groups, dim, bs, paged_layout=True)
+    got = torch_ops.paged_prefill_attention(prefill["query"], prefill["k_cache"], prefill["v_cache"],
+                                            prefill["block_tables"], prefill["seq_lens"], prefill["query_start_loc"],
+                                            prefill["max_query_len"], 0.125, window, None, sinks)
+    expected = naive_attention(prefill, 0.125, window, None, sinks)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_mixed_lengths_in_separate_runs():

@@ -154,6 +154,28 @@ def test_decode_empty_sequence_outputs_zeros(ops):
     assert _rel_err(out[[1, 3]], ref[[1, 3]]) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("dtype, window", [(torch.float32, None), (torch.bfloat16, 6)])
+def test_attention_sinks_match_reference(ops, dtype, window):
+    """A sink logit per query head in every row's softmax, decode and prefill; a sequence without keys still
+    returns zeros."""
+    gen = torch.Generator().manual_seed(11)
+    seq_lens, q_lens = [0, 13, 40], [1, 5, 17]
+    k_cache, v_cache, tables, lens = _paged_cache(gen, seq_lens, 8, 2, 64, dtype)
+    sinks = (2 * torch.randn(6, generator=gen)).to(DEVICE)
+    query = _queries(gen, len(seq_lens), 6, 2, 64, dtype, packed_qkv=False)
+    out = ops.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, window, None, sinks)
+    ref = torch_ops.paged_decode_attention(*_f64(query, k_cache, v_cache), tables, lens, 0.125, window, None,
+                                           sinks.double())
+    assert torch.count_nonzero(out[0]) == 0 and _rel_err(out[1:], ref[1:]) < TOLERANCE[dtype]
+    query = _queries(gen, sum(q_lens), 6, 2, 64, dtype, packed_qkv=False)
+    starts = torch.tensor([0, 1, 6, 23], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([1, 13, 40], dtype=torch.int32, device=DEVICE)
+    out = ops.paged_prefill_attention(query, k_cache, v_cache, tables, lens, starts, 17, 0.125, window, None, sinks)
+    ref = torch_ops.paged_prefill_attention(*_f64(query, k_cache, v_cache), tables, lens, starts, 17, 0.125, window,
+                                            None, sinks.double())
+    assert _rel_err(out, ref) < TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_configurations(ops, seed):
     """Seeded random mixes of everything above, decode and prefill over the same pages."""

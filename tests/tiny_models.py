@@ -9,8 +9,8 @@ COMMON = dict(vocab_size=256, num_hidden_layers=2, max_position_embeddings=512, 
 
 def _configs():
     from transformers import (
-        FalconConfig, Gemma2Config, Gemma3nTextConfig, GemmaConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
-        MistralConfig, Phi3Config, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+        FalconConfig, Gemma2Config, Gemma3nTextConfig, GemmaConfig, GPT2Config, GptOssConfig, GPTNeoXConfig,
+        LlamaConfig, MistralConfig, Phi3Config, PhimoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
     )
 
     llama_like = dict(hidden_size=64, intermediate_size=128, **COMMON)
@@ -43,6 +43,10 @@ def _configs():
                                       activation_sparsity_pattern=[0.0] * 4,
                                       layer_types=["sliding_attention", "full_attention"] * 2,
                                       **{**llama_like, "num_hidden_layers": 4}), "sdpa"),
+        # Attention sinks (a logit per head in every softmax's denominator), sliding and full layers, experts.
+        "gpt_oss": (GptOssConfig(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                 num_experts_per_tok=2, sliding_window=8,
+                                 layer_types=["sliding_attention", "full_attention"], **llama_like), "eager"),
         # These two give `cache.update` no attention kwargs (the cache reaches attention on the keys).
         "gpt_neox": (GPTNeoXConfig(num_attention_heads=4, **llama_like), "sdpa"),
         "falcon": (FalconConfig(num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
@@ -51,7 +55,7 @@ def _configs():
 
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gemma", "gemma2", "qwen2_moe", "phimoe",
-                 "gemma3n", "gpt_neox", "falcon"]
+                 "gemma3n", "gpt_oss", "gpt_neox", "falcon"]
 
 
 def tiny_model(name: str, attn_implementation: str = "paged"):

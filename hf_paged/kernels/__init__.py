@@ -48,20 +48,22 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     _impl(key).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None):
+def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None,
+                           sinks=None):
     """One new token per sequence attending to its pages; see :mod:`hf_paged.kernels.torch_ops` for the layout.
 
     A cache in another dtype than the queries (``kv_cache_dtype``) is read in its own dtype: the queries are cast to
     it and the output back."""
     q = query.to(k_cache.dtype)
     impl = cpu_ops if _use_native(q, k_cache, v_cache) else _impl(q)
-    out = impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap)
+    out = impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
+                                      sinks)
     return out.to(query.dtype)
 
 
 def paged_prefill_attention(
     query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window=None,
-    softcap=None,
+    softcap=None, sinks=None,
 ):
     """Several new tokens per sequence attending causally to its pages; see :mod:`hf_paged.kernels.torch_ops`.
     Queries in another dtype than the cache are handled as in `paged_decode_attention`."""
@@ -69,7 +71,8 @@ def paged_prefill_attention(
     native = max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1]) and _use_native(q, k_cache, v_cache)
     impl = cpu_ops if native else _impl(q)
     out = impl.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap,
+        sinks,
     )
     return out.to(query.dtype)
 
@@ -84,6 +87,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention for a forward step: store the new ``key``/``value`` ``[T, Hkv, D]`` in their slots,
     then attend every query row ``[T, Hq, D]`` through the step's block tables (decodes first, then prefill chunks,
@@ -93,17 +97,17 @@ def paged_attention(
                 and key.stride(-1) == value.stride(-1) == 1)
     if rows_fit and _use_native(q, k_cache, v_cache):
         out = cpu_ops.paged_attention(q, key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache, metadata,
-                                      scale, sliding_window, softcap)
+                                      scale, sliding_window, softcap, sinks)
         return out.to(query.dtype)
     reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
     nd, num_tokens = metadata.num_decodes, query.shape[0]
     outputs = []
     if nd:
         outputs.append(paged_decode_attention(query[:nd], k_cache, v_cache, metadata.block_tables[:nd],
-                                              metadata.seq_lens[:nd], scale, sliding_window, softcap))
+                                              metadata.seq_lens[:nd], scale, sliding_window, softcap, sinks))
     if nd < num_tokens:
         outputs.append(paged_prefill_attention(
             query[nd:], k_cache, v_cache, metadata.block_tables[nd:], metadata.seq_lens[nd:],
-            metadata.query_start_loc[nd:] - nd, metadata.max_query_len, scale, sliding_window, softcap,
+            metadata.query_start_loc[nd:] - nd, metadata.max_query_len, scale, sliding_window, softcap, sinks,
         ))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

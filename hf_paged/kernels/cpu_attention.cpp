@@ -252,7 +252,8 @@ void attend(const Problem& p, int s, int h0, int nh, int row, int len, bool pref
             for (int i = 0; i < n; ++i) x[i] = std::tanh(x[i]) * p.softcap;
         float mx = x[0];
         for (int i = 1; i < n; ++i) mx = std::max(mx, x[i]);
-        float total = 0.0f;
+        if (p.sinks) mx = std::max(mx, p.sinks[h0 * G + r]);
+        float total = p.sinks ? std::exp(p.sinks[h0 * G + r] - mx) : 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int i = 0; i < n; ++i) {
             x[i] = std::exp(x[i] - mx);

@@ -156,6 +156,8 @@ struct Problem {
     // [T] or null: the rows that are prompt tokens, which take tile_attention in bf16 where it fits (the others, and
     // every row in fp32, the row kernel). A sequence's prompt rows come before its other rows.
     const uint8_t* prompt_rows;
+    // [Hq] fp32 attention sinks (gpt-oss's), or null: each row's softmax denominator also holds exp(sinks[head]).
+    const float* sinks;
 };
 
 // Whether bf16 prompt rows of this head size take tile_attention: AMX granted, head_dim a multiple of 32 up to 256.

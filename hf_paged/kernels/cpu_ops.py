@@ -47,7 +47,7 @@ class _Problem(ctypes.Structure):
         ("key", ctypes.c_void_p), ("value", ctypes.c_void_p),
         ("k_stride_token", ctypes.c_int64), ("k_stride_head", ctypes.c_int64),
         ("v_stride_token", ctypes.c_int64), ("v_stride_head", ctypes.c_int64),
-        ("slot_mapping", ctypes.c_void_p), ("prompt_rows", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p), ("prompt_rows", ctypes.c_void_p), ("sinks", ctypes.c_void_p),
     ]
 
 
@@ -105,7 +105,7 @@ def _int32(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-               new_kv=None, prompt_rows=None):
+               sinks=None, new_kv=None, prompt_rows=None):
     if _library is None and not available():
         raise RuntimeError("the native CPU attention kernel is not available (see the warning above)")
     num_tokens, num_heads, head_dim = query.shape
@@ -138,27 +138,46 @@ def _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         scale, sliding_window or 0, softcap or 0.0,
         torch.get_num_threads(),
     )
+    held = []  # tensors whose memory the problem points into, alive until the call returns
     if new_kv is not None:
-        key, value, slot_mapping = new_kv
-        slot_mapping = slot_mapping.to(torch.int64).contiguous()
-        rows = (num_tokens, k_cache.shape[2], head_dim)
-        if key.shape != rows or value.shape != rows or slot_mapping.shape != (num_tokens,):
-            raise ValueError(f"paged attention: new keys {tuple(key.shape)} / values {tuple(value.shape)} / slots "
-                             f"{tuple(slot_mapping.shape)} do not match {num_tokens} query rows of {rows[1:]}")
-        if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or key.stride(-1) != 1 or value.stride(-1) != 1:
-            raise ValueError("paged attention: new keys/values must have the cache's dtype and contiguous head_dim")
-        problem.key, problem.value, problem.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
-        problem.k_stride_token, problem.k_stride_head = key.stride(0), key.stride(1)
-        problem.v_stride_token, problem.v_stride_head = value.stride(0), value.stride(1)
+        held.append(_new_kv(problem, *new_kv, k_cache))
     if prompt_rows is not None:
-        prompt_rows = _prompt_rows(prompt_rows, num_tokens)
-        problem.prompt_rows = prompt_rows.data_ptr()
+        held.append(_prompt_rows(prompt_rows, num_tokens))
+        problem.prompt_rows = held[-1].data_ptr()
+    if sinks is not None:
+        held.append(_sinks(sinks, num_heads))
+        problem.sinks = held[-1].data_ptr()
     status = _library.hf_paged_attention(ctypes.byref(problem), _DTYPES[query.dtype])
     if status in INDEX_ERRORS:
         raise ValueError("paged attention: " + INDEX_ERRORS[status].format(last_block=k_cache.shape[0] - 1))
     if status != 0:
         raise RuntimeError(f"native paged attention failed with status {status}")
     return out
+
+
+def _new_kv(problem: _Problem, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+            k_cache: torch.Tensor) -> torch.Tensor:
+    """Point ``problem`` at the step's new keys and values, stored into their slots before any query reads the cache;
+    returns the slot mapping it points into."""
+    num_tokens = problem.num_tokens
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    rows = (num_tokens, k_cache.shape[2], k_cache.shape[3])
+    if key.shape != rows or value.shape != rows or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"paged attention: new keys {tuple(key.shape)} / values {tuple(value.shape)} / slots "
+                         f"{tuple(slot_mapping.shape)} do not match {num_tokens} query rows of {rows[1:]}")
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("paged attention: new keys/values must have the cache's dtype and contiguous head_dim")
+    problem.key, problem.value, problem.slot_mapping = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
+    problem.k_stride_token, problem.k_stride_head = key.stride(0), key.stride(1)
+    problem.v_stride_token, problem.v_stride_head = value.stride(0), value.stride(1)
+    return slot_mapping
+
+
+def _sinks(sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"paged attention: sinks must be one logit per query head ({num_heads}), got "
+                         f"{tuple(sinks.shape)}")
+    return sinks.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def _prompt_rows(prompt_rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -168,12 +187,13 @@ def _prompt_rows(prompt_rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return prompt_rows.to(torch.uint8).contiguous()
 
 
-def paged_attention(query, key, value, k_cache, v_cache, metadata, scale, sliding_window=None, softcap=None):
+def paged_attention(query, key, value, k_cache, v_cache, metadata, scale, sliding_window=None, softcap=None,
+                    sinks=None):
     """Same contract as the dispatcher's `paged_attention`, in one native call: the kernel stores the new keys and
     values, then attends every row (decodes and prefill chunks alike). The caller checks `supports` and that no
     chunk is longer than `max_query_len`."""
     return _attention(query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-                      scale, sliding_window, softcap, new_kv=(key, value, metadata.slot_mapping))
+                      scale, sliding_window, softcap, sinks, new_kv=(key, value, metadata.slot_mapping))
 
 
 def paged_decode_attention(
@@ -185,10 +205,12 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `torch_ops.paged_decode_attention`; the caller checks `supports` first."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-    return _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap)
+    return _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
+                      sinks)
 
 
 def paged_prefill_attention(
@@ -202,6 +224,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     prompt_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `torch_ops.paged_prefill_attention`. Each query row is attended on its own (no matrix
@@ -209,4 +232,4 @@ def paged_prefill_attention(
     per query row, or None) marks the prompt rows: each sequence's leading marked rows take AMX tiles in bf16 where
     `tile_attention` says so."""
     return _attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-                      prompt_rows=prompt_rows)
+                      sinks, prompt_rows=prompt_rows)

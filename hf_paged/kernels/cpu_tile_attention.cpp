@@ -172,8 +172,10 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 // One row's weights over its keys [lo, len) (x and w start at key kb, n keys): exp(score - max) in fp32, rounded to
 // bf16 into w, zero elsewhere; returns their fp32 sum. 16 keys at a time at multiples of 16. The scores are scaled
-// as they are read (scaling by a positive factor keeps the maximum where it was), capped first where softcap > 0.
-float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float scale, float softcap) {
+// as they are read (scaling by a positive factor keeps the maximum where it was), capped first where softcap > 0. A
+// `sink` (or null) joins the maximum and the sum as a key without a value.
+float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float scale, float softcap,
+                  const float* sink) {
     const int a = std::max(lo, 0) / 16 * 16, z = len <= lo ? a : (len + 15) / 16 * 16;
     std::fill(w, w + (a - kb), uint16_t{0});
     std::fill(w + (z - kb), w + n, uint16_t{0});
@@ -191,7 +193,9 @@ float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float s
     }
     __m512 mx = _mm512_set1_ps(-3.0e38f);
     for (int t = a; t < z; t += 16) mx = _mm512_mask_max_ps(mx, in_row(t), mx, _mm512_loadu_ps(x + t - kb));
-    const __m512 row_max = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(mx)), factor);
+    float top = _mm512_reduce_max_ps(mx) * (softcap > 0 ? 1.0f : scale);
+    if (sink) top = std::max(top, *sink);
+    const __m512 row_max = _mm512_set1_ps(top);
     __m512 total = _mm512_setzero_ps();
     for (int t = a; t < z; t += 16) {
         const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + t - kb), factor);
@@ -201,7 +205,7 @@ float softmax_row(float* x, uint16_t* w, int kb, int n, int lo, int len, float s
     }
     alignas(64) float sums[16];
     _mm512_store_ps(sums, total);
-    return sum16(load16(sums));
+    return sum16(load16(sums)) + (sink ? std::exp(*sink - top) : 0.0f);
 }
 
 // The tile of rows [j0, j1) of sequence s: keys [lo[r], len[r]) for row r.
@@ -277,7 +281,7 @@ void attend_tile(const Problem& p, int s, int h, int j0, const Rows& rows, const
                 continue;
             }
             w.sums[g * kRows + r] = softmax_row(w.scores.data() + at, w.weights.data() + at, rows.kb, n, rows.lo[r],
-                                                rows.len[r], scale, p.softcap);
+                                                rows.len[r], scale, p.softcap, p.sinks ? p.sinks + h * G + g : nullptr);
         }
     weigh_values(p, s, h, j0, rows, values, w);
 }

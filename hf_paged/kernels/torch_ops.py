@@ -10,6 +10,8 @@ Layout shared by every implementation:
 * ``seq_lens[s]`` counts the keys of sequence ``s`` after this step's tokens were written. Query ``j`` of a sequence
   with ``q`` queries sees keys ``[lo, hi)`` with ``hi = seq_lens[s] - q + j + 1`` and ``lo = hi - sliding_window``
   (or 0). A query with ``hi <= 0`` (a left-padding position) sees nothing and returns zeros.
+* ``sinks`` (attention sinks, gpt-oss's): one fp32 logit per query head, or None. Each row's softmax denominator also
+  holds ``exp(sinks[h])``, a key that takes weight but has no value, so a row's weights sum to less than 1.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def dense_attention(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over contiguous tensors: q ``[B, Hq, Q, D]``, k/v ``[B, Hkv, K, D]``, bool mask broadcastable to
     ``[B, Hq, Q, K]`` (True = attend). Softmax in fp32; float64 stays float64 (the reference path)."""
-    if softcap is None and q.dtype != torch.float64:
+    if softcap is None and sinks is None and q.dtype != torch.float64:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
@@ -59,10 +62,18 @@ def dense_attention(
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(1, -1, 1, 1))
     # A row that sees no key gives zeros; in place unless autograd needs the softmax's output for backward.
     probs = (probs.nan_to_num(0.0) if probs.requires_grad else probs.nan_to_num_(0.0)).to(v.dtype)
     return torch.matmul(probs, v)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension; ``sinks`` (broadcastable to ``scores[..., :1]``) join each row's denominator."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def _length_runs(widths: list[int], max_runs: int = 4, call_cost: int = 32) -> list[tuple[int, int, int]]:
@@ -92,6 +103,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query [S, Hq, D]`` -> ``[S, Hq, D]``.
 
@@ -106,12 +118,12 @@ def paged_decode_attention(
     runs = _length_runs(widths[order].tolist())
     if len(runs) == 1:
         return _decode_gathered(query, k_cache, v_cache, block_tables[:, : runs[0][2]], seq_lens, scale,
-                                sliding_window, softcap)
+                                sliding_window, softcap, sinks)
     out = torch.empty_like(query)
     for start, end, width in runs:
         rows = order[start:end]
         out[rows] = _decode_gathered(query[rows], k_cache, v_cache, block_tables[rows, :width], seq_lens[rows],
-                                     scale, sliding_window, softcap)
+                                     scale, sliding_window, softcap, sinks)
     return out
 
 
@@ -123,7 +135,7 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.permute(2, 0, 1, 3)[:, blocks].contiguous()  # already contiguous in PagedKVStorage's layout
 
 
-def _decode_gathered(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap):
+def _decode_gathered(query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap, sinks):
     """Decode attention for sequences whose tables are all ``block_tables.shape[1]`` blocks wide (padded)."""
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -145,7 +157,8 @@ def _decode_gathered(query, k_cache, v_cache, block_tables, seq_lens, scale, sli
     if sliding_window is not None:
         hidden |= pos < lens - sliding_window
     scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(values.dtype)
+    sinks = None if sinks is None else sinks.view(num_kv_heads, 1, num_heads // num_kv_heads, 1)
+    probs = softmax_with_sinks(scores, sinks).nan_to_num_(0.0).to(values.dtype)
     out = torch.matmul(probs, values)  # [Hkv, S, G, D]
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
@@ -161,6 +174,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Several query tokens per sequence, causal over the sequence's cached pages plus themselves.
 
@@ -188,7 +202,7 @@ def paged_prefill_attention(
             continue
         mask[sees_nothing, 0] = True
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)
-        seq_out = dense_attention(q, keys, values, mask[None, None], scale, softcap)[0].transpose(0, 1)
+        seq_out = dense_attention(q, keys, values, mask[None, None], scale, softcap, sinks)[0].transpose(0, 1)
         seq_out[sees_nothing] = 0
         out[q0:q1] = seq_out
     return out

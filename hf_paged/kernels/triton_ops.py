@@ -106,12 +106,21 @@ def _attend_tile(
 
 
 @triton.jit
+def _with_sink(m_i, l_i, acc, sink):
+    """The online softmax's sum and output with one sink logit per row folded in: a key that takes weight in the
+    denominator and has no value."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    return l_i * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
     stride_qs, stride_qh, stride_os, stride_oh, stride_table,
     stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
     group_size, head_dim, block_size, scale, window, softcap,
-    USE_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per (sequence, kv head): the group's query heads attend together to the sequence's keys."""
@@ -137,6 +146,9 @@ def _decode_kernel(
             stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
             block_size, head_dim, scale, softcap, USE_SOFTCAP, UPCAST_DOT, BLOCK_N, BLOCK_D,
         )
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=tl.arange(0, BLOCK_H) < group_size, other=0.0)
+        l_i, acc = _with_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -144,11 +156,11 @@ def _decode_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, sinks_ptr, out_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
     group_size, head_dim, block_size, scale, window, softcap,
-    USE_SOFTCAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per (sequence, query head, tile of BLOCK_M queries), causal over the sequence's pages."""
@@ -183,6 +195,8 @@ def _prefill_kernel(
                 stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
                 block_size, head_dim, scale, softcap, USE_SOFTCAP, UPCAST_DOT, BLOCK_N, BLOCK_D,
             )
+        if USE_SINKS:
+            l_i, acc = _with_sink(m_i, l_i, acc, tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head))
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (q0 + rows[:, None]).to(tl.int64) * stride_ot + head * stride_oh + dims[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -200,6 +214,11 @@ def _upcast_dot(query: torch.Tensor) -> bool:
     The operands are rounded to the input dtype first and only then widened, so the numerics match the GPU path.
     """
     return query.device.type == "cpu"
+
+
+def _sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The sinks as the kernels read them, fp32 on the queries' device (the queries stand in, unread, for none)."""
+    return query if sinks is None else sinks.detach().to(device=query.device, dtype=torch.float32).contiguous()
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
@@ -237,6 +256,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query [S, Hq, D]`` -> ``[S, Hq, D]``."""
     num_seqs, num_heads, head_dim = query.shape
@@ -247,11 +267,11 @@ def paged_decode_attention(
         return out
     _check_inner(query, k_cache, v_cache)
     _decode_kernel[(num_seqs, num_kv_heads)](
-        query, k_cache, v_cache, block_tables, seq_lens, out,
+        query, k_cache, v_cache, block_tables, seq_lens, _sinks(sinks, query), out,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *_cache_strides(k_cache, v_cache),
         group_size, head_dim, k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
-        USE_SOFTCAP=softcap is not None, UPCAST_DOT=_upcast_dot(query),
+        USE_SOFTCAP=softcap is not None, USE_SINKS=sinks is not None, UPCAST_DOT=_upcast_dot(query),
         BLOCK_H=max(16, triton.next_power_of_2(group_size)), BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out
@@ -268,6 +288,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Several query tokens per sequence: ``query [T, Hq, D]`` packed by ``query_start_loc [S + 1]`` -> ``[T, Hq, D]``.
 
@@ -283,12 +304,12 @@ def paged_prefill_attention(
     block_m = min(64, max(16, triton.next_power_of_2(max_query_len)))
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, _sinks(sinks, query), out,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *_cache_strides(k_cache, v_cache),
         num_heads // num_kv_heads, head_dim, k_cache.shape[1], float(scale), int(sliding_window or 0),
         float(softcap or 0.0),
-        USE_SOFTCAP=softcap is not None, UPCAST_DOT=_upcast_dot(query),
+        USE_SOFTCAP=softcap is not None, USE_SINKS=sinks is not None, UPCAST_DOT=_upcast_dot(query),
         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out
