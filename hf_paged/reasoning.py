@@ -24,26 +24,33 @@ def opens_reasoning(prompt: str) -> bool:
 
 
 class ReasoningEnd:
-    """The engine's side: which requests' structured outputs wait for the end of a reasoning block, and where it is.
+    """The engine's side: where a constrained request's grammar starts when a reasoning parser is set.
 
-    Only answers whose prompt opens the block wait (an answer that might open one itself is constrained from its
-    first token, so a grammar that does not allow the tag keeps it out). The block ends at the tokens of ``</think>``
-    (one token in the tokenizers of Qwen3 and DeepSeek-R1).
+    A prompt that opens the block (ends with ``<think>``) reasons first: the grammar starts once the output's text
+    holds ``</think>``, after the token that completes it. A prompt that closed one (thinking turned off) is
+    constrained from its first token. Any other prompt leaves the model free to open the block with its first token
+    (Qwen3's hybrid templates let the model decide): that token is allowed beside the grammar's, and taking it makes
+    the request reason first. That needs ``<think>`` to be one token, as in Qwen3's and DeepSeek-R1's tokenizers;
+    elsewhere such a prompt is constrained from its first token.
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.token_ids = tokenizer.encode(CLOSE, add_special_tokens=False)
+        ids = tokenizer.encode(OPEN, add_special_tokens=False)
+        self.open_id = ids[0] if len(ids) == 1 else None  # the token that opens a block, if one does
 
-    def waits(self, prompt_token_ids: list[int]) -> bool:
-        """Whether the answer to this prompt reasons before its grammar starts."""
-        return opens_reasoning(self.tokenizer.decode(prompt_token_ids[-16:]))
+    def start(self, prompt_token_ids: list[int]) -> str:
+        """``"inside"`` (the prompt opens the block), ``"may_open"`` (the first token may open one) or ``"after"``
+        (constrained from the first token)."""
+        end = self.tokenizer.decode(prompt_token_ids[-16:]).rstrip()
+        if end.endswith(OPEN):
+            return "inside"
+        return "after" if end.endswith(CLOSE) or self.open_id is None else "may_open"
 
-    def ended(self, token_ids: list[int], num_output_tokens: int) -> bool:
-        """Whether the newest tokens of an output (the last ``num_output_tokens`` of ``token_ids``) close the
-        block."""
-        size = len(self.token_ids)
-        return num_output_tokens >= size and token_ids[-size:] == self.token_ids
+    @staticmethod
+    def ended(text: str, num_new_chars: int) -> bool:
+        """Whether the newest ``num_new_chars`` of an output's ``text`` complete ``</think>``."""
+        return CLOSE in text[max(0, len(text) - num_new_chars - len(CLOSE) + 1):]
 
 
 def partial_tag(text: str, tag: str) -> int:

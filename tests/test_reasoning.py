@@ -130,8 +130,10 @@ def test_a_response_answers_the_reasoning_as_its_own_item(thinking_server):
     asked = dict(model=MODEL, input="Hi", temperature=0, max_output_tokens=6)
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
                                           max_tokens=6).choices[0].message
-    [item] = client.responses.create(**asked).output  # never closed: all reasoning
-    assert item.type == "reasoning" and item.content[0].text == chat.reasoning
+    response = client.responses.create(**asked)
+    [item] = response.output  # never closed: all reasoning, cut by max_output_tokens
+    assert item.type == "reasoning" and item.content[0].text == chat.reasoning and item.status == "incomplete"
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
     events = list(client.responses.create(**asked, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat.reasoning
     assert [item.type for item in events[-1].response.output] == ["reasoning"]
@@ -141,17 +143,26 @@ def test_a_response_answers_the_reasoning_as_its_own_item(thinking_server):
     assert message.type == "message" and message.content[0].text.startswith("{")
 
 
-def test_a_constraint_starts_when_the_reasoning_block_its_prompt_opens_ends(smollm2_path):
+def test_a_constraint_starts_when_the_reasoning_block_ends(smollm2_path):
+    """A prompt that opens the block reasons first; one that closed it is constrained at once; one with neither lets
+    the first token open a block (then reasons first) or follow the grammar."""
     model, tokenizer = thinking_model(smollm2_path)
-    close = tokenizer.convert_tokens_to_ids(CLOSE)
-    params = SamplingParams(temperature=0, max_tokens=8, logit_bias={close: 100},  # closes the block at once
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    prompts = ["<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n"]
+    opening, closing = tokenizer.convert_tokens_to_ids([OPEN, CLOSE])
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    closes = SamplingParams(temperature=0, max_tokens=8, logit_bias={closing: 100}, structured_outputs=choice)
+    prompts = ["<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+               "<|im_start|>assistant\n"]
     generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, reasoning_parser="qwen3")
-    thinking, direct = [output.outputs[0].text for output in generator.run(prompts, params)]
-    assert thinking in ("</think>yes", "</think>no") and direct in ("yes", "no")
+    thinking, off, free = [output.outputs[0].text for output in generator.run(prompts, closes)]
+    assert thinking in ("</think>yes", "</think>no") and off in ("yes", "no") and free in ("yes", "no")
+    # The first token opens a block (pushed above the rest, and above </think> until the repetition penalty halves it).
+    opens = SamplingParams(temperature=0, max_tokens=8, logit_bias={opening: 100, closing: 90}, repetition_penalty=2,
+                           structured_outputs=choice)
+    [free] = [output.outputs[0].text for output in generator.run(prompts[2:], opens)]
+    assert free in ("<think></think>yes", "<think></think>no")
     without = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
-    assert all(output.outputs[0].text in ("yes", "no") for output in without.run(prompts, params))
+    assert all(output.outputs[0].text in ("yes", "no") for output in without.run(prompts, closes))
+    assert without.run(prompts[2:], opens)[0].outputs[0].text in ("yes", "no")
 
 
 def test_an_unknown_reasoning_parser_is_refused(smollm2_path, capsys):
@@ -214,7 +225,8 @@ def test_the_scheduler_starts_a_grammar_after_the_tokens_that_close_the_block(sm
     def ids(text):
         return tokenizer(text, add_special_tokens=False).input_ids
 
-    answers = {"thinking": ids("plan it") + ids(CLOSE) + ids("yes") + [tokenizer.eos_token_id],
+    # The tag spelled with other tokens than its own (" </think>" is 'Ġ</', 'think', '>') closes the block too.
+    answers = {"thinking": ids("plan it </think>") + ids("yes") + [tokenizer.eos_token_id],
                "direct": ids("no") + [tokenizer.eos_token_id]}
     requests = [Request(name, None, ids(prompt), SamplingParams(temperature=0, max_tokens=20), seed=0,
                         eos_token_ids=frozenset({tokenizer.eos_token_id}), grammar=grammar)
@@ -224,7 +236,7 @@ def test_the_scheduler_starts_a_grammar_after_the_tokens_that_close_the_block(sm
     assert scheduler.admit_compiled() == []
     thinking, direct = (request.seqs[0] for request in requests)
     assert thinking.matcher is None and thinking.in_reasoning and direct.matcher is not None
-    closed_at = len(ids("plan it")) + len(ids(CLOSE))
+    closed_at = len(ids("plan it </think>"))
     while scheduler.has_work():
         constrained = [seq for seq in (thinking, direct) if not seq.is_finished and seq.matcher is not None]
         draws = [(seq, 0) for seq in (thinking, direct) if not seq.is_finished]
@@ -232,7 +244,7 @@ def test_the_scheduler_starts_a_grammar_after_the_tokens_that_close_the_block(sm
         assert [draws[row][0] for row in (masked[1] if masked else [])] == constrained
         assert (thinking.matcher is None) == (thinking.num_output_tokens < closed_at)
         step(scheduler, lambda seq, k: answers[seq.request.request_id][seq.num_output_tokens])
-    assert thinking.text == "plan it</think>yes" and direct.text == "no"
+    assert thinking.text == "plan it </think>yes" and direct.text == "no"
     assert thinking.finish_reason == direct.finish_reason == "stop"
     assert_no_leak(scheduler)
     compiler.shutdown()

@@ -45,6 +45,7 @@ def test_a_response_is_the_chat_answer_of_its_instructions_and_input(client):
                                                  "length" else ("completed", "completed"))
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.output_tokens_details.reasoning_tokens == 0
     # Messages with text parts, a developer message as the system's.
     parts = client.responses.create(model=MODEL, max_output_tokens=8, temperature=0, input=[
         {"role": "developer", "content": "Be brief."},
@@ -137,7 +138,43 @@ def test_ray_routes_a_response_by_the_prefix_of_its_chat_prompt():
     ({"input": "Hi", "text": {"format": {"type": "yaml"}}}, "text"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input"),
     ({"input": "Hi", "max_output_tokens": "many"}, "max_output_tokens"),
+    ({"input": "Hi", "text": {"format": "json"}}, "text"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": {"not": "text"}}]}]}, "input"),
+    ({"input": "Hi", "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_input_that_makes_no_chat_request_is_a_400_naming_its_field(server, body, param):
     answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"max_output_tokens": 5000}, "max_output_tokens", "'max_output_tokens' is too large"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text",
+     "text.format.schema is invalid"),
+])
+def test_errors_of_the_chat_request_name_this_apis_fields(server, body, param, words):
+    answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, "input": "Hi", **body}, timeout=30)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == param and words in error["message"], answer.text
+
+
+def test_each_streamed_item_is_done_before_the_next_is_added():
+    from hf_paged.server.responses import ResponseEvents, ResponsesRequest
+
+    events = ResponseEvents(ResponsesRequest(input="Hi"), MODEL)
+    sent = events.start() + events.delta({"reasoning": "plan"}) + events.delta({"content": "Sure."})
+    for index, name in enumerate(("f", "g")):
+        call = {"index": index, "id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": ""}}
+        sent += events.delta({"tool_calls": [call]})
+        sent += events.delta({"tool_calls": [{"index": index, "function": {"arguments": "{}"}}]})
+    sent += events.finish("completed", {})
+    bodies = [json.loads(event.split("data: ", 1)[1]) for event in sent]
+    items = [(body["type"].removeprefix("response.output_item."), body["item"]["type"]) for body in bodies
+             if body["type"].startswith("response.output_item.")]
+    assert items == [("added", "reasoning"), ("done", "reasoning"), ("added", "message"), ("done", "message"),
+                     ("added", "function_call"), ("done", "function_call"), ("added", "function_call"),
+                     ("done", "function_call")]
+    final = bodies[-1]["response"]["output"]
+    assert [item.get("arguments") for item in final] == [None, None, "{}", "{}"]
+    assert all(item["status"] == "completed" for item in final)

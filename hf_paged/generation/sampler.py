@@ -8,7 +8,7 @@ import torch
 
 from .sampling_params import FLOAT32_MAX
 from .sequence import Sequence
-from .structured_outputs import apply_bitmask, fill_bitmask
+from .structured_outputs import allow_token, apply_bitmask, fill_bitmask
 
 CANDIDATES = 512  # the likeliest tokens a top-k / top-p row looks for its kept ones among before sorting whole
 NO_TOKEN = -1  # the token of a row whose masks and bans left it none to take (its request fails)
@@ -115,6 +115,9 @@ def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device
     rows = [row for row, (seq, _) in enumerate(draws) if seq.matcher is not None]
     if rows:  # every draw of a sequence (n > 1 at its prompt) has its state: one bitmask row per draw
         batch.token_bitmask = (fill_bitmask([draws[row][0].matcher for row in rows], rows, len(draws)), rows)
+        for row in rows:  # a first token that may open a reasoning block, the grammar's after it
+            if (opener := draws[row][0].reasoning_opener) is not None:
+                allow_token(batch.token_bitmask[0], row, opener)
     banned = [(row, ids) for row, (seq, _) in enumerate(draws) if (ids := _banned_ids(seq)) is not None]
     if banned:
         rows, ids = zip(*banned)

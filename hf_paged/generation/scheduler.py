@@ -106,12 +106,14 @@ class Scheduler:
         return failed
 
     def _queue_constrained(self, seq: Sequence) -> None:
-        """Queue a request whose grammar compiled: constrained from its first token, or, when its prompt opens a
-        reasoning block (a reasoning parser is set), from the end of the block (see `_append`)."""
-        if self.reasoning_end is not None and self.reasoning_end.waits(seq.request.prompt_token_ids):
-            seq.in_reasoning = True
-        else:
+        """Queue a request whose grammar compiled: constrained from its first token, or, with a reasoning parser,
+        from the end of the reasoning block its prompt opens or its first token may open (see `_append`)."""
+        start = "after" if self.reasoning_end is None else self.reasoning_end.start(seq.request.prompt_token_ids)
+        seq.in_reasoning = start == "inside"
+        if not seq.in_reasoning:
             seq.matcher = GrammarMatcher.of(seq.request.grammar.result())
+        if start == "may_open":
+            seq.reasoning_opener = self.reasoning_end.open_id
         self.waiting.append(seq)
 
     # ------------------------------------------------------------------------------------------------- schedule
@@ -318,12 +320,15 @@ class Scheduler:
         new_text = self.detokenizer.step(seq, params.skip_special_tokens)
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
                           seq.request.stop_ids, self.max_model_len)
+        opener, seq.reasoning_opener = seq.reasoning_opener, None
+        if token == opener:  # the first token opened a reasoning block: the grammar waits for its end
+            seq.in_reasoning, seq.matcher = True, None
         ended = seq.matcher is not None and not seq.matcher.advance(token)
         if ended and (stop is None or stop.finish_reason == "length"):
             # The grammar is complete: its end token came (min_tokens cannot hold it back, and it is the reason even
             # as the last token max_tokens allows); its text goes, as EOS's.
             stop = Stop("stop", None, None if params.include_stop_str_in_output else len(seq.text) - len(new_text))
-        if seq.in_reasoning and self.reasoning_end.ended(seq.token_ids, seq.num_output_tokens):
+        if seq.in_reasoning and self.reasoning_end.ended(seq.text, len(new_text)):
             seq.in_reasoning, seq.matcher = False, GrammarMatcher.of(seq.request.grammar.result())
         if stop is not None:
             if stop.text_end is not None:

@@ -49,7 +49,10 @@ class Sequence:
         self.num_sent_chars = 0
         self.sent_finish = False
         self.matcher = None  # a structured_outputs.GrammarMatcher over the output, for a constrained request
-        self.in_reasoning = False  # in a reasoning block its constraint starts after (`reasoning.ReasoningEnd`)
+        # With a constraint and a reasoning parser (see `reasoning.ReasoningEnd`): in a reasoning block its grammar
+        # starts after, or the token that may open one as its first token, beside the grammar's.
+        self.in_reasoning = False
+        self.reasoning_opener: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +82,7 @@ class Sequence:
         child.status = self.status
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         child.matcher = self.matcher.fork() if self.matcher is not None else None
-        child.in_reasoning = self.in_reasoning
+        child.in_reasoning, child.reasoning_opener = self.in_reasoning, self.reasoning_opener
         self.request.seqs.append(child)
         return child
 

@@ -244,6 +244,12 @@ def fill_bitmask(matchers: list[GrammarMatcher], rows: list[int], num_rows: int)
     return bitmask
 
 
+def allow_token(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    """Let row ``row`` of a bitmask (32 tokens per int32 word, low bit first) take ``token_id`` too."""
+    word, bit = divmod(token_id, 32)
+    bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # bit 31 is the int32's sign
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set to -inf, in place, the logits of ``rows`` that their bitmask rows forbid."""
     bitmask = bitmask.to(logits.device, non_blocking=True)

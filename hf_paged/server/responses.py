@@ -10,6 +10,7 @@ answer is written as output items: the reasoning (with a reasoning parser), the 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -17,11 +18,23 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..generation.sampling_params import InvalidParameter
-from .protocol import ChatCompletionRequest
+from .protocol import APIError, ChatCompletionRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ITEMS = "message, function_call, function_call_output, reasoning"
+# The chat request's fields that stand for this API's, as errors name them.
 _FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
+_CHAT_NAMES = re.compile(r"(?<![\w.])(" + "|".join(_FIELDS_OF_CHAT) + r")\b")
+
+
+def renamed(err: APIError) -> APIError:
+    """An error of the chat request a response runs as, naming this API's fields (``text.format`` for
+    ``response_format``)."""
+    message = err.message.replace("response_format.json_schema.schema", "text.format.schema")
+    err.message = _CHAT_NAMES.sub(lambda m: "text.format" if m.group(1) == "response_format" else
+                                  _FIELDS_OF_CHAT[m.group(1)], message)
+    err.param = _FIELDS_OF_CHAT.get(err.param, err.param)
+    return err
 
 
 class ResponsesRequest(BaseModel):
@@ -48,6 +61,7 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     background: bool | None = None
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no obfuscation is added here
+    top_logprobs: int | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request this one runs as; raises `InvalidParameter` naming the field it cannot take."""
@@ -60,6 +74,9 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise InvalidParameter("truncation", f"truncation {self.truncation!r} is not supported: the input must "
                                    "fit the model's context (truncation 'disabled')")
+        if self.top_logprobs:
+            raise InvalidParameter("top_logprobs", "top_logprobs are not served on /v1/responses here (the chat "
+                                   "endpoint serves logprobs)")
         if (self.model_extra or {}).get("n") not in (None, 1):
             raise InvalidParameter("n", "a response has one answer: n must be 1")
         instructions = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -124,10 +141,10 @@ def _text(content, index: int) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS
-                                                 for p in content):
+                                                 and isinstance(p.get("text", ""), str) for p in content):
         raise InvalidParameter("input", f"input[{index}].content: only text parts ({', '.join(_TEXT_PARTS[:2])}) "
                                         "are supported")
-    return "\n".join(str(part.get("text", "")) for part in content)
+    return "\n".join(part.get("text", "") for part in content)
 
 
 def _chat_tool(index: int, tool: dict) -> dict:
@@ -141,17 +158,20 @@ def _chat_tool(index: int, tool: dict) -> dict:
 def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
     if not isinstance(choice, dict):
         return choice
-    if choice.get("type") != "function":
-        raise InvalidParameter("tool_choice", f"tool_choice of type {choice.get('type')!r} is not supported: "
-                                              "none, auto, required or {\"type\": \"function\", \"name\": ...}")
-    return {"type": "function", "function": {"name": choice.get("name")}}
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise InvalidParameter("tool_choice", "tool_choice is none, auto, required or {\"type\": \"function\", "
+                                              "\"name\": ...}")
+    return {"type": "function", "function": {"name": choice["name"]}}
 
 
 def _response_format(text: dict | None) -> dict | None:
     """``text.format`` as a chat ``response_format``."""
     fmt = (text or {}).get("format")
-    if not isinstance(fmt, dict) or fmt.get("type") == "text":
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
+    if not isinstance(fmt, dict) or (fmt.get("type") == "json_schema" and not isinstance(fmt.get("schema"), dict)):
+        raise InvalidParameter("text", 'text.format is {"type": "text"}, {"type": "json_object"} or {"type": '
+                                       '"json_schema", "name": ..., "schema": {...}}')
     if fmt.get("type") != "json_schema":
         return fmt
     schema = {key: fmt[key] for key in ("name", "description", "schema", "strict") if key in fmt}
@@ -163,11 +183,13 @@ def _item_id(prefix: str) -> str:
 
 
 def output_items(message: dict, status: str) -> list[dict]:
-    """A finished chat message as output items: its reasoning, its text, its calls."""
+    """A finished chat message as output items: its reasoning, its text, its calls (the last of them has the
+    response's ``status``: ``incomplete`` when cut)."""
     items = []
     if message.get("reasoning"):
-        items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": "completed",
-                      "content": [{"type": "reasoning_text", "text": message["reasoning"]}]})
+        cut = not (message.get("content") or message.get("tool_calls"))
+        items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": status if cut else
+                      "completed", "content": [{"type": "reasoning_text", "text": message["reasoning"]}]})
     if message.get("content"):
         items.append({"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
                       "content": [_output_text(message["content"])]})
@@ -181,9 +203,10 @@ def _output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": input_tokens + output_tokens}
 
 
 class ResponseEvents:
@@ -196,7 +219,7 @@ class ResponseEvents:
         self.id, self.created = _item_id("resp"), int(time.time())
         self.number = 0  # each event's sequence_number
         self.output: list[dict] = []
-        self.open: dict | None = None  # the reasoning or message item being written
+        self.open: dict | None = None  # the item being written
         self.calls: dict[int, dict] = {}  # function_call items by the chat delta's call index
 
     def event(self, kind: str, **fields) -> str:
@@ -239,11 +262,16 @@ class ResponseEvents:
         return events
 
     def _close(self, status: str) -> list[str]:
-        """The events that finish the reasoning or message item being written, if one is."""
+        """The events that finish the item being written, if one is."""
         item, self.open = self.open, None
         if item is None:
             return []
-        part, item["status"] = item["content"][0], "completed" if item["type"] == "reasoning" else status
+        item["status"] = status
+        if item["type"] == "function_call":
+            return [self.event("response.function_call_arguments.done", **self._where(item),
+                               arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=self.output.index(item), item=item)]
+        part = item["content"][0]
         name = "response.reasoning_text.done" if item["type"] == "reasoning" else "response.output_text.done"
         extra = {} if item["type"] == "reasoning" else {"logprobs": []}
         return [self.event(name, **self._where(item), content_index=0, text=part["text"], **extra),
@@ -259,6 +287,7 @@ class ResponseEvents:
                                                 "name": call["function"]["name"], "arguments": "",
                                                 "status": "in_progress"}
             events += self._added(item)
+            self.open = item
         piece = call.get("function", {}).get("arguments", "")
         if piece:
             item["arguments"] += piece
@@ -266,15 +295,14 @@ class ResponseEvents:
         return events
 
     def finish(self, status: str, usage: dict) -> list[str]:
-        """The events that end the stream: every item done, then the whole response."""
+        """The events that end the stream: the last item done, then the whole response."""
         events = self._close(status)
-        for item in self.calls.values():
-            item["status"] = "completed"
-            events += [self.event("response.function_call_arguments.done", **self._where(item),
-                                  arguments=item["arguments"]),
-                       self.event("response.output_item.done", output_index=self.output.index(item), item=item)]
         response = self.request.answer(self.id, self.created, self.model, status, self.output, usage)
         return events + [self.event(f"response.{status}", response=response)]
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")
 
     def _added(self, item: dict) -> list[str]:
         self.output.append(item)

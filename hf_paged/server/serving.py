@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,7 +34,7 @@ from .protocol import (
     error_body,
     usage,
 )
-from .responses import ResponseEvents, ResponsesRequest, output_items, response_usage
+from .responses import ResponseEvents, ResponsesRequest, output_items, renamed, response_usage
 from .tokenization import PromptEncoder, check_text
 
 logger = logging.getLogger(__name__)
@@ -92,20 +92,35 @@ class OpenAIServing:
             chat = body.to_chat()
         except ValueError as err:
             raise _bad_request(err, "input") from err
-        prompt, fmt, params = await self.chat_call(chat, "input")
-        request_id = f"resp-{uuid.uuid4().hex}"
-        stream = await self.submit(chat, [prompt], params, [request_id], "input")
         events = ResponseEvents(body, self.served_model_name)
-        if body.stream:
-            return StreamingResponse(_response_events(stream, fmt, events), media_type="text/event-stream")
-        outputs = await _finished_outputs(stream, [request_id], request)
+        try:
+            prompt, fmt, params = await self.chat_call(chat, "input")
+            stream = await self.submit(chat, [prompt], params, [events.id], "input")
+            if body.stream:
+                return StreamingResponse(_response_events(stream, fmt, events, self.count_tokens),
+                                         media_type="text/event-stream")
+            outputs = await _finished_outputs(stream, [events.id], request)
+        except APIError as err:
+            raise renamed(err) from None
         if outputs is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
         output, completion = outputs[0], outputs[0].outputs[0]
         status = "incomplete" if completion.finish_reason == "length" else "completed"
-        items = output_items(fmt.choice(0, completion)["message"], status)
-        used = response_usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens)
+        message = fmt.choice(0, completion)["message"]
+        used = response_usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens,
+                              await self.count_tokens(message.get("reasoning")))
+        items = output_items(message, status)
         return JSONResponse(body.answer(events.id, events.created, self.served_model_name, status, items, used))
+
+    async def count_tokens(self, text: str | None) -> int:
+        """How many tokens ``text`` is alone (no special tokens added), counted on a tokenizing thread."""
+        if not text:
+            return 0
+
+        def count() -> int:
+            return len(self.encoder.processor().tokenizer(text, add_special_tokens=False).input_ids)
+
+        return await asyncio.get_running_loop().run_in_executor(self.encoder.start(), count)
 
     async def tokenize(self, body: TokenizeRequest | ChatCompletionRequest) -> dict:
         """vLLM's ``/tokenize``: the token ids the server would run for a completion's prompt or a chat's messages
@@ -410,7 +425,8 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
         stream.close()
 
 
-async def _response_events(stream: RequestStream, fmt: ChatFormat, events: ResponseEvents) -> AsyncIterator[str]:
+async def _response_events(stream: RequestStream, fmt: ChatFormat, events: ResponseEvents,
+                           count_tokens: Callable[[str], Awaitable[int]]) -> AsyncIterator[str]:
     """Server-sent events of a streamed response (see `responses.ResponseEvents`); a failure ends it with an
     ``error`` event."""
     output_tokens, cached, status = 0, 0, "completed"
@@ -427,10 +443,12 @@ async def _response_events(stream: RequestStream, fmt: ChatFormat, events: Respo
                 sent = fmt.chunk_choice(0, choice.text, choice.token_ids, None, 0, choice.finish_reason)
                 for event in events.delta(sent["delta"] if sent else {}):
                     yield event
-        for event in events.finish(status, response_usage(stream.num_prompt_tokens, output_tokens, cached)):
+        reasoning_tokens = await count_tokens(events.reasoning)
+        for event in events.finish(status, response_usage(stream.num_prompt_tokens, output_tokens, cached,
+                                                          reasoning_tokens)):
             yield event
     except (EngineError, APIError) as err:
-        error = _error_event(err)["error"]
+        error = _error_event(renamed(err) if isinstance(err, APIError) else err)["error"]
         yield events.event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
     finally:
         stream.close()
