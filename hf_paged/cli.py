@@ -123,8 +123,9 @@ def _http_options() -> argparse.ArgumentParser:
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="tool_choice auto is always served (calls read from hermes blocks or the tokenizer's "
                            "response template)")
-    vllm.add_argument("--tool-call-parser", choices=("hermes",), default=None,
-                      help="the hermes format is the one read (or the tokenizer's own response template)")
+    vllm.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                      help="both are read: hermes <tool_call> blocks, and answers of JSON objects naming the tools "
+                           "(Llama 3's); or the tokenizer's own response template")
     vllm.add_argument("--enable-prefix-caching", action="store_true", dest="vllm_prefix_caching",
                       help="prefix caching is on unless --no-prefix-caching")
     vllm.add_argument("--enable-request-id-headers", action="store_true",

@@ -325,3 +325,21 @@ def test_auto_reads_hermes_calls_out_of_free_text(client, stream):
     plain = chat(client, tools=[WEATHER], temperature=0, max_tokens=8, extra_body={"guided_choice": ["No tools."]})
     assert plain.choices[0].message.content == "No tools." and not plain.choices[0].message.tool_calls
     assert plain.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_reads_calls_written_as_llama_3_writes_them(client, stream):
+    """An answer of JSON objects naming the tools, separated by ";" (Llama 3.x's tool calls, vLLM's llama3_json)."""
+    written = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": ' \
+              '{"zone": "UTC"}}'
+    reply = chat(client, tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0, max_tokens=60, stream=stream,
+                 extra_body={"structured_outputs": {"choice": [written]}})
+    if stream:
+        content, calls, finish = streamed_calls(reply)
+    else:
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        content = message.content
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    assert not content and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                        ("get_time", {"zone": "UTC"})]

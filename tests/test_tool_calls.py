@@ -215,3 +215,46 @@ def test_a_tokenizer_response_template_parses_calls(tokenizer, monkeypatch):
     assert stream.feed(CALL) == ("", [])
     content, [call], called = stream.finish()
     assert content == "Let me look." and called and call["function"]["name"] == "get_weather"
+
+
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("step", [1, 7])
+def test_calls_written_as_json_objects_are_read_as_llama_3_writes_them(step):
+    """An answer that is nothing but calls of the tools as JSON objects (Llama 3.x's format, vLLM's llama3_json):
+    one, several separated by ";", after <|python_tag|>; anything else stays content, streamed or not."""
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    cases = {
+        LLAMA_CALL: [("get_weather", {"city": "Paris"})],
+        f' \n<|python_tag|>{LLAMA_CALL}; {{"name": "get_time", "arguments": {{}}}}':
+            [("get_weather", {"city": "Paris"}), ("get_time", {})],
+        '{"name": "not_a_tool", "parameters": {}}': [],
+        '{"name": "get_weather", "parameters": {"city": "Paris"}, "extra": 1}': [],
+        f"{LLAMA_CALL} and then some words": [],
+        '{"name": "get_weather", "parameters": {"city": "Pa': [],  # cut short
+        '{"answer": 42}': [],
+        '[{"name": "get_weather", "parameters": {}}]': [],
+        "The weather is fine.": [],
+    }
+    for text, expected in cases.items():
+        content, calls = parser.parse(text)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == expected, text
+        assert content == (None if expected else text), text
+        streamed, deltas, called = stream_all(parser.stream(), text, step)
+        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)] == expected, text
+        assert called == bool(expected) and streamed == (content or ""), text
+    assert ToolCallParser("auto").parse(LLAMA_CALL) == (LLAMA_CALL, [])  # no tools, no calls to read
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES + [LLAMA_CALL, "<|python_tag|>", "<|", ";", '{"name": "get_time", "parameters"',
+                                          ': {}}']), max_size=6), st.integers(1, 9))
+def test_with_tools_any_text_streams_as_its_whole_answer_reads(pieces, step):
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    text = "".join(pieces)
+    whole_content, whole_calls = parser.parse(text)
+    content, deltas, called = stream_all(parser.stream(), text, step)
+    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
+        [(c.name, as_json(c.arguments)) for c in whole_calls]
+    assert called == bool(whole_calls) and content == (whole_content or "")

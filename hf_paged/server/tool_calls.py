@@ -8,7 +8,9 @@
   ``[{"name": ..., "arguments": {...}}, ...]``, each call matching its tool's ``parameters`` schema (a named
   function: exactly one call of it).
 * ``tool_choice="auto"`` generates freely; calls are read out of the text: with the tokenizer's own
-  ``parse_response`` where it defines a ``response_template``, else from hermes ``<tool_call>`` blocks.
+  ``parse_response`` where it defines a ``response_template``, else from hermes ``<tool_call>`` blocks, or from an
+  answer that is nothing but calls written as JSON objects, Llama 3's way (``{"name": ..., "parameters": {...}}``,
+  several separated by ``;``, after ``<|python_tag|>`` when special tokens are kept; vLLM's ``llama3_json``).
 * ``tool_choice="none"`` reads no calls.
 """
 
@@ -110,6 +112,7 @@ class ToolCallParser:
                  named: bool = False):
         self.mode, self.tokenizer, self.prompt, self.tools, self.named = mode, tokenizer, prompt, tools, named
         self.response_template = getattr(tokenizer, "response_template", None) if mode == "auto" else None
+        self.function_names = set(tool_functions(tools)) if tools and mode == "auto" else set()
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)``; text that holds no readable call is all content."""
@@ -118,7 +121,10 @@ class ToolCallParser:
         if self.response_template is not None:
             return self._parse_with_template(text)
         calls = [call for match in _HERMES_CALL.finditer(text) if (call := _hermes_block_call(match.group(1)))]
-        return (_content_beside(text) or None) if calls else text, calls
+        if calls:
+            return _content_beside(text) or None, calls
+        calls = _json_object_calls(text, self.function_names)
+        return (None, calls) if calls else (text, [])
 
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
@@ -169,6 +175,12 @@ class ToolCallStream:
         """The content and the ``delta.tool_calls`` entries that can be sent now."""
         self.text += delta
         content = ""
+        if not self.holding and self.sent == 0 and self.parser.function_names:
+            start = self.text.lstrip()
+            if start.startswith(("{", PYTHON_TAG)):
+                self.holding, self.follow = True, False  # Llama 3's calls, maybe: read whole at the end
+            elif start and PYTHON_TAG.startswith(start):
+                return "", []  # it may yet be the tag
         if not self.holding:
             # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``; nor is whitespace
             # that a call may follow (a whole answer's content ends before it).
@@ -280,6 +292,31 @@ _DECODER = json.JSONDecoder()
 _NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
+
+
+PYTHON_TAG = "<|python_tag|>"  # what Llama 3 writes before calls (a special token: in the text if they are kept)
+_CALL_SEPARATOR = re.compile(r"\s*;?\s*")
+
+
+def _json_object_calls(text: str, functions: set[str]) -> list[ToolCall]:
+    """The calls of an answer that is nothing but JSON objects ``{"name": <one of functions>, "parameters" (or
+    "arguments"): {...}}``, separated by ``;`` (Llama 3's), or none."""
+    text = text.strip().removeprefix(PYTHON_TAG)
+    calls, at = [], _CALL_SEPARATOR.match(text).end()
+    while at < len(text) and functions:
+        try:
+            value, at = _DECODER.raw_decode(text, at)
+        except NOT_JSON:
+            return []
+        if not (isinstance(value, dict) and len(value) == 2 and isinstance(value.get("name"), str)
+                and value["name"] in functions):
+            return []
+        arguments = value.get("parameters", value.get("arguments"))
+        if not isinstance(arguments, dict):
+            return []
+        calls.append(ToolCall.of(value["name"], arguments))
+        at = _CALL_SEPARATOR.match(text, at).end()
+    return calls
 
 
 def _calls_of(deltas: list[dict]) -> list[ToolCall]:
