@@ -221,9 +221,10 @@ LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
 @pytest.mark.parametrize("step", [1, 7])
-def test_calls_written_as_json_objects_are_read_as_llama_3_writes_them(step):
+def test_calls_written_as_json_objects_are_read_as_llama_3_and_mistral_write_them(step):
     """An answer that is nothing but calls of the tools as JSON objects (Llama 3.x's format, vLLM's llama3_json):
-    one, several separated by ";", after <|python_tag|>; anything else stays content, streamed or not."""
+    one, several separated by ";", after <|python_tag|>; or a JSON array of them (Mistral's, after [TOOL_CALLS]);
+    anything else stays content, streamed or not."""
     parser = ToolCallParser("auto", tools=[WEATHER, TIME])
     cases = {
         LLAMA_CALL: [("get_weather", {"city": "Paris"})],
@@ -234,7 +235,10 @@ def test_calls_written_as_json_objects_are_read_as_llama_3_writes_them(step):
         f"{LLAMA_CALL} and then some words": [],
         '{"name": "get_weather", "parameters": {"city": "Pa': [],  # cut short
         '{"answer": 42}': [],
-        '[{"name": "get_weather", "parameters": {}}]': [],
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]':
+            [("get_weather", {"city": "Rome"}), ("get_time", {})],  # Mistral's
+        '[{"name": "get_weather", "parameters": {}}, 3]': [],
+        "[]": [],
         "The weather is fine.": [],
     }
     for text, expected in cases.items():
@@ -249,7 +253,7 @@ def test_calls_written_as_json_objects_are_read_as_llama_3_writes_them(step):
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(PIECES + [LLAMA_CALL, "<|python_tag|>", "<|", ";", '{"name": "get_time", "parameters"',
-                                          ': {}}']), max_size=6), st.integers(1, 9))
+                                          ': {}}', "[TOOL_CALLS]", "[", "]", ", "]), max_size=6), st.integers(1, 9))
 def test_with_tools_any_text_streams_as_its_whole_answer_reads(pieces, step):
     parser = ToolCallParser("auto", tools=[WEATHER, TIME])
     text = "".join(pieces)

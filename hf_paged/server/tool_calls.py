@@ -10,7 +10,8 @@
 * ``tool_choice="auto"`` generates freely; calls are read out of the text: with the tokenizer's own
   ``parse_response`` where it defines a ``response_template``, else from hermes ``<tool_call>`` blocks, or from an
   answer that is nothing but calls written as JSON objects, Llama 3's way (``{"name": ..., "parameters": {...}}``,
-  several separated by ``;``, after ``<|python_tag|>`` when special tokens are kept; vLLM's ``llama3_json``).
+  several separated by ``;``, after ``<|python_tag|>`` when special tokens are kept; vLLM's ``llama3_json``) or
+  Mistral's (a JSON array of ``{"name": ..., "arguments": {...}}``, after ``[TOOL_CALLS]``).
 * ``tool_choice="none"`` reads no calls.
 """
 
@@ -177,9 +178,9 @@ class ToolCallStream:
         content = ""
         if not self.holding and self.sent == 0 and self.parser.function_names:
             start = self.text.lstrip()
-            if start.startswith(("{", PYTHON_TAG)):
-                self.holding, self.follow = True, False  # Llama 3's calls, maybe: read whole at the end
-            elif start and PYTHON_TAG.startswith(start):
+            if start.startswith(("{", "[", *CALL_PREFIXES)):
+                self.holding, self.follow = True, False  # Llama 3's or Mistral's calls, maybe: read whole at the end
+            elif start and any(prefix.startswith(start) for prefix in CALL_PREFIXES):
                 return "", []  # it may yet be the tag
         if not self.holding:
             # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``; nor is whitespace
@@ -294,27 +295,29 @@ _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
 
 
-PYTHON_TAG = "<|python_tag|>"  # what Llama 3 writes before calls (a special token: in the text if they are kept)
+# What Llama 3 and Mistral write before calls (special tokens: in the text only if they are kept).
+CALL_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
 _CALL_SEPARATOR = re.compile(r"\s*;?\s*")
 
 
 def _json_object_calls(text: str, functions: set[str]) -> list[ToolCall]:
     """The calls of an answer that is nothing but JSON objects ``{"name": <one of functions>, "parameters" (or
-    "arguments"): {...}}``, separated by ``;`` (Llama 3's), or none."""
-    text = text.strip().removeprefix(PYTHON_TAG)
+    "arguments"): {...}}``, separated by ``;`` (Llama 3's) or in JSON arrays (Mistral's), or none."""
+    text = text.strip()
+    for prefix in CALL_PREFIXES:
+        text = text.removeprefix(prefix)
     calls, at = [], _CALL_SEPARATOR.match(text).end()
     while at < len(text) and functions:
         try:
             value, at = _DECODER.raw_decode(text, at)
         except NOT_JSON:
             return []
-        if not (isinstance(value, dict) and len(value) == 2 and isinstance(value.get("name"), str)
-                and value["name"] in functions):
-            return []
-        arguments = value.get("parameters", value.get("arguments"))
-        if not isinstance(arguments, dict):
-            return []
-        calls.append(ToolCall.of(value["name"], arguments))
+        for call in value if isinstance(value, list) and value else [value]:
+            if not (isinstance(call, dict) and len(call) == 2 and isinstance(call.get("name"), str)
+                    and call["name"] in functions
+                    and isinstance(arguments := call.get("parameters", call.get("arguments")), dict)):
+                return []
+            calls.append(ToolCall.of(call["name"], arguments))
         at = _CALL_SEPARATOR.match(text, at).end()
     return calls
 
