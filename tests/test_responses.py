@@ -178,3 +178,13 @@ def test_each_streamed_item_is_done_before_the_next_is_added():
     final = bodies[-1]["response"]["output"]
     assert [item.get("arguments") for item in final] == [None, None, "{}", "{}"]
     assert all(item["status"] == "completed" for item in final)
+
+
+def test_responses_are_not_stored_and_asking_for_one_says_so(client):
+    import openai
+
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=True)
+    assert response.store is False
+    for ask in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError, match="this server keeps no responses"):
+            ask(response.id)

@@ -190,11 +190,21 @@ def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
 
+    _install_responses_routes(app, serving)
+    _install_token_routes(app, serving)
+
+
+def _install_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await serving.responses(body, request)
 
-    _install_token_routes(app, serving)
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"no response {response_id[:100]!r} is stored: this server keeps no responses (they are "
+                            "answered, streamed or not, and forgotten)", param="response_id", code="not_found")
 
 
 def _install_token_routes(app: FastAPI, serving: OpenAIServing) -> None:
