@@ -121,8 +121,8 @@ def _http_options() -> argparse.ArgumentParser:
                         help="server log level (default: info)")
     vllm = parser.add_argument_group("vLLM's flags, for its command lines: what they ask is always so here")
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
-                      help="tool_choice auto is always served (calls read from hermes blocks or the tokenizer's "
-                           "response template)")
+                      help="tool_choice auto is always served (calls read from hermes blocks, JSON calls as Llama 3 "
+                           "and Mistral write them, or the tokenizer's response template)")
     vllm.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                       help="both are read: hermes <tool_call> blocks, and answers of JSON objects naming the tools "
                            "(Llama 3's); or the tokenizer's own response template")

@@ -26,8 +26,9 @@ def opens_reasoning(prompt: str) -> bool:
 class ReasoningEnd:
     """The engine's side: where a constrained request's grammar starts when a reasoning parser is set.
 
-    A prompt that opens the block (ends with ``<think>``) reasons first: the grammar starts once the output's text
-    holds ``</think>``, after the token that completes it. A prompt that closed one (thinking turned off) is
+    A prompt that opens the block (ends with ``<think>``) reasons first: the grammar starts once the output holds
+    ``</think>`` (its token, where it is one, even when special tokens are left out of the text; else its text),
+    after the token that completes it, from any text that token carries after the tag. A prompt that closed one (thinking turned off) is
     constrained from its first token. Any other prompt leaves the model free to open the block with its first token
     (Qwen3's hybrid templates let the model decide): that token is allowed beside the grammar's, and taking it makes
     the request reason first. That needs ``<think>`` to be one token, as in Qwen3's and DeepSeek-R1's tokenizers;
@@ -36,8 +37,7 @@ class ReasoningEnd:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        ids = tokenizer.encode(OPEN, add_special_tokens=False)
-        self.open_id = ids[0] if len(ids) == 1 else None  # the token that opens a block, if one does
+        self.open_id, self.close_id = _one_token(tokenizer, OPEN), _one_token(tokenizer, CLOSE)
 
     def start(self, prompt_token_ids: list[int]) -> str:
         """``"inside"`` (the prompt opens the block), ``"may_open"`` (the first token may open one) or ``"after"``
@@ -47,10 +47,21 @@ class ReasoningEnd:
             return "inside"
         return "after" if end.endswith(CLOSE) or self.open_id is None else "may_open"
 
+    def ended(self, token: int, text: str, num_new_chars: int) -> bool:
+        """Whether ``token``, whose text is the newest ``num_new_chars`` of an output's ``text``, ends the block."""
+        return token == self.close_id or CLOSE in text[max(0, len(text) - num_new_chars - len(CLOSE) + 1):]
+
     @staticmethod
-    def ended(text: str, num_new_chars: int) -> bool:
-        """Whether the newest ``num_new_chars`` of an output's ``text`` complete ``</think>``."""
-        return CLOSE in text[max(0, len(text) - num_new_chars - len(CLOSE) + 1):]
+    def after(text: str) -> str:
+        """The text of an output after the tag that ended its block (what the token that ended it carried)."""
+        end = text.rfind(CLOSE)
+        return text[end + len(CLOSE):] if end >= 0 else ""
+
+
+def _one_token(tokenizer, tag: str) -> int | None:
+    """The token that spells ``tag``, where one does."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def partial_tag(text: str, tag: str) -> int:

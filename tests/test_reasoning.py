@@ -248,3 +248,61 @@ def test_the_scheduler_starts_a_grammar_after_the_tokens_that_close_the_block(sm
     assert thinking.finish_reason == direct.finish_reason == "stop"
     assert_no_leak(scheduler)
     compiler.shutdown()
+
+
+def _scripted(tokenizer, prompt: str, answer: list[int], choice: list[str], **params):
+    """A scheduler with a reasoning parser running one constrained request whose tokens are ``answer``."""
+    from test_scheduler import assert_no_leak, step
+
+    from hf_paged.cache import BlockPool, KVCacheManager
+    from hf_paged.generation.config import EngineConfig
+    from hf_paged.generation.detokenizer import Detokenizer
+    from hf_paged.generation.scheduler import Scheduler
+    from hf_paged.generation.sequence import Request
+    from hf_paged.generation.structured_outputs import GrammarCompiler
+
+    config = EngineConfig(block_size=4, max_num_batched_tokens=2048, reasoning_parser="qwen3")
+    scheduler = Scheduler(config, KVCacheManager(BlockPool(64, 4), True), Detokenizer(tokenizer), 256)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = compiler.compile(StructuredOutputsParams(choice=choice))
+    grammar.result(timeout=60)
+    request = Request("r", None, tokenizer(prompt, add_special_tokens=False).input_ids,
+                      SamplingParams(temperature=0, max_tokens=20, **params), seed=0,
+                      eos_token_ids=frozenset({tokenizer.eos_token_id}), grammar=grammar)
+    scheduler.add(request)
+    scheduler.admit_compiled()
+    while scheduler.has_work():
+        step(scheduler, lambda seq, k: answer[seq.num_output_tokens])
+    assert_no_leak(scheduler)
+    compiler.shutdown()
+    return request
+
+
+def test_the_block_ends_at_its_token_even_when_special_tokens_leave_the_text(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.add_tokens([OPEN, CLOSE], special_tokens=True)  # skipped from the text by default
+    answer = [*tokenizer("plan it", add_special_tokens=False).input_ids, tokenizer.convert_tokens_to_ids(CLOSE),
+              *tokenizer("yes", add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    request = _scripted(tokenizer, OPENS_THE_BLOCK, answer, ["yes", "no"])
+    seq = request.seqs[0]
+    assert request.error is None and seq.text == "plan ityes" and seq.finish_reason == "stop"
+    assert not seq.in_reasoning and seq.matcher is not None and seq.matcher.is_terminated()  # "yes" was constrained
+
+
+def test_text_carried_after_the_tag_by_its_last_token_is_held_to_the_constraint(smollm2_path):
+    """SmolLM2 has a token '>"': closing the block with it writes a quote the grammar must allow."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    answer = ids("plan it </") + ids("think") + [tokenizer.convert_tokens_to_ids('>"')] + ids('yes"') + \
+        [tokenizer.eos_token_id]
+    quoted = _scripted(tokenizer, OPENS_THE_BLOCK, answer, ['"yes"', '"no"'])
+    assert quoted.error is None and quoted.seqs[0].text == 'plan it </think>"yes"'
+    bare = _scripted(tokenizer, OPENS_THE_BLOCK, answer, ["yes", "no"])
+    assert bare.error_param == "structured_outputs" and "carried '\"' after </think>" in bare.error

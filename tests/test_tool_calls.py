@@ -238,6 +238,10 @@ def test_calls_written_as_json_objects_are_read_as_llama_3_and_mistral_write_the
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "get_time", "arguments": {}}]':
             [("get_weather", {"city": "Rome"}), ("get_time", {})],  # Mistral's
         '[{"name": "get_weather", "parameters": {}}, 3]': [],
+        # Mistral's with the ids its templates write, Llama 3.2's with a type.
+        '[{"name": "get_time", "arguments": {}, "id": "abc123def"}]': [("get_time", {})],
+        '{"type": "function", "name": "get_time", "parameters": {}}': [("get_time", {})],
+        '{"type": "other", "name": "get_time", "parameters": {}}': [],
         "[]": [],
         "The weather is fine.": [],
     }
@@ -262,3 +266,14 @@ def test_with_tools_any_text_streams_as_its_whole_answer_reads(pieces, step):
     assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
         [(c.name, as_json(c.arguments)) for c in whole_calls]
     assert called == bool(whole_calls) and content == (whole_content or "")
+
+
+def test_an_answer_that_cannot_be_calls_streams_as_it_comes():
+    """With tools, only an answer that begins as JSON calls do is held to its end."""
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    for text in ("[a link](http://x) and more", '{"answer": 42, "more": "text"}', "[1, 2, 3] are numbers"):
+        stream = parser.stream()
+        sent = "".join(stream.feed(text[i:i + 4])[0] for i in range(0, len(text), 4))
+        assert len(sent) >= len(text) - 4 and stream.finish()[1:] == ([], False), text
+    stream = parser.stream()
+    assert [stream.feed(piece)[0] for piece in ("[", "{", '"na', 'me": "get_time"')] == ["", "", "", ""]

@@ -42,6 +42,11 @@ def test_attention_sinks_match_naive(case_args, window):
                                             prefill["max_query_len"], 0.125, window, None, sinks)
     expected = naive_attention(prefill, 0.125, window, None, sinks)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    import hf_paged.kernels as kernels
+
+    with pytest.raises(ValueError, match="one logit per query head"):  # whichever kernel would run
+        kernels.paged_decode_attention(decode["query"], decode["k_cache"], decode["v_cache"], decode["block_tables"],
+                                       decode["seq_lens"], 0.125, window, None, sinks[:-1])
 
 
 def test_decode_mixed_lengths_in_separate_runs():

@@ -18,7 +18,8 @@ from .outputs import ranked_logprobs
 from .sampler import NO_TOKEN, SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stopping import Stop, check_stop
-from .structured_outputs import GrammarMatcher, GrammarTooSlow
+from .sampling_params import InvalidParameter
+from .structured_outputs import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,14 @@ class Scheduler:
         if start == "may_open":
             seq.reasoning_opener = self.reasoning_end.open_id
         self.waiting.append(seq)
+
+    def _start_grammar(self, seq: Sequence) -> None:
+        """The reasoning block of ``seq`` has ended: its grammar starts, from the text after the tag."""
+        seq.in_reasoning, seq.matcher = False, GrammarMatcher.of(seq.request.grammar.result())
+        carried = self.reasoning_end.after(seq.text)
+        if carried and not seq.matcher.accept_text(carried):
+            raise InvalidParameter("structured_outputs", f"the token that ended the reasoning block carried "
+                                   f"{carried[:40]!r} after </think>, which the constraint does not allow")
 
     # ------------------------------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -278,7 +287,7 @@ class Scheduler:
                     if not seq.is_finished:
                         self._append(seq, token, row, sampled, now)
                 self._settle_guesses(seq, out)
-            except GrammarTooSlow as err:
+            except InvalidParameter as err:  # the request's constraint cannot go on (GrammarTooSlow, ...)
                 logger.warning("request %s failed: %s", request.request_id, err)
                 self.fail(request, str(err), err.param)
             except Exception as err:  # noqa: BLE001 - any failure here is this request's alone
@@ -328,8 +337,8 @@ class Scheduler:
             # The grammar is complete: its end token came (min_tokens cannot hold it back, and it is the reason even
             # as the last token max_tokens allows); its text goes, as EOS's.
             stop = Stop("stop", None, None if params.include_stop_str_in_output else len(seq.text) - len(new_text))
-        if seq.in_reasoning and self.reasoning_end.ended(seq.text, len(new_text)):
-            seq.in_reasoning, seq.matcher = False, GrammarMatcher.of(seq.request.grammar.result())
+        if seq.in_reasoning and self.reasoning_end.ended(token, seq.text, len(new_text)):
+            self._start_grammar(seq)
         if stop is not None:
             if stop.text_end is not None:
                 seq.text = seq.text[: stop.text_end]

@@ -74,6 +74,10 @@ class GrammarMatcher:
                                  "every other request")
         return accepted and not self.is_terminated()
 
+    def accept_text(self, text: str) -> bool:
+        """Advance by text that tokens already carried (no change, and False, if the grammar does not allow it)."""
+        return self._matcher.accept_string(text)
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         self._matcher.rollback(num_tokens)

@@ -43,6 +43,12 @@ def _impl(tensor: torch.Tensor):
     return torch_ops
 
 
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(f"paged attention: sinks must be one logit per query head ({query.shape[1]}), got "
+                         f"{tuple(sinks.shape)}")
+
+
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write new keys/values ``[T, Hkv, D]`` into their cache slots (``-1`` skips a token)."""
     _impl(key).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
@@ -54,6 +60,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scal
 
     A cache in another dtype than the queries (``kv_cache_dtype``) is read in its own dtype: the queries are cast to
     it and the output back."""
+    _check_sinks(sinks, query)
     q = query.to(k_cache.dtype)
     impl = cpu_ops if _use_native(q, k_cache, v_cache) else _impl(q)
     out = impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, softcap,
@@ -67,6 +74,7 @@ def paged_prefill_attention(
 ):
     """Several new tokens per sequence attending causally to its pages; see :mod:`hf_paged.kernels.torch_ops`.
     Queries in another dtype than the cache are handled as in `paged_decode_attention`."""
+    _check_sinks(sinks, query)
     q = query.to(k_cache.dtype)
     native = max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1]) and _use_native(q, k_cache, v_cache)
     impl = cpu_ops if native else _impl(q)
@@ -92,6 +100,7 @@ def paged_attention(
     """One layer's attention for a forward step: store the new ``key``/``value`` ``[T, Hkv, D]`` in their slots,
     then attend every query row ``[T, Hq, D]`` through the step's block tables (decodes first, then prefill chunks,
     as `PagedMetadata` packs them). Returns ``[T, Hq, D]``."""
+    _check_sinks(sinks, query)
     q = query.to(k_cache.dtype)
     rows_fit = (metadata.max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1])
                 and key.stride(-1) == value.stride(-1) == 1)

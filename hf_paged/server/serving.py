@@ -107,13 +107,15 @@ class OpenAIServing:
         output, completion = outputs[0], outputs[0].outputs[0]
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         message = fmt.choice(0, completion)["message"]
+        reasoning_tokens = min(len(completion.token_ids), await self.count_tokens(message.get("reasoning")))
         used = response_usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens,
-                              await self.count_tokens(message.get("reasoning")))
+                              reasoning_tokens)
         items = output_items(message, status)
         return JSONResponse(body.answer(events.id, events.created, self.served_model_name, status, items, used))
 
     async def count_tokens(self, text: str | None) -> int:
-        """How many tokens ``text`` is alone (no special tokens added), counted on a tokenizing thread."""
+        """How many tokens ``text`` is alone (no special tokens added), counted on a tokenizing thread: a response's
+        reasoning tokens, as the reasoning text tokenizes (not always as the model wrote it)."""
         if not text:
             return 0
 
@@ -443,7 +445,7 @@ async def _response_events(stream: RequestStream, fmt: ChatFormat, events: Respo
                 sent = fmt.chunk_choice(0, choice.text, choice.token_ids, None, 0, choice.finish_reason)
                 for event in events.delta(sent["delta"] if sent else {}):
                     yield event
-        reasoning_tokens = await count_tokens(events.reasoning)
+        reasoning_tokens = min(output_tokens, await count_tokens(events.reasoning))
         for event in events.finish(status, response_usage(stream.num_prompt_tokens, output_tokens, cached,
                                                           reasoning_tokens)):
             yield event

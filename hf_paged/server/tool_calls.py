@@ -156,7 +156,8 @@ class ToolCallStream:
 
     Calls are followed as they come when written ``{"name": ..., "arguments": ...}`` (the constrained JSON array, or
     hermes blocks in that key order); a hermes block written otherwise is read whole once it ends, and with a
-    tokenizer's response template the calls are read whole when the choice finishes. What a stream sends adds up to
+    tokenizer's response template, or in an answer that begins as JSON calls do (Llama 3's, Mistral's), the calls
+    are read whole when the choice finishes. What a stream sends adds up to
     the whole answer (`ToolCallParser.parse`) of the same text.
     """
 
@@ -177,11 +178,11 @@ class ToolCallStream:
         self.text += delta
         content = ""
         if not self.holding and self.sent == 0 and self.parser.function_names:
-            start = self.text.lstrip()
-            if start.startswith(("{", "[", *CALL_PREFIXES)):
+            start = _json_call_start(self.text)
+            if start is None:
+                return "", []  # not decided yet
+            if start:
                 self.holding, self.follow = True, False  # Llama 3's or Mistral's calls, maybe: read whole at the end
-            elif start and any(prefix.startswith(start) for prefix in CALL_PREFIXES):
-                return "", []  # it may yet be the tag
         if not self.holding:
             # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``; nor is whitespace
             # that a call may follow (a whole answer's content ends before it).
@@ -297,7 +298,25 @@ _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
 
 # What Llama 3 and Mistral write before calls (special tokens: in the text only if they are kept).
 CALL_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
+# How such calls begin (whitespace aside): an object, or an array of them, whose first key is one of a call's.
+_CALL_STARTS = tuple(f'{bracket}{{"{key}"' for bracket in ("", "[") for key in ("name", "type", "id", "arguments",
+                                                                                  "parameters"))
+_CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
 _CALL_SEPARATOR = re.compile(r"\s*;?\s*")
+
+
+def _json_call_start(text: str) -> bool | None:
+    """Whether an answer begins as JSON calls do (None: it may yet)."""
+    start = text.lstrip()
+    for prefix in CALL_PREFIXES:
+        if start.startswith(prefix):
+            start = start[len(prefix):]
+        elif start and prefix.startswith(start):
+            return None
+    compact = "".join(start[:40].split())
+    if compact.startswith(_CALL_STARTS):
+        return True
+    return None if any(call.startswith(compact) for call in _CALL_STARTS) else False
 
 
 def _json_object_calls(text: str, functions: set[str]) -> list[ToolCall]:
@@ -313,8 +332,8 @@ def _json_object_calls(text: str, functions: set[str]) -> list[ToolCall]:
         except NOT_JSON:
             return []
         for call in value if isinstance(value, list) and value else [value]:
-            if not (isinstance(call, dict) and len(call) == 2 and isinstance(call.get("name"), str)
-                    and call["name"] in functions
+            if not (isinstance(call, dict) and set(call) <= _CALL_KEYS and call.get("type", "function") == "function"
+                    and isinstance(call.get("name"), str) and call["name"] in functions
                     and isinstance(arguments := call.get("parameters", call.get("arguments")), dict)):
                 return []
             calls.append(ToolCall.of(call["name"], arguments))
