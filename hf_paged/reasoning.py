@@ -28,11 +28,11 @@ class ReasoningEnd:
 
     A prompt that opens the block (ends with ``<think>``) reasons first: the grammar starts once the output holds
     ``</think>`` (its token, where it is one, even when special tokens are left out of the text; else its text),
-    after the token that completes it, from any text that token carries after the tag. A prompt that closed one (thinking turned off) is
-    constrained from its first token. Any other prompt leaves the model free to open the block with its first token
-    (Qwen3's hybrid templates let the model decide): that token is allowed beside the grammar's, and taking it makes
-    the request reason first. That needs ``<think>`` to be one token, as in Qwen3's and DeepSeek-R1's tokenizers;
-    elsewhere such a prompt is constrained from its first token.
+    after the token that completes it, from any text that token carries after the tag. A prompt that closed one
+    (thinking turned off) is constrained from its first token. Any other prompt leaves the model free to open the
+    block with its first token (Qwen3's hybrid templates let the model decide): that token is allowed beside the
+    grammar's, and taking it makes the request reason first. That needs ``<think>`` to be one token, as in Qwen3's
+    and DeepSeek-R1's tokenizers; elsewhere such a prompt is constrained from its first token.
     """
 
     def __init__(self, tokenizer):

@@ -69,9 +69,9 @@ class GrammarMatcher:
         accepted = self.accept(token_id)
         spent, self.spent = self.spent + time.thread_time() - start, 0.0
         if spent > self.max_seconds_per_token:
-            raise GrammarTooSlow("structured_outputs", f"SamplingParams.structured_outputs took {spent:.3g} s of grammar work for one token "
-                                 f"(at most {self.max_seconds_per_token} s): a constraint this ambiguous would stall "
-                                 "every other request")
+            raise GrammarTooSlow("structured_outputs", f"SamplingParams.structured_outputs took {spent:.3g} s of "
+                                 f"grammar work for one token (at most {self.max_seconds_per_token} s): a constraint "
+                                 "this ambiguous would stall every other request")
         return accepted and not self.is_terminated()
 
     def accept_text(self, text: str) -> bool:
@@ -105,8 +105,9 @@ class GrammarCompiler:
         """A future of the compiled grammar; it raises ``ValueError`` naming the field if the constraint is invalid.
         A schema the backend would compile but not enforce is refused at once (``ValueError``)."""
         if spec.json is not None and (unsupported := unenforced_schema_keywords(spec.json)):
-            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.json uses {', '.join(unsupported)}, which the grammar "
-                             "backend cannot enforce (outputs could break the schema)")
+            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.json uses "
+                                   f"{', '.join(unsupported)}, which the grammar backend cannot enforce (outputs "
+                                   "could break the schema)")
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
@@ -139,7 +140,8 @@ class GrammarCompiler:
             return compiler.compile_lark(spec.grammar)
         except Exception as err:  # noqa: BLE001 - whatever the backend refuses is this constraint's fault
             message = _LOG_PREFIX.sub("", str(err)).strip()
-            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
+            raise InvalidParameter("structured_outputs",
+                                   f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
