@@ -188,6 +188,16 @@ def streamed_calls(stream) -> tuple[str, list[dict], str | None]:
     return content, [calls[i] for i in sorted(calls)], finish
 
 
+def reply_calls(reply, stream: bool):
+    """Content, tool calls and finish_reason of a reply's first choice, streamed or whole."""
+    if stream:
+        return streamed_calls(reply)
+    message = reply.choices[0].message
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in message.tool_calls or []]
+    return message.content, calls, reply.choices[0].finish_reason
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_tool_round_trip(client, stream):
     """Call (forced by a named tool_choice, then by "required"), tool result, final answer."""
@@ -195,13 +205,7 @@ def test_a_tool_round_trip(client, stream):
     for tool_choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
         reply = chat(client, messages=messages, tools=[WEATHER, CLOCK], tool_choice=tool_choice, temperature=0,
                      max_tokens=60, stream=stream)
-        if stream:
-            content, calls, finish = streamed_calls(reply)
-        else:
-            message, finish = reply.choices[0].message, reply.choices[0].finish_reason
-            content = message.content
-            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                     for c in message.tool_calls]
+        content, calls, finish = reply_calls(reply, stream)
         # As vLLM's: "tool_calls" for auto and required, "stop" for a named function.
         assert finish == ("stop" if isinstance(tool_choice, dict) else "tool_calls") and not content
         assert calls and all(c["id"].startswith("call_") for c in calls)
@@ -314,12 +318,7 @@ def test_auto_reads_hermes_calls_out_of_free_text(client, stream):
     written = "Let me check.\n" + HERMES_CALL
     reply = chat(client, tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=60, stream=stream,
                  extra_body={"structured_outputs": {"choice": [written]}})
-    if stream:
-        content, calls, finish = streamed_calls(reply)
-    else:
-        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
-        content = message.content
-        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    content, calls, finish = reply_calls(reply, stream)
     assert content.strip() == "Let me check." and finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
     plain = chat(client, tools=[WEATHER], temperature=0, max_tokens=8, extra_body={"guided_choice": ["No tools."]})
@@ -334,12 +333,7 @@ def test_auto_reads_calls_written_as_llama_3_writes_them(client, stream):
               '{"zone": "UTC"}}'
     reply = chat(client, tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0, max_tokens=60, stream=stream,
                  extra_body={"structured_outputs": {"choice": [written]}})
-    if stream:
-        content, calls, finish = streamed_calls(reply)
-    else:
-        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
-        content = message.content
-        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
+    content, calls, finish = reply_calls(reply, stream)
     assert not content and finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
                                                                         ("get_time", {"zone": "UTC"})]
