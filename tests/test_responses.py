@@ -188,3 +188,18 @@ def test_responses_are_not_stored_and_asking_for_one_says_so(client):
     for ask in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
         with pytest.raises(openai.NotFoundError, match="this server keeps no responses"):
             ask(response.id)
+
+
+def test_a_stream_whose_request_fails_ends_with_an_error_and_response_failed(server, client, monkeypatch):
+    """A constraint too slow to follow fails its request mid-stream (see test_structured_server)."""
+    from hf_paged.generation.structured_outputs import GrammarMatcher
+
+    monkeypatch.setattr(GrammarMatcher, "max_seconds_per_token", 0.02)
+    events = list(client.responses.create(
+        model=MODEL, input="Hi", max_output_tokens=30, temperature=0, stream=True,
+        extra_body={"logit_bias": {"0": -100, "1": -100, "2": -100},
+                    "structured_outputs": {"regex": "((a{0,60}){0,60}){0,60}"}}))
+    assert [event.type for event in events[-2:]] == ["error", "response.failed"]
+    assert events[-2].param == "structured_outputs" and "grammar work for one token" in events[-2].message
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "invalid_prompt" and failed.error.message

@@ -300,6 +300,13 @@ class ResponseEvents:
         response = self.request.answer(self.id, self.created, self.model, status, self.output, usage)
         return events + [self.event(f"response.{status}", response=response)]
 
+    def failed(self, error: dict) -> str:
+        """The event that ends a stream whose request failed (``error`` in OpenAI's error shape)."""
+        response = self.request.answer(self.id, self.created, self.model, "failed", self.output, None)
+        response["error"] = {"code": "invalid_prompt" if error["type"] == "invalid_request_error" else "server_error",
+                             "message": error["message"]}
+        return self.event("response.failed", response=response)
+
     @property
     def reasoning(self) -> str:
         return "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")

@@ -430,7 +430,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
 async def _response_events(stream: RequestStream, fmt: ChatFormat, events: ResponseEvents,
                            count_tokens: Callable[[str], Awaitable[int]]) -> AsyncIterator[str]:
     """Server-sent events of a streamed response (see `responses.ResponseEvents`); a failure ends it with an
-    ``error`` event."""
+    ``error`` event and ``response.failed``."""
     output_tokens, cached, status = 0, 0, "completed"
     try:
         for event in events.start():
@@ -452,5 +452,6 @@ async def _response_events(stream: RequestStream, fmt: ChatFormat, events: Respo
     except (EngineError, APIError) as err:
         error = _error_event(renamed(err) if isinstance(err, APIError) else err)["error"]
         yield events.event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
+        yield events.failed(error)
     finally:
         stream.close()
