@@ -123,9 +123,9 @@ def _http_options() -> argparse.ArgumentParser:
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="tool_choice auto is always served (calls read from hermes blocks, JSON calls as Llama 3 "
                            "and Mistral write them, or the tokenizer's response template)")
-    vllm.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                      help="both are read: hermes <tool_call> blocks, and answers of JSON objects naming the tools "
-                           "(Llama 3's); or the tokenizer's own response template")
+    vllm.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
+                      help="all are read: hermes <tool_call> blocks, and answers of JSON calls as Llama 3 and Mistral "
+                           "write them; or the tokenizer's own response template")
     vllm.add_argument("--enable-prefix-caching", action="store_true", dest="vllm_prefix_caching",
                       help="prefix caching is on unless --no-prefix-caching")
     vllm.add_argument("--enable-request-id-headers", action="store_true",
@@ -141,6 +141,15 @@ def _http_options() -> argparse.ArgumentParser:
     vllm.add_argument("--swap-space", type=float, default=None, metavar="GIB",
                       help="preempted sequences are recomputed (their prefixes mostly from the prefix cache), never "
                            "swapped to CPU memory, as in vLLM's V1 engine")
+    vllm.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="1",
+                      help="1: pipeline parallelism is not served (tensor parallelism is, --tensor-parallel-size)")
+    vllm.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="1",
+                      help="1 per server: replicas are served by `hf-paged serve-ray --num-replicas N`")
+    vllm.add_argument("--tokenizer-mode", choices=("auto", "hf"), default="auto",
+                      help="the model's Transformers tokenizer is always the one used (vLLM's mistral mode is not)")
+    vllm.add_argument("--load-format", choices=("auto", "safetensors", "pt"), default="auto",
+                      help="weights load as Transformers loads them: safetensors, else PyTorch files (or a GGUF "
+                           "file given as the model)")
     return parser
 
 
@@ -436,6 +445,12 @@ def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> 
 def _check_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.vllm_prefix_caching and not args.enable_prefix_caching:
         parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
+    if args.pipeline_parallel_size != 1:
+        parser.error(f"--pipeline-parallel-size {args.pipeline_parallel_size}: pipeline parallelism is not served; "
+                     "split a model over processes with --tensor-parallel-size")
+    if args.data_parallel_size != 1:
+        parser.error(f"--data-parallel-size {args.data_parallel_size}: one server runs one engine; serve replicas "
+                     "with `hf-paged serve-ray --num-replicas N`")
 
 
 def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):

@@ -724,12 +724,22 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(capsys):
     from hf_paged.cli import build_parser, main
 
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching",
-             "--disable-log-requests"]
+             "--disable-log-requests", "--pipeline-parallel-size", "1", "-dp", "1", "--tokenizer-mode", "auto",
+             "--load-format", "safetensors"]
     args = build_parser().parse_args(["serve", *flags])
     assert args.enable_prefix_caching
+    for parser_name in ("llama3_json", "mistral"):
+        assert build_parser().parse_args(["serve", "--tool-call-parser", parser_name]).tool_call_parser == parser_name
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--tool-call-parser", "mistral"])
-    assert exit_info.value.code == 2 and "invalid choice: 'mistral'" in capsys.readouterr().err
+        main(["serve", "--tool-call-parser", "pythonic"])
+    assert exit_info.value.code == 2 and "invalid choice: 'pythonic'" in capsys.readouterr().err
+    for flags, words in ((["--tokenizer-mode", "mistral"], "invalid choice: 'mistral'"),
+                         (["--load-format", "dummy"], "invalid choice: 'dummy'"),
+                         (["-pp", "2"], "pipeline parallelism is not served"),
+                         (["--data-parallel-size", "2"], "serve-ray --num-replicas")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--port", "0", *flags])
+        assert exit_info.value.code == 2 and words in capsys.readouterr().err, flags
     for command in ("serve", "serve-ray"):
         with pytest.raises(SystemExit) as exit_info:
             main([command, "--enable-prefix-caching", "--no-prefix-caching"])
