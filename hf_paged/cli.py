@@ -147,6 +147,9 @@ def _http_options() -> argparse.ArgumentParser:
                       help="1 per server: replicas are served by `hf-paged serve-ray --num-replicas N`")
     vllm.add_argument("--tokenizer-mode", choices=("auto", "hf"), default="auto",
                       help="the model's Transformers tokenizer is always the one used (vLLM's mistral mode is not)")
+    vllm.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
+                      help="the checkpoint's own quantization is always used (GPTQ and AWQ through gptqmodel): this "
+                           "only checks that the model is quantized so")
     vllm.add_argument("--load-format", choices=("auto", "safetensors", "pt"), default="auto",
                       help="weights load as Transformers loads them: safetensors, else PyTorch files (or a GGUF "
                            "file given as the model)")
@@ -334,6 +337,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
         path = resolve_model(args.model)
     except Exception as err:  # e.g. the default model's conversion failing
         parser.error(str(err))
+    _check_quantization(parser, path, getattr(args, "quantization", None), args.trust_remote_code)
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=args.tensor_parallel_size or 1,
@@ -442,6 +446,27 @@ def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> 
     return sock
 
 
+QUANTIZATIONS = ("gptq", "awq", "gptq_marlin", "awq_marlin")  # vLLM's names of the methods served here
+
+
+def _check_quantization(parser: argparse.ArgumentParser, path: str, asked: str | None, trust_remote_code: bool):
+    """vLLM's ``--quantization``: the checkpoint must be quantized with that method (its weights load as they are)."""
+    if asked is None:
+        return
+    from transformers import AutoConfig
+
+    try:
+        quant = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                        "quantization_config", None)
+    except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = str(getattr(method, "value", method)).lower() if method is not None else None
+    if method != asked.removesuffix("_marlin"):
+        parser.error(f"--quantization {asked}: {path} is {f'quantized with {method}' if method else 'not quantized'}"
+                     "; a checkpoint's own quantization is what loads")
+
+
 def _check_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.vllm_prefix_caching and not args.enable_prefix_caching:
         parser.error("--enable-prefix-caching and --no-prefix-caching contradict each other")
@@ -532,6 +557,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         path = resolve_model(args.model)
         # A directory that holds no model is refused here, not on every replica.
         AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        _check_quantization(parser, path, args.quantization, args.trust_remote_code)
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            args.generation_config, args.device, server_limits(parser, args),

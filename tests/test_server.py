@@ -720,7 +720,7 @@ def test_serve_names_a_port_in_use_before_loading_the_model(smollm2_path, monkey
     assert "--allowed-origins: not a JSON list" in capsys.readouterr().err
 
 
-def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(capsys):
+def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, capsys):
     from hf_paged.cli import build_parser, main
 
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching",
@@ -736,9 +736,10 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(capsys):
     for flags, words in ((["--tokenizer-mode", "mistral"], "invalid choice: 'mistral'"),
                          (["--load-format", "dummy"], "invalid choice: 'dummy'"),
                          (["-pp", "2"], "pipeline parallelism is not served"),
-                         (["--data-parallel-size", "2"], "serve-ray --num-replicas")):
+                         (["--data-parallel-size", "2"], "serve-ray --num-replicas"),
+                         (["--quantization", "awq"], "is not quantized; a checkpoint's own quantization")):
         with pytest.raises(SystemExit) as exit_info:
-            main(["serve", "--port", "0", *flags])
+            main(["serve", smollm2_path, "--port", "0", *flags])
         assert exit_info.value.code == 2 and words in capsys.readouterr().err, flags
     for command in ("serve", "serve-ray"):
         with pytest.raises(SystemExit) as exit_info:
@@ -1070,3 +1071,21 @@ def test_echo_with_logprobs_scores_the_prompt(server, smollm2):
     for prompt in (PROMPT, ids):  # a token-id prompt echoes its text
         plain = post(server, "/v1/completions", {**body, "logprobs": None, "prompt": prompt}).json()["choices"][0]
         assert plain["text"].startswith(PROMPT) and plain["logprobs"] is None
+
+
+def test_vllms_quantization_flag_checks_the_checkpoints_method(tmp_path, capsys):
+    import argparse
+
+    from transformers import LlamaConfig
+
+    from hf_paged.cli import _check_quantization
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    config.save_pretrained(tmp_path)
+    parser = argparse.ArgumentParser()
+    for asked in ("gptq", "gptq_marlin", None):
+        _check_quantization(parser, str(tmp_path), asked, False)
+    with pytest.raises(SystemExit):
+        _check_quantization(parser, str(tmp_path), "awq", False)
+    assert f"--quantization awq: {tmp_path} is quantized with gptq" in capsys.readouterr().err
