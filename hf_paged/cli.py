@@ -119,7 +119,11 @@ def _http_options() -> argparse.ArgumentParser:
                              "vLLM's (default: *, any origin, as vLLM; '' sends no CORS headers)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="server log level (default: info)")
-    vllm = parser.add_argument_group("vLLM's flags, for its command lines: what they ask is always so here")
+    _add_vllm_flags(parser.add_argument_group("vLLM's flags, for its command lines: what they ask is always so here"))
+    return parser
+
+
+def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="tool_choice auto is always served (calls read from hermes blocks, JSON calls as Llama 3 "
                            "and Mistral write them, or the tokenizer's response template)")
@@ -153,7 +157,6 @@ def _http_options() -> argparse.ArgumentParser:
     vllm.add_argument("--load-format", choices=("auto", "safetensors", "pt"), default="auto",
                       help="weights load as Transformers loads them: safetensors, else PyTorch files (or a GGUF "
                            "file given as the model)")
-    return parser
 
 
 def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
