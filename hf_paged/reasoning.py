@@ -43,7 +43,7 @@ class ReasoningEnd:
         """``"inside"`` (the prompt opens the block), ``"may_open"`` (the first token may open one) or ``"after"``
         (constrained from the first token)."""
         end = self.tokenizer.decode(prompt_token_ids[-16:]).rstrip()
-        if end.endswith(OPEN):
+        if opens_reasoning(end):
             return "inside"
         return "after" if end.endswith(CLOSE) or self.open_id is None else "may_open"
 

@@ -188,19 +188,26 @@ def output_items(message: dict, status: str) -> list[dict]:
     items = []
     if message.get("reasoning"):
         cut = not (message.get("content") or message.get("tool_calls"))
-        items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": status if cut else
-                      "completed", "content": [{"type": "reasoning_text", "text": message["reasoning"]}]})
+        items.append(_text_item("reasoning", message["reasoning"], status if cut else "completed"))
     if message.get("content"):
-        items.append({"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
-                      "content": [_output_text(message["content"])]})
+        items.append(_text_item("message", message["content"], status))
     for call in message.get("tool_calls") or []:
-        items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call["id"], "status": "completed",
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"]})
+        items.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed"))
     return items
 
 
-def _output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_item(kind: str, text: str, status: str) -> dict:
+    """A ``reasoning`` or ``message`` output item holding ``text``."""
+    if kind == "reasoning":
+        return {"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
+    return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": _item_id("fc"), "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
 
 
 def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
@@ -246,12 +253,7 @@ class ResponseEvents:
     def _text(self, kind: str, text: str) -> list[str]:
         events = [] if self.open is not None and self.open["type"] == kind else self._close("completed")
         if self.open is None:
-            if kind == "reasoning":
-                self.open = {"type": "reasoning", "id": _item_id("rs"), "summary": [], "status": "in_progress",
-                             "content": [{"type": "reasoning_text", "text": ""}]}
-            else:
-                self.open = {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
-                             "content": [_output_text("")]}
+            self.open = _text_item(kind, "", "in_progress")
             events += self._added(self.open)
             events.append(self.event("response.content_part.added", **self._where(self.open), content_index=0,
                                       part=self.open["content"][0]))
@@ -283,9 +285,7 @@ class ResponseEvents:
         item = self.calls.get(call["index"])
         if item is None:
             events += self._close("completed")
-            item = self.calls[call["index"]] = {"type": "function_call", "id": _item_id("fc"), "call_id": call["id"],
-                                                "name": call["function"]["name"], "arguments": "",
-                                                "status": "in_progress"}
+            item = self.calls[call["index"]] = _call_item(call["id"], call["function"]["name"], "", "in_progress")
             events += self._added(item)
             self.open = item
         piece = call.get("function", {}).get("arguments", "")
