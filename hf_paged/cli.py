@@ -127,9 +127,10 @@ def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
     vllm.add_argument("--enable-auto-tool-choice", action="store_true",
                       help="tool_choice auto is always served (calls read from hermes blocks, JSON calls as Llama 3 "
                            "and Mistral write them, or the tokenizer's response template)")
-    vllm.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
-                      help="all are read: hermes <tool_call> blocks, and answers of JSON calls as Llama 3 and Mistral "
-                           "write them; or the tokenizer's own response template")
+    vllm.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                      help="all are read: hermes <tool_call> blocks (JSON, or Qwen3-Coder's XML), answers of JSON "
+                           "calls as Llama 3 and Mistral write them, or of a Python list of calls (Llama 3.2's and "
+                           "4's); or the tokenizer's own response template")
     vllm.add_argument("--enable-prefix-caching", action="store_true", dest="vllm_prefix_caching",
                       help="prefix caching is on unless --no-prefix-caching")
     vllm.add_argument("--enable-request-id-headers", action="store_true",
@@ -450,6 +451,8 @@ def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> 
 
 
 QUANTIZATIONS = ("gptq", "awq", "gptq_marlin", "awq_marlin")  # vLLM's names of the methods served here
+# vLLM's names of the tool-call formats read here (all of them are, always: `hf_paged.server.tool_calls`).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml")
 
 
 def _check_quantization(parser: argparse.ArgumentParser, path: str, asked: str | None, trust_remote_code: bool):

@@ -728,11 +728,11 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, c
              "--load-format", "safetensors"]
     args = build_parser().parse_args(["serve", *flags])
     assert args.enable_prefix_caching
-    for parser_name in ("llama3_json", "mistral"):
+    for parser_name in ("llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml"):
         assert build_parser().parse_args(["serve", "--tool-call-parser", parser_name]).tool_call_parser == parser_name
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--tool-call-parser", "pythonic"])
-    assert exit_info.value.code == 2 and "invalid choice: 'pythonic'" in capsys.readouterr().err
+        main(["serve", "--tool-call-parser", "granite"])
+    assert exit_info.value.code == 2 and "invalid choice: 'granite'" in capsys.readouterr().err
     for flags, words in ((["--tokenizer-mode", "mistral"], "invalid choice: 'mistral'"),
                          (["--load-format", "dummy"], "invalid choice: 'dummy'"),
                          (["-pp", "2"], "pipeline parallelism is not served"),

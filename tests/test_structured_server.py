@@ -327,6 +327,21 @@ def test_auto_reads_hermes_calls_out_of_free_text(client, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("written", [
+    "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    "\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>",
+    '[get_weather(city="Paris"), get_time(zone="UTC")]'], ids=["qwen3_coder", "pythonic"])
+def test_auto_reads_calls_in_qwen3_coder_xml_and_pythonic_form(client, stream, written):
+    """Qwen3-Coder's XML calls in hermes blocks, and Llama 3.2's and 4's Python list of calls."""
+    reply = chat(client, tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0, max_tokens=150, stream=stream,
+                 extra_body={"structured_outputs": {"choice": [written]}})
+    content, calls, finish = reply_calls(reply, stream)
+    assert (content or "").strip() == ("Checking." if "<tool_call>" in written else "") and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                        ("get_time", {"zone": "UTC"})]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_auto_reads_calls_written_as_llama_3_writes_them(client, stream):
     """An answer of JSON objects naming the tools, separated by ";" (Llama 3.x's tool calls, vLLM's llama3_json)."""
     written = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": ' \

@@ -277,3 +277,96 @@ def test_an_answer_that_cannot_be_calls_streams_as_it_comes():
         assert len(sent) >= len(text) - 4 and stream.finish()[1:] == ([], False), text
     stream = parser.stream()
     assert [stream.feed(piece)[0] for piece in ("[", "{", '"na', 'me": "get_time"')] == ["", "", "", ""]
+
+
+TYPED = {"type": "function", "function": {"name": "plan", "parameters": {"type": "object", "properties": {
+    "title": {"type": "string"}, "days": {"type": "integer"}, "rate": {"type": ["number", "null"]},
+    "done": {"type": "boolean"}, "tags": {"type": "array"}, "meta": {"type": "object"}, "note": {}}}}}
+
+
+def xml_call(name: str, **values: str) -> str:
+    parameters = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in values.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("step", [1, 6])
+def test_qwen3_coder_calls_are_read_with_values_typed_by_the_tools_schema(step):
+    """Qwen3-Coder's XML inside hermes blocks (vLLM's qwen3_coder): each value is text, read as JSON (or a Python
+    literal) where its property's type is not a string; streamed, a block arrives whole once it ends."""
+    parser = ToolCallParser("auto", tools=[WEATHER, TYPED])
+    typed = xml_call("plan", title="42", days="3", rate="0.5", done="True", tags="['a', 1]", meta='{"k": null}',
+                     note="[1]")
+    cases = {
+        xml_call("get_weather", city="Paris"): (None, [("get_weather", {"city": "Paris"})]),
+        f"Let me see.\n{typed}": ("Let me see.", [("plan", {"title": "42", "days": 3, "rate": 0.5, "done": True,
+                                                             "tags": ["a", 1], "meta": {"k": None}, "note": "[1]"})]),
+        xml_call("plan", days="three", done="maybe"): (None, [("plan", {"days": "three", "done": "maybe"})]),
+        # Multi-line text keeps its inner newlines; a value may end where the next parameter or the function's end
+        # begins; an unknown tool's values are text.
+        xml_call("get_weather", city="a\n\nb") + xml_call("other", n="1"):
+            (None, [("get_weather", {"city": "a\n\nb"}), ("other", {"n": "1"})]),
+        "<tool_call>\n<function=plan>\n<parameter=days>\n2\n<parameter=title>\nx\n</function>\n</tool_call>":
+            (None, [("plan", {"days": 2, "title": "x"})]),
+        "<tool_call>\n<function=plan>\n<parameter=days>\n7": (None, [("plan", {"days": 7})]),  # cut short
+        "<tool_call>\n<function=plan>\njunk\n</function>\n</tool_call>": None,
+        "<tool_call>\n<function=plan>\n</function> and more\n</tool_call>": None,
+        "<tool_call>\n<function=plan\n</tool_call>": None,
+    }
+    for text, expected in cases.items():
+        content, calls = parser.parse(text)
+        if expected is None:
+            assert (content, calls) == (text, []), text
+        else:
+            assert (content, [(c.name, json.loads(c.arguments)) for c in calls]) == expected, text
+        streamed, deltas, called = stream_all(parser.stream(), text, step)
+        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)] == \
+            [(c.name, json.loads(c.arguments)) for c in calls], text
+        assert called == bool(calls) and streamed == (content or ""), text
+
+
+@pytest.mark.parametrize("step", [1, 5])
+def test_pythonic_calls_are_read_as_llama_3_2_and_4_write_them(step):
+    """An answer that is nothing but a Python list of calls of the tools with literal keyword arguments (vLLM's
+    pythonic; Llama 4 writes it between <|python_start|> and <|python_end|>); anything else stays content."""
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME, TYPED])
+    cases = {
+        '[get_weather(city="Paris")]': [("get_weather", {"city": "Paris"})],
+        ' [get_weather(city="Paris"), get_time()] ': [("get_weather", {"city": "Paris"}), ("get_time", {})],
+        '<|python_start|>[plan(days=3, done=True, rate=None, tags=("a", 1), meta={"k": [1.5]})]<|python_end|>':
+            [("plan", {"days": 3, "done": True, "rate": None, "tags": ["a", 1], "meta": {"k": [1.5]}})],
+        '[get_weather(city=city)]': [],  # not a literal
+        '[get_weather(city="a", city="b")]': [],
+        '[get_weather("Paris")]': [],
+        '[get_weather(**{"city": "Paris"})]': [],
+        '[not_a_tool(x=1)]': [],
+        '[plan(tags={1, 2})]': [],  # a set is no JSON
+        '[plan(rate=1e999)]': [],  # nor is infinity
+        '[get_weather(city="Paris")] and more': [],
+        '[get_weather(city="Paris")': [],  # cut short
+        "[get_weather] is a tool": [],
+        "[]": [],
+    }
+    for text, expected in cases.items():
+        content, calls = parser.parse(text)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == expected, text
+        assert content == (None if expected else text), text
+        streamed, deltas, called = stream_all(parser.stream(), text, step)
+        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)] == expected, text
+        assert called == bool(expected) and streamed == (content or ""), text
+    assert ToolCallParser("auto").parse('[get_time()]') == ('[get_time()]', [])  # no tools, no calls to read
+    stream = parser.stream()
+    assert [stream.feed(piece)[0] for piece in ("[", "get_", "time", "(")] == ["", "", "", ""]  # held from "["
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES + ["<function=plan>", "<parameter=days>", "\n3\n", "</parameter>",
+                                          "</function>", "[get_time()]", "[get_time(", "x=1", ")]", "[", ", "]),
+                max_size=6), st.integers(1, 9))
+def test_with_tools_xml_and_pythonic_text_streams_as_its_whole_answer_reads(pieces, step):
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME, TYPED])
+    text = "".join(pieces)
+    whole_content, whole_calls = parser.parse(text)
+    content, deltas, called = stream_all(parser.stream(), text, step)
+    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
+        [(c.name, as_json(c.arguments)) for c in whole_calls]
+    assert called == bool(whole_calls) and content == (whole_content or "")

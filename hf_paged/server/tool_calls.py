@@ -8,15 +8,19 @@
   ``[{"name": ..., "arguments": {...}}, ...]``, each call matching its tool's ``parameters`` schema (a named
   function: exactly one call of it).
 * ``tool_choice="auto"`` generates freely; calls are read out of the text: with the tokenizer's own
-  ``parse_response`` where it defines a ``response_template``, else from hermes ``<tool_call>`` blocks, or from an
-  answer that is nothing but calls written as JSON objects, Llama 3's way (``{"name": ..., "parameters": {...}}``,
-  several separated by ``;``, after ``<|python_tag|>`` when special tokens are kept; vLLM's ``llama3_json``) or
-  Mistral's (a JSON array of ``{"name": ..., "arguments": {...}}``, after ``[TOOL_CALLS]``).
+  ``parse_response`` where it defines a ``response_template``, else from hermes ``<tool_call>`` blocks (holding JSON,
+  or Qwen3-Coder's ``<function=NAME><parameter=KEY>value</parameter></function>``, values typed by the tool's schema;
+  vLLM's ``qwen3_coder``), or from an answer that is nothing but calls: JSON objects, Llama 3's way
+  (``{"name": ..., "parameters": {...}}``, several separated by ``;``, after ``<|python_tag|>`` when special tokens
+  are kept; vLLM's ``llama3_json``) or Mistral's (a JSON array of ``{"name": ..., "arguments": {...}}``, after
+  ``[TOOL_CALLS]``), or a Python list of calls with literal keyword arguments, Llama 3.2's and 4's way
+  (``[get_weather(city="Paris")]``; vLLM's ``pythonic``).
 * ``tool_choice="none"`` reads no calls.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -113,7 +117,8 @@ class ToolCallParser:
                  named: bool = False):
         self.mode, self.tokenizer, self.prompt, self.tools, self.named = mode, tokenizer, prompt, tools, named
         self.response_template = getattr(tokenizer, "response_template", None) if mode == "auto" else None
-        self.function_names = set(tool_functions(tools)) if tools and mode == "auto" else set()
+        self.functions = tool_functions(tools) if tools and mode == "auto" else {}
+        self.call_starts = _CALL_STARTS + tuple(f"[{name}(" for name in self.functions)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)``; text that holds no readable call is all content."""
@@ -121,10 +126,11 @@ class ToolCallParser:
             return self._parse_json(text)
         if self.response_template is not None:
             return self._parse_with_template(text)
-        calls = [call for match in _HERMES_CALL.finditer(text) if (call := _hermes_block_call(match.group(1)))]
+        calls = [call for match in _HERMES_CALL.finditer(text)
+                 if (call := _hermes_block_call(match.group(1), self.functions))]
         if calls:
-            return _content_beside(text) or None, calls
-        calls = _json_object_calls(text, self.function_names)
+            return _content_beside(text, self.functions) or None, calls
+        calls = _json_object_calls(text, self.functions) or _pythonic_calls(text, self.functions)
         return (None, calls) if calls else (text, [])
 
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -177,12 +183,12 @@ class ToolCallStream:
         """The content and the ``delta.tool_calls`` entries that can be sent now."""
         self.text += delta
         content = ""
-        if not self.holding and self.sent == 0 and self.parser.function_names:
-            start = _json_call_start(self.text)
+        if not self.holding and self.sent == 0 and self.parser.functions:
+            start = _calls_start(self.text, self.parser.call_starts)
             if start is None:
                 return "", []  # not decided yet
             if start:
-                self.holding, self.follow = True, False  # Llama 3's or Mistral's calls, maybe: read whole at the end
+                self.holding, self.follow = True, False  # Llama's or Mistral's calls, maybe: read whole at the end
         if not self.holding:
             # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``; nor is whitespace
             # that a call may follow (a whole answer's content ends before it).
@@ -244,7 +250,7 @@ class ToolCallStream:
         if _block_end(self.text, start + len(OPEN_TAG)) < 0 and not final:
             return False  # it may yet turn out to be a call to follow
         block = _HERMES_CALL.match(self.text, start)
-        call = _hermes_block_call(block.group(1))
+        call = _hermes_block_call(block.group(1), self.parser.functions)
         if call is not None:
             self._announce(call, entries)
         self.scan = block.end()
@@ -285,7 +291,9 @@ class ToolCallStream:
 
     def _rest(self) -> str:
         """The content written since a call began: hermes text around the blocks (none in a JSON array of calls)."""
-        return "" if self.parser.mode == "json" else _content_beside(self.text[self.sent:], after=self.sent > 0)
+        if self.parser.mode == "json":
+            return ""
+        return _content_beside(self.text[self.sent:], self.parser.functions, after=self.sent > 0)
 
 
 _DECODER = json.JSONDecoder()
@@ -296,35 +304,42 @@ _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
 
 
-# What Llama 3 and Mistral write before calls (special tokens: in the text only if they are kept).
-CALL_PREFIXES = ("<|python_tag|>", "[TOOL_CALLS]")
-# How such calls begin (whitespace aside): an object, or an array of them, whose first key is one of a call's.
+# What Llama 3, Llama 4 and Mistral write before calls (special tokens: in the text only if they are kept).
+CALL_PREFIXES = ("<|python_tag|>", "<|python_start|>", "[TOOL_CALLS]")
+_PYTHONIC_END = "<|python_end|>"
+# How JSON calls begin (whitespace aside): an object, or an array of them, whose first key is one of a call's.
+# (Pythonic calls begin "[name(", for each tool's name.)
 _CALL_STARTS = tuple(f'{bracket}{{"{key}"' for bracket in ("", "[") for key in ("name", "type", "id", "arguments",
                                                                                   "parameters"))
 _CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
 _CALL_SEPARATOR = re.compile(r"\s*;?\s*")
 
 
-def _json_call_start(text: str) -> bool | None:
-    """Whether an answer begins as JSON calls do (None: it may yet)."""
+def _calls_start(text: str, starts: tuple[str, ...]) -> bool | None:
+    """Whether an answer begins as one of ``starts`` (whitespace aside, after a prefix) does (None: it may yet)."""
     start = text.lstrip()
     for prefix in CALL_PREFIXES:
         if start.startswith(prefix):
             start = start[len(prefix):]
         elif start and prefix.startswith(start):
             return None
-    compact = "".join(start[:40].split())
-    if compact.startswith(_CALL_STARTS):
+    compact = "".join(start[:40 + max(map(len, starts))].split())
+    if compact.startswith(starts):
         return True
-    return None if any(call.startswith(compact) for call in _CALL_STARTS) else False
+    return None if any(call.startswith(compact) for call in starts) else False
 
 
-def _json_object_calls(text: str, functions: set[str]) -> list[ToolCall]:
-    """The calls of an answer that is nothing but JSON objects ``{"name": <one of functions>, "parameters" (or
-    "arguments"): {...}}``, separated by ``;`` (Llama 3's) or in JSON arrays (Mistral's), or none."""
+def _without_prefix(text: str) -> str:
     text = text.strip()
     for prefix in CALL_PREFIXES:
         text = text.removeprefix(prefix)
+    return text
+
+
+def _json_object_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
+    """The calls of an answer that is nothing but JSON objects ``{"name": <one of functions>, "parameters" (or
+    "arguments"): {...}}``, separated by ``;`` (Llama 3's) or in JSON arrays (Mistral's), or none."""
+    text = _without_prefix(text)
     calls, at = [], _CALL_SEPARATOR.match(text).end()
     while at < len(text) and functions:
         try:
@@ -341,6 +356,33 @@ def _json_object_calls(text: str, functions: set[str]) -> list[ToolCall]:
     return calls
 
 
+def _pythonic_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
+    """The calls of an answer that is nothing but a Python list of calls of ``functions`` with literal keyword
+    arguments (``[get_weather(city="Paris"), get_time()]``, Llama 3.2's and 4's way), or none."""
+    text = _without_prefix(text).removesuffix(_PYTHONIC_END).strip()
+    if not (functions and text.startswith("[") and text.endswith("]")):
+        return []
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    calls = tree.elts if isinstance(tree, ast.List) else []
+    if not calls or not all(isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                            and call.func.id in functions for call in calls):
+        return []
+    read = []
+    for call in calls:
+        names = [keyword.arg for keyword in call.keywords]
+        if None in names or len(set(names)) < len(names):  # **kwargs, or a name given twice
+            return []
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+            read.append(ToolCall.of(call.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal, or not JSON's
+            return []
+    return read
+
+
 def _calls_of(deltas: list[dict]) -> list[ToolCall]:
     """The calls that a stream's ``delta.tool_calls`` entries add up to (as a client merges them, by index)."""
     calls: dict[int, ToolCall] = {}
@@ -351,9 +393,10 @@ def _calls_of(deltas: list[dict]) -> list[ToolCall]:
     return [calls[index] for index in sorted(calls)]
 
 
-def _hermes_block_call(block: str) -> ToolCall | None:
+def _hermes_block_call(block: str, functions: dict[str, dict]) -> ToolCall | None:
     """The call a hermes block's text holds, or None: the text read whole as ``{"name": ..., "arguments": ...}``, or
-    read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as JSON."""
+    read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as JSON; or Qwen3-Coder's
+    XML (`_xml_call`)."""
     try:
         call = json.loads(block)
     except NOT_JSON:
@@ -363,18 +406,63 @@ def _hermes_block_call(block: str) -> ToolCall | None:
     header = _JSON_HEADER.match(block)
     name = _json_string(header.group(1)) if header else None
     if name is None:
-        return None
+        return _xml_call(block, functions)
     try:
         return ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])
     except NOT_JSON:  # cut short or malformed: passed on as written, as OpenAI passes on what its model wrote
         return ToolCall.of(name, block[header.end():])
 
 
-def _content_beside(text: str, after: bool = False) -> str:
+_XML_FUNCTION = re.compile(r"<function=([^<>\s]+)>")
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^<>]+)>")
+_XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
+
+
+def _xml_call(block: str, functions: dict[str, dict]) -> ToolCall | None:
+    """The call in Qwen3-Coder's form, ``<function=NAME>`` then ``<parameter=KEY>\\nvalue\\n</parameter>`` for each
+    argument, then ``</function>`` (a value also ends where the next parameter or the function's end begins; one cut
+    short is taken as written), or None. Values are text, typed by the tool's schema (`_typed_value`)."""
+    function = _XML_FUNCTION.match(block)
+    if function is None:
+        return None
+    name, at = function.group(1), function.end()
+    properties = (functions.get(name) or {}).get("properties")
+    arguments = {}
+    while parameter := _XML_PARAMETER.match(block, at):
+        ends = [i for i in (block.find(end, parameter.end()) for end in _XML_VALUE_ENDS) if i >= 0]
+        at = min(ends, default=len(block))
+        value = block[parameter.end():at].removeprefix("\n").removesuffix("\n")
+        key = parameter.group(1).strip()
+        arguments[key] = _typed_value(value, properties.get(key) if isinstance(properties, dict) else None)
+        at += len("</parameter>") if block.startswith("</parameter>", at) else 0
+    rest = block[at:].strip()
+    return ToolCall.of(name, arguments) if rest in ("", "</function>") else None
+
+
+def _typed_value(text: str, schema) -> object:
+    """An XML argument's text as its schema's type asks: JSON (or a Python literal) for numbers, booleans, objects and
+    arrays where it reads as one; text where the schema allows a string, says no type, or it does not read."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = {kind for kind in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(kind, str)}
+    if not kinds or "string" in kinds:
+        return text
+    for read in (json.loads, ast.literal_eval):
+        try:
+            value = read(text.strip())
+            json.dumps(value, allow_nan=False)
+            return value
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            continue
+    lowered = text.strip().lower()
+    return lowered == "true" if "boolean" in kinds and lowered in ("true", "false") else text
+
+
+def _content_beside(text: str, functions: dict[str, dict], after: bool = False) -> str:
     """The content of an answer with calls, as a stream sends it: ``text`` without its hermes blocks that are calls,
     each with the whitespace before it (other blocks stay), and without whitespace at its end, nor at its start when
     nothing comes before the first block (or, ``after``, when this text follows content already sent)."""
-    content = _SPACED_CALL.sub(lambda m: "" if _hermes_block_call(m.group(1)) else m.group(0), text).rstrip()
+    content = _SPACED_CALL.sub(lambda m: "" if _hermes_block_call(m.group(1), functions) else m.group(0), text)
+    content = content.rstrip()
     return content if after or text[:text.find(OPEN_TAG)].strip() else content.lstrip()
 
 
