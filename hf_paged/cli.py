@@ -46,6 +46,12 @@ def _engine_options() -> argparse.ArgumentParser:
                         help="weights dtype (default: auto, the checkpoint's own)")
     engine.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="a tokenizer directory or cached hub id other than the model's (as vLLM's)")
+    engine.add_argument("--revision", default=None,
+                        help="for a hub id: the branch, tag or commit of its snapshot in the local cache (default: "
+                             "main; as vLLM's, never downloaded)")
+    engine.add_argument("--download-dir", default=None, metavar="DIR",
+                        help="for a hub id: the Hugging Face cache directory it is in (default: the usual one; as "
+                             "vLLM's, nothing is downloaded into it)")
     engine.add_argument("--trust-remote-code", action="store_true",
                         help="run the Python code a model directory ships for its classes (its config's auto_map), "
                              "as Transformers' trust_remote_code: only for models whose code you trust")
@@ -110,17 +116,61 @@ def _http_options() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
                              "default model's name)")
-    parser.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
-                        help="auto: sampling settings a request leaves out are those the model's generation config "
-                             "recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
-                             "vllm: OpenAI's defaults (default: auto, as vLLM)")
     parser.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
                         help="origins browsers may call the server from (CORS), comma-separated or a JSON list as "
                              "vLLM's (default: *, any origin, as vLLM; '' sends no CORS headers)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="server log level (default: info)")
+    _answer_options(parser.add_argument_group("answers and request logs (vLLM's flags)"))
     _add_vllm_flags(parser.add_argument_group("vLLM's flags, for its command lines: what they ask is always so here"))
     return parser
+
+
+def _answer_options(answers: argparse._ArgumentGroup) -> None:
+    """`ServingOptions`' flags."""
+    answers.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
+                         help="auto: sampling settings a request leaves out are those the model's generation config "
+                              "recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
+                              "vllm: OpenAI's defaults (default: auto, as vLLM)")
+    answers.add_argument("--override-generation-config", default=None, metavar="JSON",
+                         help="a JSON object of those settings over the defaults, e.g. '{\"temperature\": 0.6}' (with "
+                              "--generation-config vllm: over OpenAI's)")
+    answers.add_argument("--response-role", default="assistant",
+                         help="the role of chat replies (default: assistant; a reply that continues the last message, "
+                              "add_generation_prompt false, has that message's role)")
+    answers.add_argument("--return-tokens-as-token-ids", action="store_true",
+                         help="logprobs name each token 'token_id:<id>' instead of its text (a request's "
+                              "return_tokens_as_token_ids decides for itself)")
+    answers.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
+                         help="a message's content as the chat template gets it: one string, or OpenAI's list of "
+                              "text parts (default: auto, the list for a template that loops over the content)")
+    answers.add_argument("--enable-log-requests", action="store_true",
+                         help="log each request's prompt, prompt token ids and sampling parameters when it is queued")
+    answers.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                         help="with --enable-log-requests: at most N characters of a prompt and N of its token ids "
+                              "(default: all)")
+
+
+def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The `ServingOptions` the flags ask for; a bad value exits with code 2."""
+    from .server.options import ServingOptions
+
+    override = {}
+    if args.override_generation_config is not None:
+        try:
+            override = json.loads(args.override_generation_config)
+        except ValueError as err:
+            parser.error(f"--override-generation-config: not JSON: {err}")
+        if not isinstance(override, dict):
+            parser.error("--override-generation-config: a JSON object, e.g. '{\"temperature\": 0.6}'")
+    try:
+        return ServingOptions(args.generation_config, override, args.response_role, args.return_tokens_as_token_ids,
+                              args.enable_log_requests, args.max_log_len, args.chat_template_content_format)
+    except (ValueError, TypeError) as err:
+        message = str(err).removeprefix("SamplingParams.")
+        field = message.split(" ", 1)[0]
+        flag = field if field in ("response_role", "max_log_len") else "override_generation_config"
+        parser.error(f"--{flag.replace('_', '-')}: {message}")
 
 
 def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
@@ -155,9 +205,17 @@ def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
     vllm.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
                       help="the checkpoint's own quantization is always used (GPTQ and AWQ through gptqmodel): this "
                            "only checks that the model is quantized so")
-    vllm.add_argument("--load-format", choices=("auto", "safetensors", "pt"), default="auto",
+    vllm.add_argument("--load-format", choices=("auto", "safetensors", "pt", "dummy"), default="auto",
                       help="weights load as Transformers loads them: safetensors, else PyTorch files (or a GGUF "
-                           "file given as the model)")
+                           "file given as the model); dummy: random weights built from the model's config, none read "
+                           "(to measure speed and memory; the answers are nonsense)")
+    vllm.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
+                      help="CUDA graphs (on a GPU) capture decode steps of every length up to --max-model-len")
+    vllm.add_argument("--distributed-executor-backend", choices=("mp", "uni", "external_launcher", "ray"),
+                      default=None,
+                      help="mp: tensor-parallel ranks run as local processes (uni: one process, "
+                           "--tensor-parallel-size 1; external_launcher: the ranks of the torchrun this runs under); "
+                           "ray: not here (replicas on Ray: serve-ray)")
 
 
 def _add_serve_ray(commands, parents: list[argparse.ArgumentParser]) -> None:
@@ -338,14 +396,15 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if before_loading is not None:  # before the model is resolved too: a GGUF file's first conversion takes a while
         before_loading()
     try:
-        path = resolve_model(args.model)
+        path = resolve_model(args.model, args.revision, args.download_dir)
     except Exception as err:  # e.g. the default model's conversion failing
         parser.error(str(err))
     _check_quantization(parser, path, getattr(args, "quantization", None), args.trust_remote_code)
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=args.tensor_parallel_size or 1,
-                                      trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer)
+                                      trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer,
+                                      load_format=getattr(args, "load_format", "auto"))
     except Exception as err:  # any reason a model cannot be loaded is the user's to read, not a traceback
         hint = "" if args.trust_remote_code or "trust_remote_code" not in str(err) else " (--trust-remote-code runs it)"
         parser.error(f"cannot load {path}: {err}{hint}")
@@ -386,7 +445,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .default_model import DEFAULT_MODEL_NAME
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    key, limits = _serve_settings(parser, args)
+    key, limits, options = _serve_settings(parser, args)
     sockets = []
 
     def hold_port() -> None:  # rank 0 (the only one under torchrun that serves HTTP), before the model loads
@@ -399,7 +458,7 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(parser, args),
-                     generation_config=args.generation_config)
+                     options=options)
     scheme = "https" if args.ssl_certfile else "http"
     logging.getLogger("hf_paged").info("serving %r on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)", name, scheme,
                                        args.host, args.port, args.root_path, generator.max_model_len,
@@ -482,6 +541,20 @@ def _check_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
     if args.data_parallel_size != 1:
         parser.error(f"--data-parallel-size {args.data_parallel_size}: one server runs one engine; serve replicas "
                      "with `hf-paged serve-ray --num-replicas N`")
+    _check_executor(parser, args.distributed_executor_backend, getattr(args, "tensor_parallel_size", None) or 1)
+
+
+def _check_executor(parser: argparse.ArgumentParser, backend: str | None, size: int) -> None:
+    """vLLM's --distributed-executor-backend, against how the ranks actually run here."""
+    torchrun = "WORLD_SIZE" in os.environ
+    if backend == "ray":
+        parser.error("--distributed-executor-backend ray: tensor-parallel ranks run as local processes (mp) or "
+                     "under torchrun (external_launcher); replicas on Ray are served by `hf-paged serve-ray`")
+    if backend == "uni" and size > 1:
+        parser.error(f"--distributed-executor-backend uni runs one process: --tensor-parallel-size {size} needs mp")
+    if backend == "external_launcher" and not torchrun:
+        parser.error("--distributed-executor-backend external_launcher: run this under torchrun (its ranks are the "
+                     "tensor-parallel ranks)")
 
 
 def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
@@ -491,7 +564,7 @@ def _serve_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     _check_vllm_flags(parser, args)
     _check_uvicorn_options(parser, args)
     allowed_origins(parser, args)  # its refusal, before the model loads
-    return api_key(parser, args), server_limits(parser, args)
+    return api_key(parser, args), server_limits(parser, args), serving_options(parser, args)
 
 
 def serve_until_stopped(server, app, sockets: list[socket.socket] | None = None) -> int:
@@ -556,17 +629,19 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(f"{option} is not supported by serve-ray yet (serve takes it)")
     if args.threads is not None:
         parser.error("--threads is not taken by serve-ray: each replica uses its --replica-cpus")
+    if args.load_format == "dummy":
+        parser.error("--load-format dummy is not taken by serve-ray (serve takes it)")
     _check_vllm_flags(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:
-        path = resolve_model(args.model)
+        path = resolve_model(args.model, args.revision, args.download_dir)
         # A directory that holds no model is refused here, not on every replica.
         AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         _check_quantization(parser, path, args.quantization, args.trust_remote_code)
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
-                           args.generation_config, args.device, server_limits(parser, args),
+                           serving_options(parser, args), args.device, server_limits(parser, args),
                            tuple(allowed_origins(parser, args)), args.trust_remote_code)
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
@@ -682,7 +757,7 @@ def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespa
 
     args.check(parser, args)
     try:
-        path = resolve_model(args.model)
+        path = resolve_model(args.model, args.revision, args.download_dir)
         config = EngineConfig.from_cli_args(args)
         distributed.check_engine_config(config)
         distributed.check_checkpoint(path)

@@ -111,11 +111,15 @@ def _converted(gguf: Path, target: Path) -> str:
     return str(target)
 
 
-def resolve_model(name_or_path: str | os.PathLike | None) -> str:
+def resolve_model(name_or_path: str | os.PathLike | None, revision: str | None = None,
+                  cache_dir: str | os.PathLike | None = None) -> str:
     """Map a model argument to a local directory: None (or the default's name) means the embedded default model; a
-    hub id (``org/name``) names its copy in the local Hugging Face cache, if one is there."""
+    hub id (``org/name``) names its copy in the local Hugging Face cache (``cache_dir``, else the default one), at
+    ``revision`` (a branch, tag or commit; else main), if one is there."""
     if name_or_path is not None:
         name_or_path = os.fspath(name_or_path)
+    if revision is not None or cache_dir is not None:
+        return _hub_model(name_or_path, revision, cache_dir)
     if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL_NAME.lower(), "default", "smollm2"):
         return default_model_path()
     path = Path(name_or_path)
@@ -136,12 +140,26 @@ def resolve_model(name_or_path: str | os.PathLike | None) -> str:
     )
 
 
-def _cached_hub_model(repo_id: str) -> str | None:
+def _hub_model(repo_id: str | None, revision: str | None, cache_dir: str | os.PathLike | None) -> str:
+    """A hub id's snapshot at ``revision`` in the cache at ``cache_dir``; anything else is refused by name."""
+    if repo_id is None or Path(repo_id).exists() or repo_id.lower() in (DEFAULT_MODEL_NAME.lower(), "default",
+                                                                         "smollm2"):
+        raise ValueError(f"a revision or a cache directory picks a hub id's snapshot in a local cache; "
+                         f"{repo_id or DEFAULT_MODEL_NAME!r} is not a hub id")
+    cached = _cached_hub_model(repo_id, revision, cache_dir)
+    if cached is None:
+        raise ValueError(f"{repo_id!r} at revision {revision or 'main'} is not in the Hugging Face cache "
+                         f"{cache_dir or '(the default one)'} (hf_paged never downloads weights)")
+    return cached
+
+
+def _cached_hub_model(repo_id: str, revision: str | None = None,
+                      cache_dir: str | os.PathLike | None = None) -> str | None:
     """The local Hugging Face cache's snapshot of ``repo_id`` (never downloaded), or None."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return snapshot_download(repo_id, local_files_only=True)
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True)
     except (HFValidationError, LocalEntryNotFoundError, OSError, ValueError):
         return None

@@ -24,11 +24,13 @@ def resolve_device(device: str) -> str:
 def load_model(
     name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
     quant_backend: str | None = None, tensor_parallel_size: int = 1, trust_remote_code: bool = False,
-    tokenizer: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | None = None, load_format: str = "auto",
 ):
     """``(model, tokenizer)`` with ``attn_implementation="paged"``; None loads the embedded SmolLM2-135M-Instruct.
     ``trust_remote_code`` runs the Python code a model directory ships (its ``auto_map``), as in Transformers;
     ``tokenizer`` names a tokenizer other than the model's (a directory or a cached hub id), as vLLM's.
+    ``load_format="dummy"`` (vLLM's) builds the model from its config with random weights, none read (to measure
+    speed and memory; it writes nonsense); any other format is read as Transformers reads it.
 
     ``dtype`` is that of activations and the KV cache; GPTQ/AWQ weights stay 4-bit whatever it is, computed by the
     gptqmodel kernel ``quant_backend`` (see :mod:`hf_paged.quantization` for the default).
@@ -39,7 +41,11 @@ def load_model(
     from transformers import AutoTokenizer
 
     path = resolve_model(name_or_path)
-    if tensor_parallel_size > 1:
+    if load_format == "dummy":
+        if tensor_parallel_size > 1:
+            raise ValueError("random weights (load_format dummy) are built on one process, not tensor parallel")
+        model = _random_model(path, dtype, device, trust_remote_code)
+    elif tensor_parallel_size > 1:
         from .distributed import check_checkpoint
 
         check_checkpoint(path)
@@ -61,6 +67,19 @@ def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | t
     if kwargs:
         run_dequantize_eagerly(model)
     return model.eval()
+
+
+def _random_model(path: str, dtype: str | torch.dtype, device: str, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError("random weights (load_format dummy) are not quantized: this checkpoint is")
+    dtype = _dtype(dtype)
+    dtype = getattr(config, "dtype", None) or torch.float32 if dtype == "auto" else dtype
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged", dtype=dtype,
+                                             trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype | str:

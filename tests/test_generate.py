@@ -1,5 +1,8 @@
 """`model.generate` with attn_implementation="paged" gives the same tokens as Transformers' own attention."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, TextStreamer, pipeline
@@ -455,7 +458,6 @@ def test_kv_shared_layers_hold_no_blocks():
 
 def test_a_damaged_default_model_copy_is_rebuilt(tmp_path, monkeypatch):
     """Conversions are staged and renamed into place, so a copy missing a file was damaged by hand: rebuild it."""
-    from pathlib import Path
 
     import hf_paged.default_model as default_model
 
@@ -484,7 +486,6 @@ def test_a_gguf_file_is_converted_once_as_the_default_model_is(smollm2_path, tmp
     default model does, converted once into the cache, keyed by the file."""
     import hashlib
     import shutil
-    from pathlib import Path
 
     import hf_paged.default_model as default_model
 
@@ -561,3 +562,27 @@ def test_the_engine_serves_a_model_in_training_mode_as_in_eval_and_leaves_it_as_
     runs = [gen.run([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
     assert runs == [expected, expected]
     assert [m.training for m in model.modules()] == modes
+
+
+def test_dummy_weights_are_built_from_the_config_and_served(smollm2_path, tmp_path):
+    """vLLM's --load-format dummy: the architecture and dtype of the checkpoint, random weights, none read."""
+    from hf_paged import ContinuousBatchGenerator, SamplingParams
+    from hf_paged.loading import load_model
+
+    real, _ = load_model(smollm2_path)
+    model, tokenizer = load_model(smollm2_path, dtype="bfloat16", load_format="dummy")
+    assert type(model) is type(real) and model.dtype == torch.bfloat16
+    assert model.config._attn_implementation == "paged"
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight.float(), real.model.layers[0].mlp.up_proj.weight)
+    assert load_model(smollm2_path, load_format="dummy")[0].dtype == torch.float32  # "auto": the config's
+    (out,) = ContinuousBatchGenerator(model, tokenizer, num_blocks=16).run(
+        ["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="built on one process"):
+        load_model(smollm2_path, load_format="dummy", tensor_parallel_size=2)
+    (tmp_path / "quantized").mkdir()
+    config = json.loads((Path(smollm2_path) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (tmp_path / "quantized" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="not quantized: this checkpoint is"):
+        load_model(tmp_path / "quantized", load_format="dummy", tokenizer=smollm2_path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import signal
@@ -688,6 +689,21 @@ def test_a_hub_id_names_its_copy_in_the_local_cache(smollm2_path, tmp_path, monk
     assert resolve_model("acme/tiny-chat") == str(snapshot)
     with pytest.raises(ValueError, match="a hub id already in the local Hugging Face cache"):
         resolve_model("acme/not-cached")
+    # vLLM's --revision (a tag, or a commit) and --download-dir (another cache).
+    tagged = repo / "snapshots" / ("1" * 40)
+    shutil.copytree(snapshot, tagged, symlinks=True)
+    (repo / "refs" / "v1").write_text("1" * 40)
+    assert resolve_model("acme/tiny-chat", revision="v1") == str(tagged)
+    assert resolve_model("acme/tiny-chat", revision="1" * 40) == str(tagged)
+    other = tmp_path / "other"
+    shutil.copytree(repo, other / repo.name, symlinks=True)
+    assert resolve_model("acme/tiny-chat", cache_dir=other) == str(other / repo.name / "snapshots" / ("0" * 40))
+    for name, options, words in (("acme/tiny-chat", {"revision": "v2"}, "at revision v2 is not in the Hugging Face"),
+                                 ("acme/tiny-chat", {"cache_dir": tmp_path / "none"}, "is not in the Hugging Face"),
+                                 (smollm2_path, {"revision": "v1"}, "is not a hub id"),
+                                 (None, {"cache_dir": other}, "is not a hub id")):
+        with pytest.raises(ValueError, match=words):
+            resolve_model(name, **options)
 
 
 def test_serve_names_a_port_in_use_before_loading_the_model(smollm2_path, monkeypatch, capsys):
@@ -725,7 +741,7 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, c
 
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching",
              "--disable-log-requests", "--pipeline-parallel-size", "1", "-dp", "1", "--tokenizer-mode", "auto",
-             "--load-format", "safetensors"]
+             "--load-format", "safetensors", "--max-seq-len-to-capture", "8192", "--distributed-executor-backend", "mp"]
     args = build_parser().parse_args(["serve", *flags])
     assert args.enable_prefix_caching
     for parser_name in ("llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml"):
@@ -734,7 +750,16 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, c
         main(["serve", "--tool-call-parser", "granite"])
     assert exit_info.value.code == 2 and "invalid choice: 'granite'" in capsys.readouterr().err
     for flags, words in ((["--tokenizer-mode", "mistral"], "invalid choice: 'mistral'"),
-                         (["--load-format", "dummy"], "invalid choice: 'dummy'"),
+                         (["--load-format", "gguf"], "invalid choice: 'gguf'"),
+                         (["--distributed-executor-backend", "ray"], "replicas on Ray are served by"),
+                         (["--distributed-executor-backend", "external_launcher"], "run this under torchrun"),
+                         (["--override-generation-config", '{"temprature": 0.5}'], "sets 'temprature': it takes"),
+                         (["--override-generation-config", '{"temperature": -1}'],
+                          "--override-generation-config: temperature must be >= 0"),
+                         (["--override-generation-config", "[1]"], "a JSON object"),
+                         (["--response-role", ""], "--response-role: response_role must not be empty"),
+                         (["--max-log-len", "-1"], "--max-log-len: max_log_len must be at least 0"),
+                         (["--revision", "v2"], "is not a hub id"),
                          (["-pp", "2"], "pipeline parallelism is not served"),
                          (["--data-parallel-size", "2"], "serve-ray --num-replicas"),
                          (["--quantization", "awq"], "is not quantized; a checkpoint's own quantization")):
@@ -1007,19 +1032,33 @@ def test_chat_template_kwargs_are_the_templates_variables(smollm2):
 
 def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
     """As vLLM's --generation-config auto: a model that recommends top_k=1 and 5 new tokens answers greedily and
-    briefly unless the request says otherwise; "vllm" keeps OpenAI's defaults."""
+    briefly unless the request says otherwise; "vllm" keeps OpenAI's defaults; --override-generation-config sets
+    its own over either."""
     from starlette.testclient import TestClient
     from transformers import GenerationConfig
+
+    from hf_paged.server.options import ServingOptions
 
     model, tokenizer = smollm2
     own = model.generation_config
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=1, max_new_tokens=5)
+    options = {"auto": ServingOptions(), "vllm": ServingOptions("vllm"),
+               "auto+": ServingOptions(override_generation_config={"max_new_tokens": 7}),
+               "vllm+": ServingOptions("vllm", {"max_new_tokens": 3, "top_k": 1})}
     try:
-        apps = {mode: create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=64), MODEL,
-                                 generation_config=mode) for mode in ("auto", "vllm")}
+        apps = {mode: create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=64), MODEL, options=option)
+                for mode, option in options.items()}
     finally:
         model.generation_config = own
     body = {"prompt": "Once upon a time", "ignore_eos": True, "seed": 0}
+    with TestClient(apps["auto+"]) as auto, TestClient(apps["vllm+"]) as plain:
+        assert auto.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 7
+        texts = {auto.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
+                 for seed in range(3)}
+        assert len(texts) == 1  # top_k=1 still comes from the model's config
+        answers = [plain.post("/v1/completions", json={**body, "seed": seed}).json() for seed in range(3)]
+        assert {a["usage"]["completion_tokens"] for a in answers} == {3} and len({a["choices"][0]["text"]
+                                                                                 for a in answers}) == 1
     with TestClient(apps["auto"]) as auto, TestClient(apps["vllm"]) as plain:
         texts = {auto.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
                  for seed in range(3)}
@@ -1089,3 +1128,57 @@ def test_vllms_quantization_flag_checks_the_checkpoints_method(tmp_path, capsys)
     with pytest.raises(SystemExit):
         _check_quantization(parser, str(tmp_path), "awq", False)
     assert f"--quantization awq: {tmp_path} is quantized with gptq" in capsys.readouterr().err
+
+
+def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smollm2, caplog):
+    """--response-role (a reply continuing the last message keeps its role), --return-tokens-as-token-ids (each
+    request may say otherwise), --enable-log-requests with --max-log-len, and a template that loops over content
+    parts getting OpenAI's list of them (--chat-template-content-format auto)."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from hf_paged.server.options import ServingOptions
+
+    model, tokenizer = smollm2
+    options = ServingOptions(response_role="model", return_tokens_as_token_ids=True, log_requests=True, max_log_len=6)
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=64), MODEL, options=options)
+    greedy = {"max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    with TestClient(app) as client, caplog.at_level(logging.INFO, logger="hf_paged.server.serving"):
+        chat = client.post("/v1/chat/completions", json={"messages": CHAT, **greedy}).json()["choices"][0]
+        assert chat["message"]["role"] == "model"
+        ids = [int(entry["token"].removeprefix("token_id:")) for entry in chat["logprobs"]["content"]]
+        assert tokenizer.decode(ids) == chat["message"]["content"]
+        entries = chat["logprobs"]["content"]
+        assert all(top["token"].startswith("token_id:") for entry in entries for top in entry["top_logprobs"])
+        assert bytes(chat["logprobs"]["content"][0]["bytes"]) == tokenizer.decode(ids[:1]).encode()  # the text's
+        as_text = client.post("/v1/chat/completions", json={"messages": CHAT, **greedy,
+                                                             "return_tokens_as_token_ids": False}).json()
+        assert "".join(e["token"] for e in as_text["choices"][0]["logprobs"]["content"]) == chat["message"]["content"]
+        continued = client.post("/v1/chat/completions", json={
+            "messages": CHAT + [{"role": "assistant", "content": "The"}], "add_generation_prompt": False,
+            "continue_final_message": True, "max_tokens": 2, "stream": True})
+        assert '"role":"assistant"' in continued.text.replace(" ", "")
+        completion = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                                          "logprobs": 1}).json()["choices"][0]
+        tokens = completion["logprobs"]["tokens"]
+        assert tokenizer.decode([int(t.removeprefix("token_id:")) for t in tokens]) == completion["text"]
+        assert completion["logprobs"]["text_offset"][1] == len(tokenizer.decode([int(tokens[0][9:])]))
+    logged = [r.getMessage() for r in caplog.records if "queued" in r.getMessage()]
+    assert len(logged) == 4 and f"prompt {PROMPT[:6]!r}" in logged[-1] and "temperature=0" in logged[-1]
+    assert f"prompt_token_ids {tokenizer(PROMPT).input_ids[:6]}" in logged[-1]
+
+    parts = ("{% for m in messages %}{{ m['role'] }}:{% for part in m['content'] %}[{{ part['text'] }}]{% endfor %}\n"
+             "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = parts
+    for content_format, text in (("auto", "user:[Hi][there]assistant:"), ("string", None)):
+        app = create_app(ContinuousBatchGenerator(model, templated, num_blocks=16), MODEL,
+                         options=ServingOptions(chat_template_content_format=content_format))
+        with TestClient(app) as client:
+            message = {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}
+            tokens = client.post("/tokenize", json={"messages": [message]}).json()["tokens"]
+            if text is not None:
+                assert tokens == templated(text, add_special_tokens=False).input_ids
+            else:  # the template loops over the characters of one string (Jinja trims the newline after a tag)
+                assert templated.decode(tokens) == "user:[][][][][][][][]assistant:"

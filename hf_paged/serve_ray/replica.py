@@ -14,6 +14,7 @@ from ray import serve
 
 from ..generation import EngineConfig
 from ..server.limits import ServerLimits
+from ..server.options import ServingOptions
 from .asgi import HTTPRequest, HTTPResponseStart, call_app
 
 REPLICA_HEADER = b"x-hf-paged-replica"
@@ -28,7 +29,7 @@ class ReplicaSpec:
     dtype: str = "auto"
     api_key: str | tuple[str, ...] | None = None  # the key, or any of several
     engine: EngineConfig = field(default_factory=EngineConfig)
-    generation_config: str = "auto"  # `create_app`'s: the model's recommended sampling settings, or "vllm"
+    options: ServingOptions = field(default_factory=ServingOptions)  # `create_app`'s: how answers look
     device: str = "auto"  # `loading.resolve_device`'s: the replica's GPU when it has one
     limits: ServerLimits = field(default_factory=ServerLimits)  # each replica's (the ingress checks the body's too)
     allowed_origins: tuple[str, ...] = ("*",)  # CORS, as `create_app`'s
@@ -51,7 +52,7 @@ class EngineReplica:
 
         self.generator = spec.load()
         self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key, limits=spec.limits,
-                              allowed_origins=list(spec.allowed_origins), generation_config=spec.generation_config)
+                              allowed_origins=list(spec.allowed_origins), options=spec.options)
         self.app.state.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
 

@@ -7,7 +7,8 @@ where OpenAI leaves room:
 
 * ``temperature`` defaults to 1.0, as OpenAI's does; 0 is greedy. As in vLLM, sampling settings the model's
   generation config recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) stand for
-  those a request leaves out (``generation_config="vllm"``: they do not).
+  those a request leaves out (``ServingOptions.generation_config="vllm"``: they do not; its
+  ``override_generation_config`` sets them).
 * ``max_tokens`` defaults to 16 on ``/v1/completions`` (OpenAI's legacy default) and, on ``/v1/chat/completions``,
   to the rest of the context (``max_model_len`` minus the prompt), as chat models generate until they stop.
   ``max_completion_tokens`` takes precedence over ``max_tokens``. A limit that the prompt leaves no room for in the
@@ -63,11 +64,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..generation import ContinuousBatchGenerator, SamplingParams
+from ..generation import ContinuousBatchGenerator
 from ..engine_loop import EngineLoop
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper, RequestIds
+from .options import ServingOptions
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .responses import ResponsesRequest
 from .serving import OpenAIServing
@@ -78,13 +80,13 @@ logger = logging.getLogger(__name__)
 
 def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
                api_key: str | Sequence[str] | None = None, limits: ServerLimits | None = None,
-               allowed_origins: Sequence[str] = ("*",), generation_config: str = "auto") -> FastAPI:
+               allowed_origins: Sequence[str] = ("*",), options: ServingOptions | None = None) -> FastAPI:
     """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``, to clients that send
     ``api_key`` (or any of several; None: no key asked) on its ``/v1`` routes; browsers may call
-    it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty). With ``generation_config``
-    ``"auto"`` (vLLM's default), what a request leaves out of the sampling settings the model's generation config
-    recommends is taken from it; with ``"vllm"``, OpenAI's defaults hold. With the engine's ``reasoning_parser``,
-    chat replies answer their reasoning apart from their content.
+    it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty). ``options`` are vLLM's
+    choices of how to answer (`ServingOptions`): by default, as vLLM's ``--generation-config auto``, what a request
+    leaves out of the sampling settings the model's generation config recommends is taken from it. With the engine's
+    ``reasoning_parser``, chat replies answer their reasoning apart from their content.
 
     The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
     stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
@@ -93,9 +95,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len)
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
-    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name,
-                            _sampling_defaults(generator, generation_config),
-                            reasoning=generator.config.reasoning_parser is not None)
+    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, options or ServingOptions())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -119,17 +119,6 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
             "max_model_len": generator.max_model_len}
     _install_routes(app, serving, card)
     return app
-
-
-def _sampling_defaults(generator: ContinuousBatchGenerator, generation_config: str) -> dict:
-    """What a request leaves out of its sampling settings: the model's generation config's ("auto") or none."""
-    if generation_config not in ("auto", "vllm"):
-        raise ValueError(f"generation_config is 'auto' or 'vllm', got {generation_config!r}")
-    model_config = getattr(generator.model, "generation_config", None) if generation_config == "auto" else None
-    defaults = SamplingParams.model_defaults(model_config)
-    if defaults:
-        logger.info("sampling settings a request leaves out come from the model's generation config: %s", defaults)
-    return defaults
 
 
 class GracefulServer(uvicorn.Server):

@@ -158,6 +158,7 @@ class GenerationRequest(BaseModel):
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, StrictInt | StrictFloat] | None = None  # not llama.cpp's false (a ban), taken as 0
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
@@ -347,13 +348,17 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallMessage] | None = None
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it, with text parts joined into one string."""
+    def to_template_dict(self, content_format: str = "string") -> dict[str, Any]:
+        """The message as the chat template expects it: its text parts joined into one string (``"string"``), or
+        its content as OpenAI's list of text parts (``"openai"``, for templates that loop over them)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             if any(part.type != "text" for part in self.content):
                 raise ValueError("only text content parts are supported")
             message["content"] = "\n".join(part.text or "" for part in self.content)
+        if content_format == "openai" and isinstance(self.content, (str, list)):
+            parts = self.content if isinstance(self.content, list) else [ContentPart(type="text", text=self.content)]
+            message["content"] = [{"type": "text", "text": part.text or ""} for part in parts]
         return message
 
 
@@ -519,6 +524,7 @@ class CompletionFormat:
     chunk_object = "text_completion"
     prompt_top: int | None = None  # vLLM's ``prompt_logprobs`` of the call (None: not asked)
     return_token_ids = False  # vLLM's ``return_token_ids``: each choice's token ids, and its prompt's
+    tokens_as_ids = False  # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens "token_id:<id>"
     prompt_fields_at = "choice"  # where a prompt's logprobs and ids go: in each of its choices, or (chat) the response
 
     def __init__(self, decode: TokenText, top_k: int | None, echo: list[str] | None = None,
@@ -541,19 +547,22 @@ class CompletionFormat:
                  offset: int) -> dict | None:
         if logprobs is None or self.top_k is None:
             return None
-        tokens = [self.decode(t) for t in token_ids]
         offsets = []
-        for token in tokens:
+        for token in token_ids:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(self.decode(token))
         return {
-            "tokens": tokens,
+            "tokens": [self.token(t) for t in token_ids],
             "token_logprobs": [None if top is None else top[t] for t, top in zip(token_ids, logprobs)],
             # As OpenAI's: the k most likely tokens, plus the sampled one when it is not among them.
-            "top_logprobs": [None if top is None else {self.decode(i): lp for i, lp in _ranked_with(top, self.top_k, t)}
+            "top_logprobs": [None if top is None else {self.token(i): lp for i, lp in _ranked_with(top, self.top_k, t)}
                              for t, top in zip(token_ids, logprobs)],
             "text_offset": offsets,
         }
+
+    def token(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or ``"token_id:<id>"``."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.decode(token_id)
 
     def prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
         """vLLM's ``prompt_logprobs`` of ``output``: per prompt token (None for the first) its own and the
@@ -595,6 +604,7 @@ class ChatFormat(CompletionFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     prompt_fields_at = "response"
+    role = "assistant"  # the reply's (vLLM's --response-role, or the role of the message it continues)
 
     def __init__(self, decode: TokenText, top_k: int | None, reasoning: ReasoningParser | None = None,
                  include_reasoning: bool = True):
@@ -607,7 +617,7 @@ class ChatFormat(CompletionFormat):
             return None
 
         def entry(token_id: int, logprob: float) -> dict:
-            return {"token": self.decode(token_id), "logprob": logprob, "bytes": list(self.decode.bytes(token_id))}
+            return {"token": self.token(token_id), "logprob": logprob, "bytes": list(self.decode.bytes(token_id))}
 
         content = [
             {**entry(t, top[t]), "top_logprobs": [entry(i, lp) for i, lp in _ranked(top, self.top_k)]}
@@ -618,7 +628,7 @@ class ChatFormat(CompletionFormat):
     def choice(self, index: int, output: CompletionOutput) -> dict:
         reasoning, content = (None, output.text) if self.reasoning is None else self.reasoning.split(output.text)
         reasoning = reasoning if self.include_reasoning else None
-        return {"index": index, "message": {"role": "assistant", "content": content, **_reasoning_fields(reasoning)},
+        return {"index": index, "message": {"role": self.role, "content": content, **_reasoning_fields(reasoning)},
                 "logprobs": self.logprobs(output.token_ids, output.logprobs, 0), "finish_reason": output.finish_reason,
                 "stop_reason": output.stop_reason}
 
@@ -650,7 +660,7 @@ class ChatFormat(CompletionFormat):
                 "stop_reason": stop_reason}
 
     def opening_choice(self, index: int) -> dict | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": index, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
 
 
 class ToolChatFormat(ChatFormat):

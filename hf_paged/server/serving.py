@@ -21,6 +21,7 @@ from ..generation.outputs import CompletionOutput
 from ..reasoning import ReasoningParser
 from .limits import ServerLimits
 from .middleware import overloaded
+from .options import ServingOptions
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -46,11 +47,16 @@ class OpenAIServing:
     """Checks a call, compiles its constraint, tokenizes its prompts, queues it on the engine and answers it."""
 
     def __init__(self, generator: ContinuousBatchGenerator, engine: EngineLoop, encoder: PromptEncoder,
-                 limits: ServerLimits, served_model_name: str, sampling_defaults: dict, reasoning: bool = False):
+                 limits: ServerLimits, served_model_name: str, options: ServingOptions):
         self.generator, self.engine, self.encoder, self.limits = generator, engine, encoder, limits
-        self.reasoning = reasoning  # whether chat replies' reasoning is answered apart (a --reasoning-parser)
+        self.options = options
+        self.reasoning = generator.config.reasoning_parser is not None  # chat replies' reasoning answered apart
         self.served_model_name = served_model_name
-        self.sampling_defaults = sampling_defaults  # what a request leaves out (`SamplingParams.model_defaults`)
+        # What a request leaves out of its sampling settings.
+        self.sampling_defaults = options.sampling_defaults(getattr(generator.model, "generation_config", None))
+        if self.sampling_defaults:
+            logger.info("sampling settings a request leaves out: %s", self.sampling_defaults)
+        self.content_format = options.content_format(generator.tokenizer.chat_template)
         self.decode = encoder.decoder()
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -79,11 +85,12 @@ class OpenAIServing:
         self.check_request(body)
         try:
             params = body.to_sampling_params(self.sampling_defaults)
-            messages = [message.to_template_dict() for message in body.messages]
+            messages = [message.to_template_dict(self.content_format) for message in body.messages]
         except ValueError as err:
             raise _bad_request(err, param) from err
         await self.compile_constraint(body)
         prompt, fmt = await self.chat_prompt(body, messages, (body.top_logprobs or 0) if body.logprobs else None)
+        fmt.role = self.options.response_role if body.add_generation_prompt else body.messages[-1].role
         return prompt, fmt, params
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
@@ -131,7 +138,7 @@ class OpenAIServing:
         self.check_model(body.model)
         if isinstance(body, ChatCompletionRequest):
             try:
-                messages = [message.to_template_dict() for message in body.messages]
+                messages = [message.to_template_dict(self.content_format) for message in body.messages]
             except ValueError as err:
                 raise _bad_request(err, "messages") from err
             prompt, param = (await self.chat_prompt(body, messages, None))[0], "messages"
@@ -233,7 +240,18 @@ class OpenAIServing:
         except EngineDead as err:
             raise APIError(503, str(err), "server_error", code="engine_dead") from err
         stream.num_prompt_tokens, stream.prompt_token_ids = sum(map(len, token_ids)), list(token_ids)
+        if self.options.log_requests:
+            for request_id, prompt, ids in zip(request_ids, prompts, token_ids):
+                self.log_request(request_id, prompt, ids, params)
         return stream
+
+    def log_request(self, request_id: str, prompt, token_ids: list[int], params: SamplingParams) -> None:
+        """vLLM's ``--enable-log-requests``: a queued request's prompt, its token ids (each cut to ``max_log_len``)
+        and its sampling parameters."""
+        cut = self.options.max_log_len
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+        logger.info("request %s queued: prompt %r, prompt_token_ids %s, %r", request_id, self.options.logged(text),
+                    token_ids if cut is None else token_ids[:cut], params)
 
     async def serve(self, body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
                     prefix: str, prompt_param: str, request: Request) -> Response:
@@ -244,6 +262,8 @@ class OpenAIServing:
         stream = await self.submit(body, prompts, params, request_ids, prompt_param)
         header = {"id": call_id, "created": int(time.time()), "model": self.served_model_name}
         fmt.prompt_top, fmt.return_token_ids = body.prompt_logprobs, bool(body.return_token_ids)
+        fmt.tokens_as_ids = self.options.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None \
+            else body.return_tokens_as_token_ids
         if body.stream:
             events = _sse(stream, fmt, header, params.n, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")

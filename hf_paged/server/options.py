@@ -1,0 +1,67 @@
+"""`ServingOptions`: how the server answers where vLLM's ``serve`` flags choose (one field per flag).
+
+``ServerLimits`` bound what a call may ask; these say what the answers look like and what the server logs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..generation import SamplingParams
+
+# A model's generation-config names that stand for what a request leaves out (`SamplingParams.model_defaults`).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+CONTENT_FORMATS = ("auto", "string", "openai")
+# A template that loops over a message's content takes it as OpenAI's list of parts.
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    generation_config: str = "auto"  # "auto": the model's recommended sampling settings stand for what a request
+    #                                   leaves out; "vllm": OpenAI's defaults do
+    override_generation_config: dict = field(default_factory=dict)  # generation-config names over those defaults
+    response_role: str = "assistant"  # a chat reply's role (a reply that continues the last message keeps its role)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (a request may ask either way)
+    log_requests: bool = False  # log each request's prompt and sampling parameters when it is queued
+    max_log_len: int | None = None  # characters of a logged prompt, and its token ids (None: all)
+    chat_template_content_format: str = "auto"  # messages' content as a string, or as OpenAI's list of parts
+
+    def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config is 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format is one of {', '.join(CONTENT_FORMATS)}, got "
+                             f"{self.chat_template_content_format!r}")
+        if not self.response_role:
+            raise ValueError("response_role must not be empty")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be at least 0, got {self.max_log_len}")
+        unknown = sorted(set(self.override_generation_config) - set(GENERATION_DEFAULTS))
+        if unknown:
+            raise ValueError(f"override_generation_config sets {', '.join(map(repr, unknown))}: it takes "
+                             f"{', '.join(GENERATION_DEFAULTS)}")
+        SamplingParams(**self.sampling_overrides())  # a bad value is refused here, not in every request
+
+    def sampling_overrides(self) -> dict:
+        """``override_generation_config`` as `SamplingParams` fields."""
+        return {"max_tokens" if name == "max_new_tokens" else name: value
+                for name, value in self.override_generation_config.items()}
+
+    def sampling_defaults(self, model_generation_config) -> dict:
+        """What a request leaves out of its sampling settings: the model's recommendations (``"auto"``), then the
+        overrides over them."""
+        model = model_generation_config if self.generation_config == "auto" else None
+        return {**SamplingParams.model_defaults(model), **self.sampling_overrides()}
+
+    def content_format(self, chat_template) -> str:
+        """``"string"`` or ``"openai"``: what ``"auto"`` means for ``chat_template`` (a template, or a dict of named
+        ones) is ``"openai"`` when it loops over a message's content."""
+        if self.chat_template_content_format != "auto":
+            return self.chat_template_content_format
+        templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+        return "openai" if any(_LOOPS_OVER_CONTENT.search(t or "") for t in templates) else "string"
+
+    def logged(self, text: str) -> str:
+        return text if self.max_log_len is None else text[:self.max_log_len]
