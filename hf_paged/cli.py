@@ -144,6 +144,9 @@ def _answer_options(answers: argparse._ArgumentGroup) -> None:
     answers.add_argument("--chat-template-content-format", default="auto", choices=("auto", "string", "openai"),
                          help="a message's content as the chat template gets it: one string, or OpenAI's list of "
                               "text parts (default: auto, the list for a template that loops over the content)")
+    answers.add_argument("--metrics-prefix", default="hf_paged", choices=("hf_paged", "vllm"),
+                         help="/metrics names vLLM's metrics '<prefix>:<name>'; vllm: as vLLM does, for its "
+                              "dashboards and for gateways that read them (default: hf_paged)")
     answers.add_argument("--enable-log-requests", action="store_true",
                          help="log each request's prompt, prompt token ids and sampling parameters when it is queued")
     answers.add_argument("--max-log-len", type=int, default=None, metavar="N",
@@ -165,7 +168,8 @@ def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace):
             parser.error("--override-generation-config: a JSON object, e.g. '{\"temperature\": 0.6}'")
     try:
         return ServingOptions(args.generation_config, override, args.response_role, args.return_tokens_as_token_ids,
-                              args.enable_log_requests, args.max_log_len, args.chat_template_content_format)
+                              args.enable_log_requests, args.max_log_len, args.chat_template_content_format,
+                              args.metrics_prefix)
     except (ValueError, TypeError) as err:
         message = str(err).removeprefix("SamplingParams.")
         field = message.split(" ", 1)[0]

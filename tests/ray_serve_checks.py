@@ -110,7 +110,8 @@ def test_affinity_table_prefers_the_longest_prefix_of_a_live_replica():
     assert table.best(hashes, {"b"}) == ("b", 5) and table.best(hashes[:3], {"b"}) == (None, 0)
 
 
-def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_check():
+@pytest.mark.parametrize("prefix", ["hf_paged", "vllm"])
+def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_check(prefix):
     from types import SimpleNamespace
 
     from hf_paged.serve_ray.metrics import merged_metrics
@@ -122,17 +123,18 @@ def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_che
                 f"hf_paged:spec_decode_num_accepted_tokens_total {accepted}\n"
                 f"# TYPE hf_paged:spec_decode_num_draft_tokens_total counter\n"
                 f"hf_paged:spec_decode_num_draft_tokens_total {drafted}\n"
-                f"# TYPE hf_paged:num_requests_running gauge\nhf_paged:num_requests_running 2.0\n")
+                f"# TYPE hf_paged:num_requests_running gauge\nhf_paged:num_requests_running 2.0\n"
+                ).replace("hf_paged:", f"{prefix}:")  # --metrics-prefix
 
     # 60 of 100 guesses kept, 0 of 1, and a replica that never speculated (its gauge reads 0).
     merged = merged_metrics({"a": text(0.6, 60, 100), "b": text(0.0, 0, 1), "c": text(0.0, 0, 0)}, None).decode()
-    assert 'hf_paged:spec_decode_acceptance_rate{replica="all"} ' + str(60 / 101) in merged
-    assert 'hf_paged:num_requests_running{replica="all"} 6.0' in merged
+    assert f'{prefix}:spec_decode_acceptance_rate{{replica="all"}} ' + str(60 / 101) in merged
+    assert f'{prefix}:num_requests_running{{replica="all"}} 6.0' in merged
     # A replica gone (replaced, or too slow to answer): its counters stay in the totals, its gauges do not.
     merged = merged_metrics({"a": text(0.6, 60, 100)}, None, gone={"d": text(0.8, 40, 50)}).decode()
-    assert 'hf_paged:spec_decode_num_accepted_tokens_total{replica="all"} 100.0' in merged
-    assert 'hf_paged:spec_decode_acceptance_rate{replica="all"} ' + str(100 / 150) in merged
-    assert 'hf_paged:num_requests_running{replica="all"} 2.0' in merged and 'replica="d"' not in merged
+    assert f'{prefix}:spec_decode_num_accepted_tokens_total{{replica="all"}} 100.0' in merged
+    assert f'{prefix}:spec_decode_acceptance_rate{{replica="all"}} ' + str(100 / 150) in merged
+    assert f'{prefix}:num_requests_running{{replica="all"}} 2.0' in merged and 'replica="d"' not in merged
     replica = lambda healthy: SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(  # noqa: E731
         engine=SimpleNamespace(healthy=healthy))))
     EngineReplica.func_or_class.check_health(replica(True))

@@ -1132,8 +1132,8 @@ def test_vllms_quantization_flag_checks_the_checkpoints_method(tmp_path, capsys)
 
 def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smollm2, caplog):
     """--response-role (a reply continuing the last message keeps its role), --return-tokens-as-token-ids (each
-    request may say otherwise), --enable-log-requests with --max-log-len, and a template that loops over content
-    parts getting OpenAI's list of them (--chat-template-content-format auto)."""
+    request may say otherwise), --enable-log-requests with --max-log-len, --metrics-prefix vllm, and a template that
+    loops over content parts getting OpenAI's list of them (--chat-template-content-format auto)."""
     import logging
 
     from starlette.testclient import TestClient
@@ -1141,7 +1141,8 @@ def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smol
     from hf_paged.server.options import ServingOptions
 
     model, tokenizer = smollm2
-    options = ServingOptions(response_role="model", return_tokens_as_token_ids=True, log_requests=True, max_log_len=6)
+    options = ServingOptions(response_role="model", return_tokens_as_token_ids=True, log_requests=True, max_log_len=6,
+                             metrics_prefix="vllm")
     app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=64), MODEL, options=options)
     greedy = {"max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     with TestClient(app) as client, caplog.at_level(logging.INFO, logger="hf_paged.server.serving"):
@@ -1164,6 +1165,9 @@ def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smol
         tokens = completion["logprobs"]["tokens"]
         assert tokenizer.decode([int(t.removeprefix("token_id:")) for t in tokens]) == completion["text"]
         assert completion["logprobs"]["text_offset"][1] == len(tokenizer.decode([int(tokens[0][9:])]))
+        scraped = client.get("/metrics").text
+        assert f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 4.0' in scraped
+        assert "vllm:kv_cache_usage_perc" in scraped and "hf_paged:" not in scraped
     logged = [r.getMessage() for r in caplog.records if "queued" in r.getMessage()]
     assert len(logged) == 4 and f"prompt {PROMPT[:6]!r}" in logged[-1] and "temperature=0" in logged[-1]
     assert f"prompt_token_ids {tokenizer(PROMPT).input_ids[:6]}" in logged[-1]

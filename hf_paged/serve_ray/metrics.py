@@ -15,10 +15,11 @@ from .router import RoutingStats
 
 TOTAL = "all"
 _MONOTONIC = ("counter", "histogram", "summary")
-# Gauges whose total over replicas is a ratio of summed counters, plus a constant (not a sum of the replicas' ratios).
+# Gauges whose total over replicas is a ratio of summed counters, plus a constant (not a sum of the replicas' ratios);
+# named without the replicas' prefix ("hf_paged:" or "vllm:").
 RATIOS = {
-    "hf_paged:spec_decode_acceptance_rate": ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", 0.0),
-    "hf_paged:spec_decode_mean_accepted_length": ("spec_decode_num_accepted_tokens", "spec_decode_num_drafts", 1.0),
+    "spec_decode_acceptance_rate": ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", 0.0),
+    "spec_decode_mean_accepted_length": ("spec_decode_num_accepted_tokens", "spec_decode_num_drafts", 1.0),
 }
 
 
@@ -39,14 +40,16 @@ def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None,
                     merged.add_sample(sample.name, {"replica": replica, **sample.labels}, sample.value)
                 totals[family.name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
 
-    def total(counter: str) -> float:
-        return sum(v for values in totals.get(f"hf_paged:{counter}", {}).values() for v in values)
+    def total(prefix: str, counter: str) -> float:
+        return sum(v for values in totals.get(f"{prefix}:{counter}", {}).values() for v in values)
 
     for name, samples in totals.items():
+        prefix, _, short = name.rpartition(":")
         for (sample_name, labels), values in samples.items():
-            if name in RATIOS:
-                above, below, plus = RATIOS[name]
-                value = plus + total(above) / total(below) if total(below) else sum(values) / len(values)
+            if short in RATIOS:
+                above, below, plus = RATIOS[short]
+                value = plus + total(prefix, above) / total(prefix, below) if total(prefix, below) \
+                    else sum(values) / len(values)
             else:
                 value = sum(values) / len(values) if name.endswith("_perc") else sum(values)
             families[name].add_sample(sample_name, {"replica": TOTAL, **dict(labels)}, value)

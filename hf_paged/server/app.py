@@ -91,11 +91,12 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
     stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
     """
-    limits = limits or ServerLimits()
-    metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len)
+    limits, options = limits or ServerLimits(), options or ServingOptions()
+    metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len,
+                            prefix=options.metrics_prefix)
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
-    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, options or ServingOptions())
+    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, options)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

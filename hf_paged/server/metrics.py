@@ -1,4 +1,5 @@
-"""Prometheus metrics of a server, named after vLLM's with an ``hf_paged:`` prefix and labelled as vLLM's.
+"""Prometheus metrics of a server, named after vLLM's with an ``hf_paged:`` prefix (or vLLM's own ``vllm:``, for
+its dashboards and gateways: ``ServingOptions.metrics_prefix``) and labelled as vLLM's.
 
 Every app has its own `CollectorRegistry`, so several servers can live in one process. The engine thread updates
 the metrics after each step (`ServerMetrics.observe_step`); scraping ``/metrics`` only reads them.
@@ -12,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..generation import EngineStats, RequestOutput
 
-_PREFIX = "hf_paged:"
+METRICS_PREFIXES = ("hf_paged", "vllm")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -43,12 +44,15 @@ class ServerMetrics:
     """The server's gauges, counters and histograms, registered in ``registry``, each labelled with vLLM's
     ``model_name`` (the served model's name), which vLLM's dashboards select by."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", max_model_len: int = 1 << 20):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", max_model_len: int = 1 << 20,
+                 prefix: str = "hf_paged"):
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"the metrics' prefix is one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
 
         def made(kind, name: str, text: str, **options):
-            return kind(_PREFIX + name, text, ["model_name"], registry=self.registry, **options).labels(model_name)
+            return kind(f"{prefix}:{name}", text, ["model_name"], registry=self.registry, **options).labels(model_name)
 
         self.num_running = made(Gauge, "num_requests_running", "Sequences in the running batch.")
         self.num_waiting = made(Gauge, "num_requests_waiting", "Sequences waiting to be scheduled.")
@@ -59,7 +63,7 @@ class ServerMetrics:
                                     "Speculative guesses kept over guesses verified, since the engine started.")
         self.spec_length = made(Gauge, "spec_decode_mean_accepted_length",
                                 "Tokens a sequence gained per step that verified its speculative guesses.")
-        self.request_success = Counter(_PREFIX + "request_success", "Finished requests by finish reason.",
+        self.request_success = Counter(f"{prefix}:request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.step_failures = made(Counter, "engine_step_failures", "Engine steps that raised.")
         self.ttft = made(Histogram, "time_to_first_token_seconds", "Arrival to first token (observed when it comes).",

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..generation import SamplingParams
+from .metrics import METRICS_PREFIXES
 
 # A model's generation-config names that stand for what a request leaves out (`SamplingParams.model_defaults`).
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
@@ -27,6 +28,7 @@ class ServingOptions:
     log_requests: bool = False  # log each request's prompt and sampling parameters when it is queued
     max_log_len: int | None = None  # characters of a logged prompt, and its token ids (None: all)
     chat_template_content_format: str = "auto"  # messages' content as a string, or as OpenAI's list of parts
+    metrics_prefix: str = "hf_paged"  # /metrics names "<prefix>:<vLLM's name>"; "vllm" for vLLM's dashboards
 
     def __post_init__(self) -> None:
         if self.generation_config not in ("auto", "vllm"):
@@ -34,6 +36,8 @@ class ServingOptions:
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format is one of {', '.join(CONTENT_FORMATS)}, got "
                              f"{self.chat_template_content_format!r}")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics_prefix is one of {', '.join(METRICS_PREFIXES)}, got {self.metrics_prefix!r}")
         if not self.response_role:
             raise ValueError("response_role must not be empty")
         if self.max_log_len is not None and self.max_log_len < 0:
