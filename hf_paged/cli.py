@@ -255,6 +255,8 @@ _LIMITS = {
     "max_body_bytes": ("--max-body-size", parse_memory,
                        "largest request body, e.g. 4MiB; a larger one gets a 413 before it is read (default: 4MiB)"),
     "max_client_batch_size": ("--max-client-batch-size", int, "most prompts in one /v1/completions call (default: 32)"),
+    "max_embedding_inputs": ("--max-embedding-inputs", int,
+                             "most inputs in one /v1/embeddings call (default: 2048, as OpenAI)"),
     "max_concurrent_requests": ("--max-concurrent-requests", int,
                                 "most generation calls in progress; more get a 503 with Retry-After (default: 512)"),
     "max_num_waiting": ("--max-num-waiting", int,

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from .distributed import HEARTBEAT_S, DistributedError
@@ -165,6 +166,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._calls: list[tuple[Callable[[], object], Future]] = []  # to run between steps (`call`)
 
     @property
     def healthy(self) -> bool:
@@ -201,6 +203,7 @@ class EngineLoop:
             self._thread.join(timeout)
         stepping = self._thread is not None and self._thread.is_alive()
         self._fail_in_flight(EngineStopping(reason), abort_unrouted=not stepping)
+        self._fail_calls(EngineStopping(reason))
 
     def cut_off(self) -> None:
         """Fail the requests in flight (`EngineStopping`) while serving goes on: the server stops before they end."""
@@ -236,6 +239,38 @@ class EngineLoop:
             finally:
                 self._wake.set()
         return stream
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the engine thread between two steps, so that nothing else runs the model meanwhile (an
+        embedding's forward, say); the future holds its result or exception (`EngineStopping` if the engine stops
+        first). Raises `EngineDead` once the engine has stopped for good."""
+        if self.fatal is not None:
+            raise EngineDead("the engine has stopped after an unrecoverable error")
+        self.start()
+        future: Future = Future()
+        with self._lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
+    def _run_calls(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                if not self._calls:
+                    return
+                fn, future = self._calls.pop(0)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as err:  # noqa: BLE001 - the caller's to handle
+                    future.set_exception(err)
+
+    def _fail_calls(self, error: EngineError) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
     def end(self, request_ids: str | list[str]) -> None:
         """Abort these requests in the generator; their streams still get their last output (``"abort"``)."""
@@ -280,6 +315,7 @@ class EngineLoop:
         """One step, its outputs delivered; returns the number of steps that have failed since a token was last
         generated (a step that only hands back aborted requests is no sign of health)."""
         generator = self.generator
+        self._run_calls()
         if not generator.has_unfinished_requests():
             # Under tensor parallelism the other ranks wait for every step's inputs: an idle engine still steps now
             # and then, so they do not time out and a dead rank is found.
@@ -314,6 +350,7 @@ class EngineLoop:
     def _die(self, err: BaseException) -> None:
         self.fatal = err
         self._fail_in_flight(EngineError("the engine stopped after an unrecoverable error (see the log)"))
+        self._fail_calls(EngineDead("the engine stopped after an unrecoverable error (see the log)"))
         for callback in self.on_fatal:
             try:
                 callback()

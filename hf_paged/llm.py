@@ -7,6 +7,7 @@ import os
 from .chat_template import TEMPLATE_PARAMETERS, render_prompt
 from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from .loading import load_model, resolve_device
+from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, check_dimensions, embed
 
 
 class LLM:
@@ -59,6 +60,25 @@ class LLM:
         prompts = [{"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids, "prompt": text}
                    for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts, truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: each prompt's (a string, token ids, or a ``{"prompt": ...}`` dict; or a list of
+        them) pooled last hidden state (`hf_paged.pooling`: as the model's sentence-transformers files say, else its
+        last token's, normalized), cut to its first ``dimensions`` if given."""
+        single = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        inputs, model = self.generator.inputs, self.generator.model
+        check_dimensions(model, dimensions)
+        token_ids = [inputs.tokenize(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
+        for ids in token_ids:
+            if not ids:
+                raise ValueError("a prompt to embed is empty")
+            inputs.check_token_ids(ids)
+            inputs.check_prompt_length(len(ids))
+        vectors = embed(model, token_ids, PoolingConfig.of_model(getattr(model, "name_or_path", None)), dimensions)
+        return [EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(vector))
+                for i, (ids, vector) in enumerate(zip(token_ids, vectors))]
 
     def reset_prefix_cache(self) -> bool:
         return self.generator.reset_prefix_cache()

@@ -142,3 +142,48 @@ def test_a_refusal_names_the_parameter_at_fault(long_generator):
     outputs = long_generator.run([[5, 6], [5, 6], [5, 6]], [SamplingParams(n=10**4), fine,
                                                              SamplingParams(stop_token_ids=[10**6])], use_tqdm=False)
     assert [(o.error_param, o.error is None) for o in outputs] == [("n", False), (None, True), ("stop_token_ids", False)]
+
+
+def test_calls_on_the_engine_thread_run_between_steps_and_fail_when_it_stops(long_generator):
+    """`EngineLoop.call` (embeddings' forwards): run on the engine thread, never during a step; their errors reach the
+    caller; those still queued when the engine stops fail with EngineStopping."""
+    import threading
+
+    from hf_paged.engine_loop import EngineLoop, EngineStopping
+
+    engine = EngineLoop(long_generator)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    stepping, seen = threading.Event(), []
+    step = long_generator.step
+
+    def watched_step():
+        stepping.set()
+        try:
+            return step()
+        finally:
+            stepping.clear()
+
+    long_generator.step = watched_step
+    try:
+        long_generator.add_request([5, 6, 7], params, "beside")  # steps while the calls come
+        for _ in range(20):
+            seen.append(engine.call(lambda: (threading.current_thread().name, stepping.is_set())).result(10))
+        assert set(seen) == {("hf-paged-engine", False)}
+        with pytest.raises(ZeroDivisionError):
+            engine.call(lambda: 1 / 0).result(10)
+        engine.stop()
+        queued = engine.call(lambda: 1)  # restarts the engine, as a submit does
+        assert queued.result(10) == 1
+        gate = threading.Event()
+        blocker = engine.call(gate.wait)
+        later = engine.call(lambda: 2)
+        threading.Timer(0.5, gate.set).start()
+        engine.stop(timeout=0.1)
+        assert blocker.result(10) is True
+        with pytest.raises(EngineStopping):
+            later.result(10)
+    finally:
+        long_generator.step = step
+        engine.stop()
+        long_generator.abort_request("beside")
+        long_generator.step()

@@ -417,8 +417,9 @@ def test_a_full_queue_answers_503_with_retry_after(served):
 def test_concurrent_calls_beyond_the_limit_answer_503_before_the_body(served):
     streams = [open_stream(served) for _ in range(6)]
     try:
-        status, body = raw_post(served.base, "/v1/chat/completions", {"Content-Length": str(10**6), **AUTH})
-        assert status == 503 and body["error"]["code"] == "server_overloaded"
+        for path in ("/v1/chat/completions", "/v1/responses", "/v1/embeddings"):  # every route that runs the model
+            status, body = raw_post(served.base, path, {"Content-Length": str(10**6), **AUTH})
+            assert status == 503 and body["error"]["code"] == "server_overloaded", path
     finally:
         close_all(streams)
     wait_until_idle(served.generator)

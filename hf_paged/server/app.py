@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `create_app` builds a FastAPI app over a `ContinuousBatchGenerator`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``,
+``GET /v1/models`` (and ``/v1/models/{id}``),
 vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (``/ping``), ``GET /version`` and ``GET /metrics``
 (Prometheus). Choices made
 where OpenAI leaves room:
@@ -66,6 +67,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..generation import ContinuousBatchGenerator
 from ..engine_loop import EngineLoop
+from .embeddings import EmbeddingRequest
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper, RequestIds
@@ -179,6 +181,10 @@ def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await serving.embeddings(body, request)
 
     _install_responses_routes(app, serving)
     _install_token_routes(app, serving)

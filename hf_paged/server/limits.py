@@ -20,6 +20,7 @@ class ServerLimits:
 
     max_body_bytes: int = 4 << 20  # a request body, read before anything is parsed
     max_client_batch_size: int = 32  # prompts in one /v1/completions call
+    max_embedding_inputs: int = 2048  # inputs in one /v1/embeddings call (OpenAI's limit)
     max_concurrent_requests: int = 512  # generation calls in progress at once
     max_num_waiting: int = 1024  # sequences queued beyond the max_num_seqs that one step runs
     max_n: int | None = None  # samples per prompt; None: half of max_num_seqs, at most OpenAI's 128
@@ -80,6 +81,9 @@ class ServerLimits:
 
     def check_prompt_count(self, num_prompts: int) -> None:
         _at_most("prompt", num_prompts, self.max_client_batch_size, "prompts in one call", "--max-client-batch-size")
+
+    def check_embedding_inputs(self, num_inputs: int) -> None:
+        _at_most("input", num_inputs, self.max_embedding_inputs, "inputs in one call", "--max-embedding-inputs")
 
     def check_logprob_entries(self, body: GenerationRequest, n: int, new_tokens: list[int],
                               prompt_tokens: list[int]) -> None:

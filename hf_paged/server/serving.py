@@ -19,6 +19,8 @@ from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded,
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
 from ..reasoning import ReasoningParser
+from ..pooling import PoolingConfig, check_dimensions, embed
+from .embeddings import EMBED_CHUNK, EmbeddingRequest, embedding_response
 from .limits import ServerLimits
 from .middleware import overloaded
 from .options import ServingOptions
@@ -57,6 +59,7 @@ class OpenAIServing:
         if self.sampling_defaults:
             logger.info("sampling settings a request leaves out: %s", self.sampling_defaults)
         self.content_format = options.content_format(generator.tokenizer.chat_template)
+        self.pooling = PoolingConfig.of_model(getattr(generator.model, "name_or_path", None))
         self.decode = encoder.decoder()
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -119,6 +122,49 @@ class OpenAIServing:
                               reasoning_tokens)
         items = output_items(message, status)
         return JSONResponse(body.answer(events.id, events.created, self.served_model_name, status, items, used))
+
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI's ``/v1/embeddings``: each input's pooled last hidden state (`hf_paged.pooling`), computed on the
+        engine thread between steps, `EMBED_CHUNK` inputs at a time."""
+        self.check_model(body.model)
+        if self.generator.lockstep is not None:
+            raise APIError(400, "embeddings are not served under tensor parallelism", param="input")
+        inputs = body.inputs()
+        if not inputs:
+            raise APIError(400, "the input is empty", param="input")
+        self.limits.check_embedding_inputs(len(inputs))
+        try:
+            check_dimensions(self.generator.model, body.dimensions)
+        except ValueError as err:
+            raise APIError(400, str(err), param="dimensions") from None
+        keep = body.truncate_prompt_tokens
+        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, "input", keep) for prompt in inputs))
+        for index, ids in enumerate(token_ids):
+            if not ids:
+                raise APIError(400, f"input {index} is empty", param="input")
+            try:
+                self.generator.inputs.check_token_ids(ids)
+            except ValueError as err:
+                raise APIError(400, str(err), param="input") from None
+        vectors = []
+        for start in range(0, len(token_ids), EMBED_CHUNK):
+            if start and await request.is_disconnected():
+                return Response(status_code=499)
+            chunk = token_ids[start:start + EMBED_CHUNK]
+            vectors += await self._on_engine(lambda chunk=chunk: embed(self.generator.model, chunk, self.pooling,
+                                                                       body.dimensions))
+        answer = embedding_response(vectors, body.encoding_format, self.served_model_name, sum(map(len, token_ids)))
+        return JSONResponse(answer)
+
+    async def _on_engine(self, fn):
+        """``fn()`` run on the engine thread (`EngineLoop.call`); a failure is a 503 (the engine stopping) or a 500."""
+        try:
+            return await asyncio.wrap_future(self.engine.call(fn))
+        except EngineError as err:
+            raise APIError(503, str(err), "server_error", code=503) from err
+        except Exception as err:
+            logger.exception("a call on the engine thread failed")
+            raise APIError(500, REQUEST_FAILED, "server_error", code=500) from err
 
     async def count_tokens(self, text: str | None) -> int:
         """How many tokens ``text`` is alone (no special tokens added), counted on a tokenizing thread: a response's

@@ -1,0 +1,45 @@
+"""OpenAI's ``POST /v1/embeddings`` over the served model (`hf_paged.pooling`): its request and its answer.
+
+Inputs are tokenized as completion prompts are; their forwards run on the engine thread between steps, a few inputs
+at a time (`EMBED_CHUNK`), so generation goes on between them.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+EMBED_CHUNK = 16  # inputs per engine-thread call
+
+
+class EmbeddingRequest(BaseModel):
+    """Body of ``POST /v1/embeddings``: one input (text or token ids) or a list of them."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: the last N tokens (-1: all that fit)
+
+    def inputs(self) -> list[str | list[int]]:
+        given = self.input
+        if isinstance(given, str) or (given and all(isinstance(token, int) for token in given)):
+            return [given]
+        return list(given)
+
+
+def embedding_response(vectors: list[list[float]], encoding_format: str, model: str, prompt_tokens: int) -> dict:
+    """OpenAI's answer: a list of ``embedding`` objects (float lists, or base64 of little-endian float32s)."""
+    def encoded(vector: list[float]):
+        if encoding_format == "float":
+            return vector
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+    data = [{"object": "embedding", "index": i, "embedding": encoded(vector)} for i, vector in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

@@ -1,0 +1,155 @@
+"""Embeddings (`hf_paged.pooling`): against Transformers' own hidden states, through `LLM.embed`, and through
+``/v1/embeddings`` on a real server with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_paged import ContinuousBatchGenerator
+from hf_paged.pooling import PoolingConfig, embed
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from hf_paged.server import ServerLimits, create_app  # noqa: E402
+
+MODEL = "smollm2-embed"
+TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "Hi", "A dog slept on the rug."]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    return AutoModelForCausalLM.from_pretrained(smollm2_path, attn_implementation="eager").eval()
+
+
+def expected(reference, ids: list[int], config: PoolingConfig, dimensions: int | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        states = reference.model(torch.tensor([ids])).last_hidden_state[0].float()
+    vector = {"last": states[-1], "mean": states.mean(0), "cls": states[0]}[config.pooling][:dimensions]
+    return torch.nn.functional.normalize(vector, dim=0) if config.normalize else vector
+
+
+@pytest.mark.parametrize("config", [PoolingConfig(), PoolingConfig("mean", False), PoolingConfig("cls", True)],
+                         ids=["last-normalized", "mean", "cls-normalized"])
+def test_pooled_states_are_transformers_own(smollm2, reference, config):
+    """Inputs of one length run as a batch, others alone; each is its own forward's pooled state."""
+    model, tokenizer = smollm2
+    ids = [tokenizer(text).input_ids for text in TEXTS] + [tokenizer(TEXTS[0]).input_ids]
+    vectors = embed(model, ids, config, dimensions=None)
+    for prompt, vector in zip(ids, vectors):
+        torch.testing.assert_close(torch.tensor(vector), expected(reference, prompt, config), atol=2e-5, rtol=1e-4)
+    cut = embed(model, ids[:1], config, dimensions=64)[0]
+    assert len(cut) == 64
+    torch.testing.assert_close(torch.tensor(cut), expected(reference, ids[0], config, 64), atol=2e-5, rtol=1e-4)
+
+
+def test_pooling_follows_the_sentence_transformers_files(tmp_path):
+    assert PoolingConfig.of_model(tmp_path) == PoolingConfig("last", True)  # none: vLLM's default for a causal LM
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    modules = [{"idx": 0, "type": "sentence_transformers.models.Transformer", "path": ""},
+               {"idx": 1, "type": "sentence_transformers.models.Pooling", "path": "1_Pooling"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    assert PoolingConfig.of_model(tmp_path) == PoolingConfig("mean", False)
+    (tmp_path / "modules.json").write_text(json.dumps(modules + [{"type": "sentence_transformers.models.Normalize"}]))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    assert PoolingConfig.of_model(tmp_path) == PoolingConfig("last", True)
+    with pytest.raises(ValueError, match="pooling is one of"):
+        PoolingConfig("max")
+
+
+def test_llm_embed_as_vllms(smollm2_path, smollm2, reference):
+    from hf_paged import LLM
+
+    llm = LLM(smollm2_path, dtype="float32", num_blocks=16)
+    tokenizer = smollm2[1]
+    (one,) = llm.embed(TEXTS[1])
+    assert one.prompt_token_ids == tokenizer(TEXTS[1]).input_ids and one.finished
+    torch.testing.assert_close(torch.tensor(one.outputs.embedding), expected(reference, one.prompt_token_ids,
+                                                                              PoolingConfig()), atol=2e-5, rtol=1e-4)
+    outputs = llm.embed([TEXTS[1], {"prompt_token_ids": one.prompt_token_ids}], dimensions=32)
+    assert [len(o.outputs.embedding) for o in outputs] == [32, 32]
+    assert outputs[0].outputs.embedding == outputs[1].outputs.embedding
+    for prompts, options, words in (([""], {}, "empty"), ([[10 ** 7]], {}, "outside the model's vocabulary"),
+                                    (["x"], {"dimensions": 0}, "dimensions must be 1 to")):
+        with pytest.raises(ValueError, match=words):
+            llm.embed(prompts, **options)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    model, tokenizer = smollm2
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=256)
+    app = create_app(generator, MODEL, limits=ServerLimits(max_embedding_inputs=40))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.05)
+    yield SimpleNamespace(base=base, generator=generator)
+    uv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def test_the_openai_client_gets_the_engines_embeddings(server, smollm2):
+    """The client asks for base64 by default and decodes it; "float" answers lists; both are `embed`'s vectors."""
+    model, tokenizer = smollm2
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=120)
+    answer = client.embeddings.create(model=MODEL, input=TEXTS)
+    ids = [tokenizer(text).input_ids for text in TEXTS]
+    assert [d.index for d in answer.data] == [0, 1, 2, 3] and answer.model == MODEL
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(map(len, ids))
+    mine = embed(model, ids, PoolingConfig())
+    for data, vector in zip(answer.data, mine):
+        torch.testing.assert_close(torch.tensor(data.embedding), torch.tensor(vector), atol=1e-6, rtol=1e-5)
+    floats = httpx.post(f"{server.base}/v1/embeddings", json={"input": ids[1], "encoding_format": "float",
+                                                              "dimensions": 16}, timeout=60).json()
+    assert len(floats["data"]) == 1 and len(floats["data"][0]["embedding"]) == 16
+    assert abs(sum(v * v for v in floats["data"][0]["embedding"]) - 1) < 1e-5
+    cut = client.embeddings.create(model=MODEL, input=[TEXTS[1]], dimensions=16).data[0].embedding
+    torch.testing.assert_close(torch.tensor(cut), torch.tensor(floats["data"][0]["embedding"]), atol=1e-6, rtol=1e-5)
+
+
+def test_embeddings_interleave_with_generation_and_bad_inputs_are_named(server):
+    """A call of many inputs runs a few at a time between engine steps: a stream running beside it finishes too."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        completion = pool.submit(httpx.post, f"{server.base}/v1/completions", json=body, timeout=120)
+        many = pool.submit(httpx.post, f"{server.base}/v1/embeddings",
+                           json={"input": [f"text number {i}" for i in range(40)]}, timeout=120)
+        assert completion.result().status_code == 200 and completion.result().json()["usage"]["completion_tokens"] == 24
+        assert many.result().status_code == 200 and len(many.result().json()["data"]) == 40
+    for payload, param, words in (
+            ({"input": []}, "input", "the input is empty"),
+            ({"input": [""]}, "input", "input 0 is empty"),
+            ({"input": [[1, 2], [10 ** 7]]}, "input", "outside the model's vocabulary"),
+            ({"input": "x", "dimensions": 100000}, "dimensions", "dimensions must be 1 to the model's 576"),
+            ({"input": ["x"] * 41}, "input", "at most 40 inputs in one call"),
+            ({"input": "x", "encoding_format": "int8"}, None, "encoding_format"),
+            ({"input": "x", "model": "other"}, "model", "does not exist")):
+        answer = httpx.post(f"{server.base}/v1/embeddings", json=payload, timeout=60)
+        assert answer.status_code in (400, 404), payload
+        error = answer.json()["error"]
+        assert words in error["message"] and (param is None or error["param"] == param), (payload, error)
+    assert server.generator.stats().num_used_blocks == 0
