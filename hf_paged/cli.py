@@ -147,6 +147,10 @@ def _answer_options(answers: argparse._ArgumentGroup) -> None:
     answers.add_argument("--metrics-prefix", default="hf_paged", choices=("hf_paged", "vllm"),
                          help="/metrics names vLLM's metrics '<prefix>:<name>'; vllm: as vLLM does, for its "
                               "dashboards and for gateways that read them (default: hf_paged)")
+    answers.add_argument("--pooler-config", default=None, metavar="JSON",
+                         help="how /v1/embeddings pools, as vLLM's: '{\"pooling_type\": \"MEAN\", \"normalize\": "
+                              "false}' (LAST, MEAN or CLS; default: the model directory's sentence-transformers files, "
+                              "else LAST, normalized)")
     answers.add_argument("--enable-log-requests", action="store_true",
                          help="log each request's prompt, prompt token ids and sampling parameters when it is queued")
     answers.add_argument("--max-log-len", type=int, default=None, metavar="N",
@@ -156,25 +160,37 @@ def _answer_options(answers: argparse._ArgumentGroup) -> None:
 
 def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """The `ServingOptions` the flags ask for; a bad value exits with code 2."""
+    from .pooling import PoolingConfig
     from .server.options import ServingOptions
 
-    override = {}
-    if args.override_generation_config is not None:
-        try:
-            override = json.loads(args.override_generation_config)
-        except ValueError as err:
-            parser.error(f"--override-generation-config: not JSON: {err}")
-        if not isinstance(override, dict):
-            parser.error("--override-generation-config: a JSON object, e.g. '{\"temperature\": 0.6}'")
+    override = _json_object(parser, "--override-generation-config", args.override_generation_config)
+    pooler = _json_object(parser, "--pooler-config", args.pooler_config)
+    try:
+        pooling = None if args.pooler_config is None else PoolingConfig.from_vllm(pooler)
+    except ValueError as err:
+        parser.error(f"--pooler-config: {err}")
     try:
         return ServingOptions(args.generation_config, override, args.response_role, args.return_tokens_as_token_ids,
                               args.enable_log_requests, args.max_log_len, args.chat_template_content_format,
-                              args.metrics_prefix)
+                              args.metrics_prefix, pooling)
     except (ValueError, TypeError) as err:
         message = str(err).removeprefix("SamplingParams.")
         field = message.split(" ", 1)[0]
         flag = field if field in ("response_role", "max_log_len") else "override_generation_config"
         parser.error(f"--{flag.replace('_', '-')}: {message}")
+
+
+def _json_object(parser: argparse.ArgumentParser, flag: str, given: str | None) -> dict:
+    """A flag's JSON object (empty when not given); anything else exits with code 2."""
+    if given is None:
+        return {}
+    try:
+        value = json.loads(given)
+    except ValueError as err:
+        parser.error(f"{flag}: not JSON: {err}")
+    if not isinstance(value, dict):
+        parser.error(f"{flag}: not a JSON object: {given[:60]}")
+    return value
 
 
 def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
@@ -213,6 +229,12 @@ def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
                       help="weights load as Transformers loads them: safetensors, else PyTorch files (or a GGUF "
                            "file given as the model); dummy: random weights built from the model's config, none read "
                            "(to measure speed and memory; the answers are nonsense)")
+    vllm.add_argument("--runner", choices=("auto", "generate", "pooling"), default="auto",
+                      help="generation and embeddings (/v1/embeddings) are both always served")
+    vllm.add_argument("--task", choices=("auto", "generate", "embed"), default="auto",
+                      help="generation and embeddings are both always served (vLLM's older name of --runner)")
+    vllm.add_argument("--convert", choices=("auto", "none", "embed"), default="auto",
+                      help="a causal LM always serves embeddings too (pooled as --pooler-config says)")
     vllm.add_argument("--max-seq-len-to-capture", type=int, default=None, metavar="N",
                       help="CUDA graphs (on a GPU) capture decode steps of every length up to --max-model-len")
     vllm.add_argument("--distributed-executor-backend", choices=("mp", "uni", "external_launcher", "ray"),

@@ -29,6 +29,21 @@ class PoolingConfig:
             raise ValueError(f"pooling is one of {', '.join(POOLINGS)}, got {self.pooling!r}")
 
     @classmethod
+    def from_vllm(cls, config: dict) -> "PoolingConfig":
+        """vLLM's ``--pooler-config`` (``{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}``); what it
+        leaves out is the default's."""
+        unknown = sorted(set(config) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"pooler config keys are pooling_type and normalize, got {', '.join(map(repr, unknown))}")
+        kind = config.get("pooling_type", "LAST")
+        if not isinstance(kind, str) or kind.lower() not in POOLINGS:
+            raise ValueError(f"pooling_type is one of {', '.join(p.upper() for p in POOLINGS)}, got {kind!r}")
+        normalize = config.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise ValueError(f"normalize is true or false, got {normalize!r}")
+        return cls(kind.lower(), normalize)
+
+    @classmethod
     def of_model(cls, model_dir: str | Path | None) -> "PoolingConfig":
         """The pooling a model directory's sentence-transformers modules ask for, else the default."""
         modules = _read_json(Path(model_dir or ""), "modules.json")

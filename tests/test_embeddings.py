@@ -66,6 +66,24 @@ def test_pooling_follows_the_sentence_transformers_files(tmp_path):
     assert PoolingConfig.of_model(tmp_path) == PoolingConfig("last", True)
     with pytest.raises(ValueError, match="pooling is one of"):
         PoolingConfig("max")
+    assert PoolingConfig.from_vllm({"pooling_type": "MEAN", "normalize": False}) == PoolingConfig("mean", False)
+    assert PoolingConfig.from_vllm({}) == PoolingConfig()
+
+
+def test_the_pooler_config_flag_decides_over_the_model_directory(smollm2, reference):
+    """vLLM's --pooler-config, through the server's options."""
+    from starlette.testclient import TestClient
+
+    from hf_paged.server.options import ServingOptions
+
+    model, tokenizer = smollm2
+    config = PoolingConfig("mean", False)
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL,
+                     options=ServingOptions(pooling=config))
+    with TestClient(app) as client:
+        (data,) = client.post("/v1/embeddings", json={"input": TEXTS[0]}).json()["data"]
+    torch.testing.assert_close(torch.tensor(data["embedding"]),
+                               expected(reference, tokenizer(TEXTS[0]).input_ids, config), atol=2e-5, rtol=1e-4)
 
 
 def test_llm_embed_as_vllms(smollm2_path, smollm2, reference):

@@ -741,7 +741,8 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, c
 
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-prefix-caching",
              "--disable-log-requests", "--pipeline-parallel-size", "1", "-dp", "1", "--tokenizer-mode", "auto",
-             "--load-format", "safetensors", "--max-seq-len-to-capture", "8192", "--distributed-executor-backend", "mp"]
+             "--load-format", "safetensors", "--max-seq-len-to-capture", "8192", "--distributed-executor-backend", "mp",
+             "--runner", "pooling", "--task", "embed", "--convert", "embed"]
     args = build_parser().parse_args(["serve", *flags])
     assert args.enable_prefix_caching
     for parser_name in ("llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml"):
@@ -759,6 +760,9 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, c
                          (["--override-generation-config", "[1]"], "a JSON object"),
                          (["--response-role", ""], "--response-role: response_role must not be empty"),
                          (["--max-log-len", "-1"], "--max-log-len: max_log_len must be at least 0"),
+                         (["--pooler-config", '{"pooling_type": "MAX"}'], "--pooler-config: pooling_type is one of"),
+                         (["--pooler-config", '{"normalise": true}'], "keys are pooling_type and normalize"),
+                         (["--pooler-config", "7"], "--pooler-config: not a JSON object"),
                          (["--revision", "v2"], "is not a hub id"),
                          (["-pp", "2"], "pipeline parallelism is not served"),
                          (["--data-parallel-size", "2"], "serve-ray --num-replicas"),

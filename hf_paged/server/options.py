@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..generation import SamplingParams
+from ..pooling import PoolingConfig
 from .metrics import METRICS_PREFIXES
 
 # A model's generation-config names that stand for what a request leaves out (`SamplingParams.model_defaults`).
@@ -29,6 +30,7 @@ class ServingOptions:
     max_log_len: int | None = None  # characters of a logged prompt, and its token ids (None: all)
     chat_template_content_format: str = "auto"  # messages' content as a string, or as OpenAI's list of parts
     metrics_prefix: str = "hf_paged"  # /metrics names "<prefix>:<vLLM's name>"; "vllm" for vLLM's dashboards
+    pooling: PoolingConfig | None = None  # how /v1/embeddings pools (None: as the model directory says)
 
     def __post_init__(self) -> None:
         if self.generation_config not in ("auto", "vllm"):
@@ -66,6 +68,10 @@ class ServingOptions:
             return self.chat_template_content_format
         templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
         return "openai" if any(_LOOPS_OVER_CONTENT.search(t or "") for t in templates) else "string"
+
+    def pooling_of(self, model) -> PoolingConfig:
+        """How embeddings are pooled: as asked, else as the model directory's sentence-transformers files say."""
+        return self.pooling or PoolingConfig.of_model(getattr(model, "name_or_path", None))
 
     def logged(self, text: str) -> str:
         return text if self.max_log_len is None else text[:self.max_log_len]

@@ -19,7 +19,7 @@ from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded,
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
 from ..reasoning import ReasoningParser
-from ..pooling import PoolingConfig, check_dimensions, embed
+from ..pooling import check_dimensions, embed
 from .embeddings import EMBED_CHUNK, EmbeddingRequest, embedding_response
 from .limits import ServerLimits
 from .middleware import overloaded
@@ -59,7 +59,7 @@ class OpenAIServing:
         if self.sampling_defaults:
             logger.info("sampling settings a request leaves out: %s", self.sampling_defaults)
         self.content_format = options.content_format(generator.tokenizer.chat_template)
-        self.pooling = PoolingConfig.of_model(getattr(generator.model, "name_or_path", None))
+        self.pooling = options.pooling_of(generator.model)
         self.decode = encoder.decoder()
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
