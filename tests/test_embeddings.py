@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -22,6 +19,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from hf_paged.server import ServerLimits, create_app  # noqa: E402
+from live_server import live_server  # noqa: E402
 
 MODEL = "smollm2-embed"
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "Hi", "A dog slept on the rug."]
@@ -106,28 +104,9 @@ def test_llm_embed_as_vllms(smollm2_path, smollm2, reference):
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    model, tokenizer = smollm2
-    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=256)
-    app = create_app(generator, MODEL, limits=ServerLimits(max_embedding_inputs=40))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.05)
-    yield SimpleNamespace(base=base, generator=generator)
-    uv.should_exit = True
-    thread.join(30)
-    sock.close()
+    generator = ContinuousBatchGenerator(*smollm2, num_blocks=256)
+    with live_server(create_app(generator, MODEL, limits=ServerLimits(max_embedding_inputs=40))) as live:
+        yield SimpleNamespace(base=live.base, generator=generator)
 
 
 def test_the_openai_client_gets_the_engines_embeddings(server, smollm2):

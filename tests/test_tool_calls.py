@@ -176,12 +176,7 @@ PIECES = ["Sure.", " ", "\n", "ok", CALL, "<tool_call>", "</tool_call>", '{"name
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from(PIECES), max_size=8), st.integers(1, 9))
 def test_any_text_streams_as_its_whole_answer_reads(pieces, step):
-    text = "".join(pieces)
-    whole_content, whole_calls = ToolCallParser("auto").parse(text)
-    content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
-    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
-        [(c.name, as_json(c.arguments)) for c in whole_calls]
-    assert called == bool(whole_calls) and content == (whole_content or "")
+    assert_streams_as_whole(ToolCallParser("auto"), "".join(pieces), step)
 
 
 def test_a_constrained_array_cut_anywhere_reads_as_its_stream():
@@ -217,6 +212,25 @@ def test_a_tokenizer_response_template_parses_calls(tokenizer, monkeypatch):
     assert content == "Let me look." and called and call["function"]["name"] == "get_weather"
 
 
+def assert_calls_or_content(parser: ToolCallParser, cases: dict[str, list], step: int) -> None:
+    """Each text reads as its expected calls and no content, or (none expected) as all content, streamed or not."""
+    for text, expected in cases.items():
+        content, calls = parser.parse(text)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == expected, text
+        assert content == (None if expected else text), text
+        streamed, deltas, called = stream_all(parser.stream(), text, step)
+        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)] == expected, text
+        assert called == bool(expected) and streamed == (content or ""), text
+
+
+def assert_streams_as_whole(parser: ToolCallParser, text: str, step: int) -> None:
+    whole_content, whole_calls = parser.parse(text)
+    content, deltas, called = stream_all(parser.stream(), text, step)
+    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
+        [(c.name, as_json(c.arguments)) for c in whole_calls]
+    assert called == bool(whole_calls) and content == (whole_content or "")
+
+
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
@@ -245,13 +259,7 @@ def test_calls_written_as_json_objects_are_read_as_llama_3_and_mistral_write_the
         "[]": [],
         "The weather is fine.": [],
     }
-    for text, expected in cases.items():
-        content, calls = parser.parse(text)
-        assert [(c.name, json.loads(c.arguments)) for c in calls] == expected, text
-        assert content == (None if expected else text), text
-        streamed, deltas, called = stream_all(parser.stream(), text, step)
-        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)] == expected, text
-        assert called == bool(expected) and streamed == (content or ""), text
+    assert_calls_or_content(parser, cases, step)
     assert ToolCallParser("auto").parse(LLAMA_CALL) == (LLAMA_CALL, [])  # no tools, no calls to read
 
 
@@ -260,12 +268,7 @@ def test_calls_written_as_json_objects_are_read_as_llama_3_and_mistral_write_the
                                           ': {}}', "[TOOL_CALLS]", "[", "]", ", "]), max_size=6), st.integers(1, 9))
 def test_with_tools_any_text_streams_as_its_whole_answer_reads(pieces, step):
     parser = ToolCallParser("auto", tools=[WEATHER, TIME])
-    text = "".join(pieces)
-    whole_content, whole_calls = parser.parse(text)
-    content, deltas, called = stream_all(parser.stream(), text, step)
-    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
-        [(c.name, as_json(c.arguments)) for c in whole_calls]
-    assert called == bool(whole_calls) and content == (whole_content or "")
+    assert_streams_as_whole(parser, "".join(pieces), step)
 
 
 def test_an_answer_that_cannot_be_calls_streams_as_it_comes():
@@ -346,13 +349,7 @@ def test_pythonic_calls_are_read_as_llama_3_2_and_4_write_them(step):
         "[get_weather] is a tool": [],
         "[]": [],
     }
-    for text, expected in cases.items():
-        content, calls = parser.parse(text)
-        assert [(c.name, json.loads(c.arguments)) for c in calls] == expected, text
-        assert content == (None if expected else text), text
-        streamed, deltas, called = stream_all(parser.stream(), text, step)
-        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(deltas)] == expected, text
-        assert called == bool(expected) and streamed == (content or ""), text
+    assert_calls_or_content(parser, cases, step)
     assert ToolCallParser("auto").parse('[get_time()]') == ('[get_time()]', [])  # no tools, no calls to read
     stream = parser.stream()
     assert [stream.feed(piece)[0] for piece in ("[", "get_", "time", "(")] == ["", "", "", ""]  # held from "["
@@ -364,9 +361,4 @@ def test_pythonic_calls_are_read_as_llama_3_2_and_4_write_them(step):
                 max_size=6), st.integers(1, 9))
 def test_with_tools_xml_and_pythonic_text_streams_as_its_whole_answer_reads(pieces, step):
     parser = ToolCallParser("auto", tools=[WEATHER, TIME, TYPED])
-    text = "".join(pieces)
-    whole_content, whole_calls = parser.parse(text)
-    content, deltas, called = stream_all(parser.stream(), text, step)
-    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
-        [(c.name, as_json(c.arguments)) for c in whole_calls]
-    assert called == bool(whole_calls) and content == (whole_content or "")
+    assert_streams_as_whole(parser, "".join(pieces), step)
