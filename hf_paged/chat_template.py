@@ -53,9 +53,15 @@ def _for_template(message: dict, native: bool) -> dict:
             converted.append({**call, "function": function})
         return {**message, "tool_calls": converted}
     written = "\n".join(_hermes_call(call) for call in calls)
-    content = message.get("content") or ""
     rest = {k: v for k, v in message.items() if k != "tool_calls"}
-    return {**rest, "content": f"{content}\n{written}" if content else written}
+    return {**rest, "content": _appended(message.get("content"), written, "\n")}
+
+
+def _appended(content: str | list[dict] | None, text: str, separator: str) -> str | list[dict]:
+    """Message content (a string, or OpenAI's list of text parts) with ``text`` after it."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": separator + text if content else text}]
+    return f"{content}{separator}{text}" if content else text
 
 
 def _tools_system_text(tools: list[dict]) -> str:
@@ -66,17 +72,22 @@ def _tools_system_text(tools: list[dict]) -> str:
             "one block per call.")
 
 
-def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, options: dict | None = None) -> str:
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, options: dict | None = None,
+                  content_parts: bool = False) -> str:
     """The chat prompt as text, with ``tools`` and any earlier tool calls and results in it; ``options`` go to the
-    template (``add_generation_prompt=False``, ``continue_final_message=True``, its own variables)."""
+    template (``add_generation_prompt=False``, ``continue_final_message=True``, its own variables). With
+    ``content_parts`` the messages' content is OpenAI's list of text parts (what is written into it is a part too)."""
     native = template_takes_tools(tokenizer, (options or {}).get("chat_template"))
     messages = [_for_template(message, native) for message in messages]
     if tools and not native:
         text = _tools_system_text(tools)
         if messages[0].get("role") == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{text}".lstrip()}
+            messages[0] = {**messages[0], "content": _appended(messages[0].get("content"), text, "\n\n")}
         else:
             messages.insert(0, {"role": "system", "content": text})
+    if content_parts:  # what was written as a string (a new system message, calls into empty content) too
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                    else m for m in messages]
     extra = {"tools": tools} if tools and native else {}
     return tokenizer.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **(options or {})},
                                          **extra)

@@ -115,11 +115,10 @@ def resolve_model(name_or_path: str | os.PathLike | None, revision: str | None =
                   cache_dir: str | os.PathLike | None = None) -> str:
     """Map a model argument to a local directory: None (or the default's name) means the embedded default model; a
     hub id (``org/name``) names its copy in the local Hugging Face cache (``cache_dir``, else the default one), at
-    ``revision`` (a branch, tag or commit; else main), if one is there."""
+    ``revision`` (a branch, tag or commit; else main), if one is there. (``revision`` and ``cache_dir`` concern hub
+    ids only: for a local path they are ignored, as vLLM ignores them.)"""
     if name_or_path is not None:
         name_or_path = os.fspath(name_or_path)
-    if revision is not None or cache_dir is not None:
-        return _hub_model(name_or_path, revision, cache_dir)
     if name_or_path is None or name_or_path.lower() in (DEFAULT_MODEL_NAME.lower(), "default", "smollm2"):
         return default_model_path()
     path = Path(name_or_path)
@@ -131,26 +130,15 @@ def resolve_model(name_or_path: str | os.PathLike | None, revision: str | None =
             raise ValueError(f"{name_or_path} holds no config.json but {len(ggufs)} GGUF files: give one of them "
                              f"({', '.join(g.name for g in ggufs[:5])})")
         return gguf_model_path(ggufs[0]) if ggufs else str(name_or_path)
-    cached = _cached_hub_model(name_or_path)
+    cached = _cached_hub_model(name_or_path, revision, cache_dir)
     if cached is not None:
         return cached
+    where = "" if revision is None and cache_dir is None else \
+        f" (at revision {revision or 'main'} in the cache {cache_dir or 'it is usually in'})"
     raise ValueError(
-        f"unknown model {name_or_path!r}: give a local model directory, a .gguf file, a hub id already in the local "
-        f"Hugging Face cache, or nothing for the embedded {DEFAULT_MODEL_NAME} (hf_paged never downloads weights)"
+        f"unknown model {name_or_path!r}{where}: give a local model directory, a .gguf file, a hub id already in the "
+        f"local Hugging Face cache, or nothing for the embedded {DEFAULT_MODEL_NAME} (hf_paged never downloads weights)"
     )
-
-
-def _hub_model(repo_id: str | None, revision: str | None, cache_dir: str | os.PathLike | None) -> str:
-    """A hub id's snapshot at ``revision`` in the cache at ``cache_dir``; anything else is refused by name."""
-    if repo_id is None or Path(repo_id).exists() or repo_id.lower() in (DEFAULT_MODEL_NAME.lower(), "default",
-                                                                         "smollm2"):
-        raise ValueError(f"a revision or a cache directory picks a hub id's snapshot in a local cache; "
-                         f"{repo_id or DEFAULT_MODEL_NAME!r} is not a hub id")
-    cached = _cached_hub_model(repo_id, revision, cache_dir)
-    if cached is None:
-        raise ValueError(f"{repo_id!r} at revision {revision or 'main'} is not in the Hugging Face cache "
-                         f"{cache_dir or '(the default one)'} (hf_paged never downloads weights)")
-    return cached
 
 
 def _cached_hub_model(repo_id: str, revision: str | None = None,

@@ -70,7 +70,7 @@ def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | t
 
 
 def _random_model(path: str, dtype: str | torch.dtype, device: str, trust_remote_code: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if getattr(config, "quantization_config", None) is not None:
@@ -79,6 +79,10 @@ def _random_model(path: str, dtype: str | torch.dtype, device: str, trust_remote
     dtype = getattr(config, "dtype", None) or torch.float32 if dtype == "auto" else dtype
     model = AutoModelForCausalLM.from_config(config, attn_implementation="paged", dtype=dtype,
                                              trust_remote_code=trust_remote_code)
+    try:  # its recommended sampling settings, as a real load has them
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # the directory has none
+        pass
     return model.to(device).eval()
 
 

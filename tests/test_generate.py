@@ -575,6 +575,7 @@ def test_dummy_weights_are_built_from_the_config_and_served(smollm2_path, tmp_pa
     assert model.config._attn_implementation == "paged"
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight.float(), real.model.layers[0].mlp.up_proj.weight)
     assert load_model(smollm2_path, load_format="dummy")[0].dtype == torch.float32  # "auto": the config's
+    assert model.generation_config.to_diff_dict() == real.generation_config.to_diff_dict()  # the directory's
     (out,) = ContinuousBatchGenerator(model, tokenizer, num_blocks=16).run(
         ["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4

@@ -698,12 +698,11 @@ def test_a_hub_id_names_its_copy_in_the_local_cache(smollm2_path, tmp_path, monk
     other = tmp_path / "other"
     shutil.copytree(repo, other / repo.name, symlinks=True)
     assert resolve_model("acme/tiny-chat", cache_dir=other) == str(other / repo.name / "snapshots" / ("0" * 40))
-    for name, options, words in (("acme/tiny-chat", {"revision": "v2"}, "at revision v2 is not in the Hugging Face"),
-                                 ("acme/tiny-chat", {"cache_dir": tmp_path / "none"}, "is not in the Hugging Face"),
-                                 (smollm2_path, {"revision": "v1"}, "is not a hub id"),
-                                 (None, {"cache_dir": other}, "is not a hub id")):
+    for options, words in (({"revision": "v2"}, "'acme/tiny-chat' \\(at revision v2 in the cache it is usually in\\)"),
+                           ({"cache_dir": tmp_path / "none"}, "at revision main in the cache")):
         with pytest.raises(ValueError, match=words):
-            resolve_model(name, **options)
+            resolve_model("acme/tiny-chat", **options)
+    assert resolve_model(smollm2_path, revision="v1", cache_dir=other) == smollm2_path  # local: ignored, as vLLM
 
 
 def test_serve_names_a_port_in_use_before_loading_the_model(smollm2_path, monkeypatch, capsys):
@@ -763,7 +762,6 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, c
                          (["--pooler-config", '{"pooling_type": "MAX"}'], "--pooler-config: pooling_type is one of"),
                          (["--pooler-config", '{"normalise": true}'], "keys are pooling_type and normalize"),
                          (["--pooler-config", "7"], "--pooler-config: not a JSON object"),
-                         (["--revision", "v2"], "is not a hub id"),
                          (["-pp", "2"], "pipeline parallelism is not served"),
                          (["--data-parallel-size", "2"], "serve-ray --num-replicas"),
                          (["--quantization", "awq"], "is not quantized; a checkpoint's own quantization")):
@@ -1057,6 +1055,10 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
     body = {"prompt": "Once upon a time", "ignore_eos": True, "seed": 0}
     with TestClient(apps["auto+"]) as auto, TestClient(apps["vllm+"]) as plain:
         assert auto.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 7
+        # As vLLM's: max_new_tokens bounds every request, not only those that leave max_tokens out.
+        assert auto.post("/v1/completions", json={**body, "max_tokens": 12}).json()["usage"]["completion_tokens"] == 7
+        chat = auto.post("/v1/chat/completions", json={"messages": CHAT, "ignore_eos": True, "max_tokens": 30}).json()
+        assert chat["usage"]["completion_tokens"] == 7
         texts = {auto.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
                  for seed in range(3)}
         assert len(texts) == 1  # top_k=1 still comes from the model's config
@@ -1070,7 +1072,7 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
         assert texts == {greedy}
         assert auto.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 5
         longer = auto.post("/v1/completions", json={**body, "max_tokens": 8, "temperature": 1.0, "top_k": 0})
-        assert longer.json()["usage"]["completion_tokens"] == 8
+        assert longer.json()["usage"]["completion_tokens"] == 5  # the model's max_new_tokens bounds it
         chat = auto.post("/v1/chat/completions", json={"messages": CHAT, "ignore_eos": True})
         assert chat.json()["usage"]["completion_tokens"] == 5
         assert plain.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
@@ -1190,3 +1192,13 @@ def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smol
                 assert tokens == templated(text, add_special_tokens=False).input_ids
             else:  # the template loops over the characters of one string (Jinja trims the newline after a tag)
                 assert templated.decode(tokens) == "user:[][][][][][][][]assistant:"
+                continue
+            # Tools described in the system message and earlier calls written into content are parts too.
+            call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+            messages = [{"role": "system", "content": "Be terse."}, message,
+                        {"role": "assistant", "content": None, "tool_calls": [call]}]
+            tools = [{"type": "function", "function": {"name": "get_time"}}]
+            tokens = client.post("/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]
+            text = templated.decode(tokens)
+            assert text.startswith("system:[Be terse.][\n\nYou can call these functions") and "'type'" not in text
+            assert 'assistant:[<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>]assistant:' in text

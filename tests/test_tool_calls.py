@@ -258,6 +258,7 @@ def test_calls_written_as_json_objects_are_read_as_llama_3_and_mistral_write_the
         '{"type": "other", "name": "get_time", "parameters": {}}': [],
         "[]": [],
         "The weather is fine.": [],
+        ';{"name": "get_time", "parameters": {}}': [],  # a stream does not begin calls with ";"
     }
     assert_calls_or_content(parser, cases, step)
     assert ToolCallParser("auto").parse(LLAMA_CALL) == (LLAMA_CALL, [])  # no tools, no calls to read
@@ -311,6 +312,9 @@ def test_qwen3_coder_calls_are_read_with_values_typed_by_the_tools_schema(step):
         "<tool_call>\n<function=plan>\n<parameter=days>\n2\n<parameter=title>\nx\n</function>\n</tool_call>":
             (None, [("plan", {"days": 2, "title": "x"})]),
         "<tool_call>\n<function=plan>\n<parameter=days>\n7": (None, [("plan", {"days": 7})]),  # cut short
+        # Several functions in one block, as vLLM's qwen3_coder reads them.
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n<function=plan>\n"
+        "</function>\n</tool_call>": (None, [("get_weather", {"city": "Rome"}), ("plan", {})]),
         "<tool_call>\n<function=plan>\njunk\n</function>\n</tool_call>": None,
         "<tool_call>\n<function=plan>\n</function> and more\n</tool_call>": None,
         "<tool_call>\n<function=plan\n</tool_call>": None,
@@ -347,6 +351,9 @@ def test_pythonic_calls_are_read_as_llama_3_2_and_4_write_them(step):
         '[get_weather(city="Paris")] and more': [],
         '[get_weather(city="Paris")': [],  # cut short
         "[get_weather] is a tool": [],
+        # What Python reads as such a list but a stream does not begin as one (comments, parentheses, identifiers
+        # it folds) is content, as the stream sends it.
+        "[(get_time())]": [], "[ # now\n get_time()]": [], "[\\\nget_time()]": [], "[ｇｅｔ_time()]": [],
         "[]": [],
     }
     assert_calls_or_content(parser, cases, step)

@@ -86,7 +86,8 @@ def ingress(engine, config: ServeRayConfig):
     return Ingress.options(max_ongoing_requests=capacity, ray_actor_options={"num_cpus": 0}).bind(
         engine, config.replica.model, config.replica.engine.block_size, config.prefix_affinity,
         api_key=config.replica.api_key, limits=config.replica.limits, cors=bool(config.replica.allowed_origins),
-        trust_remote_code=config.replica.trust_remote_code)
+        trust_remote_code=config.replica.trust_remote_code,
+        content_format=config.replica.options.chat_template_content_format)
 
 
 def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: int) -> None:

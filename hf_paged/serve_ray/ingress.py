@@ -21,6 +21,7 @@ from ..generation.inputs import Prompt, tokenize_prompt
 from ..server.limits import ServerLimits
 from ..server.middleware import Gatekeeper
 from ..server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from ..server.options import content_format as resolved_content_format
 from ..server.responses import ResponsesRequest
 from .affinity import prefix_hashes
 from .asgi import HTTPRequest, HTTPResponseStart
@@ -32,11 +33,11 @@ api = FastAPI(title="hf_paged on Ray Serve")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
-def _prompt(path: str, body: bytes) -> Prompt | None:
+def _prompt(path: str, body: bytes, content_format: str) -> Prompt | None:
     if path in ("/v1/chat/completions", "/v1/responses"):
         chat = ChatCompletionRequest.model_validate_json(body) if path == "/v1/chat/completions" else \
             ResponsesRequest.model_validate_json(body).to_chat()
-        return [m.to_template_dict() for m in chat.messages]
+        return [m.to_template_dict(content_format) for m in chat.messages]
     if path == "/v1/completions":
         prompts = CompletionRequest.model_validate_json(body).prompts()
         return prompts[0] if prompts else None
@@ -81,7 +82,8 @@ class Ingress:
 
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
                  metrics_timeout_s: float = 5.0, api_key: str | tuple[str, ...] | None = None,
-                 limits: ServerLimits | None = None, cors: bool = False, trust_remote_code: bool = False):
+                 limits: ServerLimits | None = None, cors: bool = False, trust_remote_code: bool = False,
+                 content_format: str = "auto"):
         from transformers import AutoTokenizer
 
         # Its checks only: the replicas' apps count the calls. With ``cors``, preflights pass without the key (the
@@ -92,6 +94,7 @@ class Ingress:
         self.stream = engine.options(stream=True)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=trust_remote_code)
         self.tokenizer_lock = threading.Lock()  # prompts are tokenized on worker threads, one at a time
+        self.content_format = resolved_content_format(content_format, self.tokenizer.chat_template)  # the replicas'
         self.block_size = block_size
         self.prefix_affinity = prefix_affinity
         self.metrics_timeout_s = metrics_timeout_s
@@ -148,7 +151,7 @@ class Ingress:
         if not self.prefix_affinity:
             return None
         try:
-            prompt = _prompt(path, body)
+            prompt = _prompt(path, body, self.content_format)
             if prompt is None:
                 return None
             with self.tokenizer_lock:

@@ -62,12 +62,7 @@ class ServingOptions:
         return {**SamplingParams.model_defaults(model), **self.sampling_overrides()}
 
     def content_format(self, chat_template) -> str:
-        """``"string"`` or ``"openai"``: what ``"auto"`` means for ``chat_template`` (a template, or a dict of named
-        ones) is ``"openai"`` when it loops over a message's content."""
-        if self.chat_template_content_format != "auto":
-            return self.chat_template_content_format
-        templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
-        return "openai" if any(_LOOPS_OVER_CONTENT.search(t or "") for t in templates) else "string"
+        return content_format(self.chat_template_content_format, chat_template)
 
     def pooling_of(self, model) -> PoolingConfig:
         """How embeddings are pooled: as asked, else as the model directory's sentence-transformers files say."""
@@ -75,3 +70,12 @@ class ServingOptions:
 
     def logged(self, text: str) -> str:
         return text if self.max_log_len is None else text[:self.max_log_len]
+
+
+def content_format(asked: str, chat_template) -> str:
+    """``"string"`` or ``"openai"``, as ``asked``; ``"auto"`` means ``"openai"`` for a ``chat_template`` (a template,
+    or a dict of named ones) that loops over a message's content."""
+    if asked != "auto":
+        return asked
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    return "openai" if any(_LOOPS_OVER_CONTENT.search(t or "") for t in templates) else "string"

@@ -218,7 +218,9 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         values = {**defaults, **{name: value for name, value in given.items() if value is not None}}
-        values.pop("max_tokens", None)
+        cap = values.pop("max_tokens", None)
+        if cap is not None:  # as vLLM's: a generation config's max_new_tokens bounds every request on the server
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         constraint = self.constraint()
         # The server merges each request's deltas itself (see `engine.RequestStream`).
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,

@@ -251,7 +251,7 @@ class OpenAIServing:
 
         def render() -> tuple[str, list[int]]:
             tokenizer = self.encoder.processor().tokenizer
-            text = render_prompt(tokenizer, messages, body.tools, options)
+            text = render_prompt(tokenizer, messages, body.tools, options, self.content_format == "openai")
             return text, tokenizer(text, add_special_tokens=False).input_ids
 
         try:

@@ -30,10 +30,10 @@ from ..chat_template import CLOSE_TAG, NOT_JSON, OPEN_TAG
 from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 from ..reasoning import partial_tag
 
-# A block ends at its closing tag, where the next block opens, or where the text ends.
-_HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"\s*((?:(?!" + re.escape(OPEN_TAG) + r").)*?)\s*(?:"
+# A block ends at its closing tag, where the next block opens, or where the text ends (its text is the group, stripped:
+# whitespace matched around a lazy group would make a long run of it cost quadratic time).
+_HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"((?:(?!" + re.escape(OPEN_TAG) + r").)*?)(?:"
                           + re.escape(CLOSE_TAG) + r"|(?=" + re.escape(OPEN_TAG) + r")|$)", re.S)
-_SPACED_CALL = re.compile(r"\s*" + _HERMES_CALL.pattern, re.S)
 
 
 @dataclass
@@ -127,7 +127,7 @@ class ToolCallParser:
         if self.response_template is not None:
             return self._parse_with_template(text)
         calls = [call for match in _HERMES_CALL.finditer(text)
-                 if (call := _hermes_block_call(match.group(1), self.functions))]
+                 for call in _hermes_block_calls(match.group(1).strip(), self.functions)]
         if calls:
             return _content_beside(text, self.functions) or None, calls
         calls = _json_object_calls(text, self.functions) or _pythonic_calls(text, self.functions)
@@ -250,8 +250,7 @@ class ToolCallStream:
         if _block_end(self.text, start + len(OPEN_TAG)) < 0 and not final:
             return False  # it may yet turn out to be a call to follow
         block = _HERMES_CALL.match(self.text, start)
-        call = _hermes_block_call(block.group(1), self.parser.functions)
-        if call is not None:
+        for call in _hermes_block_calls(block.group(1).strip(), self.parser.functions):
             self._announce(call, entries)
         self.scan = block.end()
         return True
@@ -340,7 +339,7 @@ def _json_object_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
     """The calls of an answer that is nothing but JSON objects ``{"name": <one of functions>, "parameters" (or
     "arguments"): {...}}``, separated by ``;`` (Llama 3's) or in JSON arrays (Mistral's), or none."""
     text = _without_prefix(text)
-    calls, at = [], _CALL_SEPARATOR.match(text).end()
+    calls, at = [], len(text) - len(text.lstrip())
     while at < len(text) and functions:
         try:
             value, at = _DECODER.raw_decode(text, at)
@@ -360,7 +359,10 @@ def _pythonic_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
     """The calls of an answer that is nothing but a Python list of calls of ``functions`` with literal keyword
     arguments (``[get_weather(city="Paris"), get_time()]``, Llama 3.2's and 4's way), or none."""
     text = _without_prefix(text).removesuffix(_PYTHONIC_END).strip()
-    if not (functions and text.startswith("[") and text.endswith("]")):
+    # As a stream decides it (`_calls_start`): what else Python reads as such a list (comments, parentheses,
+    # identifiers it normalizes) is content.
+    starts = tuple(f"[{name}(" for name in functions)
+    if not ("".join(text[:40 + max(map(len, starts), default=0)].split()).startswith(starts) and text.endswith("]")):
         return []
     try:
         tree = ast.parse(text, mode="eval").body
@@ -393,50 +395,56 @@ def _calls_of(deltas: list[dict]) -> list[ToolCall]:
     return [calls[index] for index in sorted(calls)]
 
 
-def _hermes_block_call(block: str, functions: dict[str, dict]) -> ToolCall | None:
-    """The call a hermes block's text holds, or None: the text read whole as ``{"name": ..., "arguments": ...}``, or
-    read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as JSON; or Qwen3-Coder's
-    XML (`_xml_call`)."""
+def _hermes_block_calls(block: str, functions: dict[str, dict]) -> list[ToolCall]:
+    """The calls a hermes block's text holds (none: it is content): the text read whole as ``{"name": ...,
+    "arguments": ...}``, or read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as
+    JSON; or Qwen3-Coder's XML functions (`_xml_calls`)."""
     try:
         call = json.loads(block)
     except NOT_JSON:
         call = None
     if isinstance(call, dict) and isinstance(call.get("name"), str):
-        return ToolCall.of(call["name"], call.get("arguments", {}))
+        return [ToolCall.of(call["name"], call.get("arguments", {}))]
     header = _JSON_HEADER.match(block)
     name = _json_string(header.group(1)) if header else None
     if name is None:
-        return _xml_call(block, functions)
+        return _xml_calls(block, functions)
     try:
-        return ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])
+        return [ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])]
     except NOT_JSON:  # cut short or malformed: passed on as written, as OpenAI passes on what its model wrote
-        return ToolCall.of(name, block[header.end():])
+        return [ToolCall.of(name, block[header.end():])]
 
 
-_XML_FUNCTION = re.compile(r"<function=([^<>\s]+)>")
+_XML_FUNCTION = re.compile(r"\s*<function=([^<>\s]+)>")
 _XML_PARAMETER = re.compile(r"\s*<parameter=([^<>]+)>")
-_XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
+_XML_VALUE_END = re.compile(r"</parameter>|<parameter=|</function>")  # the first of them ends a value
+_XML_FUNCTION_END = re.compile(r"\s*</function>")
 
 
-def _xml_call(block: str, functions: dict[str, dict]) -> ToolCall | None:
-    """The call in Qwen3-Coder's form, ``<function=NAME>`` then ``<parameter=KEY>\\nvalue\\n</parameter>`` for each
-    argument, then ``</function>`` (a value also ends where the next parameter or the function's end begins; one cut
-    short is taken as written), or None. Values are text, typed by the tool's schema (`_typed_value`)."""
-    function = _XML_FUNCTION.match(block)
-    if function is None:
-        return None
-    name, at = function.group(1), function.end()
-    properties = (functions.get(name) or {}).get("properties")
-    arguments = {}
-    while parameter := _XML_PARAMETER.match(block, at):
-        ends = [i for i in (block.find(end, parameter.end()) for end in _XML_VALUE_ENDS) if i >= 0]
-        at = min(ends, default=len(block))
-        value = block[parameter.end():at].removeprefix("\n").removesuffix("\n")
-        key = parameter.group(1).strip()
-        arguments[key] = _typed_value(value, properties.get(key) if isinstance(properties, dict) else None)
-        at += len("</parameter>") if block.startswith("</parameter>", at) else 0
-    rest = block[at:].strip()
-    return ToolCall.of(name, arguments) if rest in ("", "</function>") else None
+def _xml_calls(block: str, functions: dict[str, dict]) -> list[ToolCall]:
+    """The calls in Qwen3-Coder's form, each ``<function=NAME>`` then ``<parameter=KEY>\\nvalue\\n</parameter>`` for
+    each argument, then ``</function>`` (a value also ends where the next parameter or the function's end begins;
+    one cut short is taken as written), whitespace alone between them; or none. Values are text, typed by the tool's
+    schema (`_typed_value`)."""
+    calls, at = [], 0
+    ends = _XML_VALUE_END.finditer(block)  # read once, in order: the time stays linear in the block's length
+    while function := _XML_FUNCTION.match(block, at):
+        name, at = function.group(1), function.end()
+        properties = (functions.get(name) or {}).get("properties")
+        arguments = {}
+        while parameter := _XML_PARAMETER.match(block, at):
+            end = next((e for e in ends if e.start() >= parameter.end()), None)
+            at = end.start() if end else len(block)
+            value = block[parameter.end():at].removeprefix("\n").removesuffix("\n")
+            key = parameter.group(1).strip()
+            arguments[key] = _typed_value(value, properties.get(key) if isinstance(properties, dict) else None)
+            at += len("</parameter>") if block.startswith("</parameter>", at) else 0
+        calls.append(ToolCall.of(name, arguments))
+        closed = _XML_FUNCTION_END.match(block, at)
+        if closed is None:
+            break
+        at = closed.end()
+    return calls if calls and not block[at:].strip() else []
 
 
 def _typed_value(text: str, schema) -> object:
@@ -461,8 +469,12 @@ def _content_beside(text: str, functions: dict[str, dict], after: bool = False) 
     """The content of an answer with calls, as a stream sends it: ``text`` without its hermes blocks that are calls,
     each with the whitespace before it (other blocks stay), and without whitespace at its end, nor at its start when
     nothing comes before the first block (or, ``after``, when this text follows content already sent)."""
-    content = _SPACED_CALL.sub(lambda m: "" if _hermes_block_call(m.group(1), functions) else m.group(0), text)
-    content = content.rstrip()
+    pieces, at = [], 0
+    for block in _HERMES_CALL.finditer(text):
+        if _hermes_block_calls(block.group(1).strip(), functions):
+            pieces.append(text[at:block.start()].rstrip())
+            at = block.end()
+    content = "".join(pieces + [text[at:]]).rstrip()
     return content if after or text[:text.find(OPEN_TAG)].strip() else content.lstrip()
 
 
