@@ -206,8 +206,10 @@ class EngineLoop:
         self._fail_calls(EngineStopping(reason))
 
     def cut_off(self) -> None:
-        """Fail the requests in flight (`EngineStopping`) while serving goes on: the server stops before they end."""
+        """Fail the requests and calls in flight (`EngineStopping`) while serving goes on: the server stops before
+        they end."""
         self._fail_in_flight(EngineStopping("the server is shutting down"), abort_unrouted=False)
+        self._fail_calls(EngineStopping("the server is shutting down"))
 
     def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]) -> RequestStream:
         """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input,
@@ -254,6 +256,8 @@ class EngineLoop:
         return future
 
     def _run_calls(self) -> None:
+        """The calls queued: one between two steps while requests are in flight (so they keep generating), all of
+        them when none is."""
         while not self._stopping:
             with self._lock:
                 if not self._calls:
@@ -262,8 +266,12 @@ class EngineLoop:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
-                except Exception as err:  # noqa: BLE001 - the caller's to handle
+                except BaseException as err:  # the caller's to handle; what ends the thread ends it after
                     future.set_exception(err)
+                    if not isinstance(err, Exception):
+                        raise
+            if self.generator.has_unfinished_requests():
+                return
 
     def _fail_calls(self, error: EngineError) -> None:
         with self._lock:

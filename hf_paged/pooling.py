@@ -15,8 +15,12 @@ from pathlib import Path
 import torch
 
 POOLINGS = ("last", "mean", "cls")
-# sentence-transformers' Pooling config flags, and what they mean here.
+# sentence-transformers' Pooling config flags, and what they mean here (others, such as max or weighted mean, are not
+# served); with none set, it pools the mean.
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_MODULES = {"Transformer", "Pooling", "Normalize"}  # what the pooled state goes through here
+BATCH_TOKENS = 2048  # most tokens in one forward of several inputs
 
 
 @dataclass(frozen=True)
@@ -45,15 +49,24 @@ class PoolingConfig:
 
     @classmethod
     def of_model(cls, model_dir: str | Path | None) -> "PoolingConfig":
-        """The pooling a model directory's sentence-transformers modules ask for, else the default."""
-        modules = _read_json(Path(model_dir or ""), "modules.json")
+        """The pooling a model directory's sentence-transformers modules ask for, else the default; raises
+        ``ValueError`` for modules or a pooling mode that are not served here (a Dense projection, max pooling)."""
+        modules = _read_json(Path(model_dir), "modules.json") if model_dir else None
         if not isinstance(modules, list):
             return cls()
         types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+        unserved = sorted(set(types) - _MODULES)
+        if unserved:
+            raise ValueError(f"its sentence-transformers modules include {', '.join(unserved)}, which are not served "
+                             "here (only Transformer, Pooling and Normalize)")
         pooling = "last"
         if "Pooling" in types:
             config = _read_json(Path(model_dir) / str(types["Pooling"].get("path", "")), "config.json") or {}
-            pooling = next((mode for flag, mode in _MODES.items() if config.get(flag)), "last")
+            asked = [flag for flag in (*_MODES, *_OTHER_MODES) if config.get(flag)]
+            if len(asked) > 1 or set(asked) & set(_OTHER_MODES):
+                raise ValueError(f"its pooling ({', '.join(asked)}) is not served here: one of last token, mean or "
+                                 "first token")
+            pooling = _MODES[asked[0]] if asked else "mean"
         return cls(pooling, "Normalize" in types)
 
 
@@ -71,27 +84,40 @@ def check_dimensions(model, dimensions: int | None) -> None:
         raise ValueError(f"dimensions must be 1 to the model's {width}, got {dimensions}")
 
 
+def token_batches(prompts: list[list[int]], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
+    """The prompts' indices in order, in runs of at most ``batch_tokens`` tokens (a longer prompt alone)."""
+    batches, tokens = [], batch_tokens
+    for index, prompt in enumerate(prompts):
+        if tokens + len(prompt) > batch_tokens:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(index)
+        tokens += len(prompt)
+    return batches
+
+
 @torch.inference_mode()
 def embed(model, prompts: list[list[int]], config: PoolingConfig, dimensions: int | None = None) -> list[list[float]]:
     """One embedding per prompt (token ids): the base model's last hidden states, pooled, cut to their first
     ``dimensions`` (a Matryoshka embedding's prefix), then normalized if the config says so. Prompts of one length
-    run as one batch."""
+    run as one batch, of at most `BATCH_TOKENS` tokens."""
     by_length: dict[int, list[int]] = {}
     for index, prompt in enumerate(prompts):
         by_length.setdefault(len(prompt), []).append(index)
-    pooled: list[torch.Tensor | None] = [None] * len(prompts)
+    pooled: list[list[float]] = [[]] * len(prompts)
     device = next(model.parameters()).device
-    for indices in by_length.values():
+    batches = [[same[i] for i in run] for same in by_length.values()
+               for run in token_batches([prompts[i] for i in same])]
+    for indices in batches:
         input_ids = torch.tensor([prompts[i] for i in indices], device=device)
-        states = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state.float()
-        vectors = {"last": states[:, -1], "mean": states.mean(dim=1), "cls": states[:, 0]}[config.pooling]
-        for index, vector in zip(indices, vectors):
+        states = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        vectors = {"last": states[:, -1], "mean": states.float().mean(dim=1), "cls": states[:, 0]}[config.pooling]
+        vectors = vectors.float()[:, :dimensions]
+        if config.normalize:
+            vectors = torch.nn.functional.normalize(vectors, dim=-1)
+        for index, vector in zip(indices, vectors.tolist()):
             pooled[index] = vector
-    result = []
-    for vector in pooled:
-        vector = vector[:dimensions] if dimensions is not None else vector
-        result.append((torch.nn.functional.normalize(vector, dim=0) if config.normalize else vector).tolist())
-    return result
+    return pooled
 
 
 @dataclass

@@ -53,6 +53,7 @@ def test_pooled_states_are_transformers_own(smollm2, reference, config):
 
 def test_pooling_follows_the_sentence_transformers_files(tmp_path):
     assert PoolingConfig.of_model(tmp_path) == PoolingConfig("last", True)  # none: vLLM's default for a causal LM
+    assert PoolingConfig.of_model("") == PoolingConfig.of_model(None) == PoolingConfig()  # built from a config
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     modules = [{"idx": 0, "type": "sentence_transformers.models.Transformer", "path": ""},
@@ -62,6 +63,17 @@ def test_pooling_follows_the_sentence_transformers_files(tmp_path):
     (tmp_path / "modules.json").write_text(json.dumps(modules + [{"type": "sentence_transformers.models.Normalize"}]))
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
     assert PoolingConfig.of_model(tmp_path) == PoolingConfig("last", True)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 576}))
+    assert PoolingConfig.of_model(tmp_path) == PoolingConfig("mean", True)  # sentence-transformers' default
+    # What is not served here is refused, not replaced by another pooling.
+    for flags in ({"pooling_mode_max_tokens": True}, {"pooling_mode_weightedmean_tokens": True},
+                  {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(flags))
+        with pytest.raises(ValueError, match="is not served here: one of last token, mean or first token"):
+            PoolingConfig.of_model(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps(modules + [{"type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ValueError, match="include Dense, which are not served"):
+        PoolingConfig.of_model(tmp_path)
     with pytest.raises(ValueError, match="pooling is one of"):
         PoolingConfig("max")
     assert PoolingConfig.from_vllm({"pooling_type": "MEAN", "normalize": False}) == PoolingConfig("mean", False)
@@ -144,9 +156,31 @@ def test_embeddings_interleave_with_generation_and_bad_inputs_are_named(server):
             ({"input": "x", "dimensions": 100000}, "dimensions", "dimensions must be 1 to the model's 576"),
             ({"input": ["x"] * 41}, "input", "at most 40 inputs in one call"),
             ({"input": "x", "encoding_format": "int8"}, None, "encoding_format"),
+            ({"input": "x", "dimensions": True}, None, "dimensions"),
             ({"input": "x", "model": "other"}, "model", "does not exist")):
         answer = httpx.post(f"{server.base}/v1/embeddings", json=payload, timeout=60)
         assert answer.status_code in (400, 404), payload
         error = answer.json()["error"]
         assert words in error["message"] and (param is None or error["param"] == param), (payload, error)
     assert server.generator.stats().num_used_blocks == 0
+
+
+def test_a_model_whose_pooling_is_not_served_still_generates_and_overflow_is_named(smollm2, tmp_path, monkeypatch):
+    """A sentence-transformers Dense module: embeddings are refused by name, generation goes on; an embedding that
+    overflowed its dtype is a 500 that says so (JSON cannot carry NaN)."""
+    from starlette.testclient import TestClient
+
+    model, tokenizer = smollm2
+    (tmp_path / "modules.json").write_text(json.dumps([{"type": "sentence_transformers.models.Dense"}]))
+    monkeypatch.setattr(model, "name_or_path", str(tmp_path), raising=False)
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL)
+    monkeypatch.undo()
+    with TestClient(app) as client:
+        refused = client.post("/v1/embeddings", json={"input": "x"})
+        assert refused.status_code == 400 and "include Dense" in refused.json()["error"]["message"]
+        assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL)
+    monkeypatch.setattr("hf_paged.server.serving.embed", lambda *args: [[float("nan"), 0.0]])
+    with TestClient(app) as client:
+        broken = client.post("/v1/embeddings", json={"input": "x"})
+    assert broken.status_code == 500 and "input 0 is not finite" in broken.json()["error"]["message"]

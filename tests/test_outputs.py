@@ -152,7 +152,7 @@ def test_calls_on_the_engine_thread_run_between_steps_and_fail_when_it_stops(lon
     from hf_paged.engine_loop import EngineLoop, EngineStopping
 
     engine = EngineLoop(long_generator)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     stepping, seen = threading.Event(), []
     step = long_generator.step
 
@@ -169,6 +169,12 @@ def test_calls_on_the_engine_thread_run_between_steps_and_fail_when_it_stops(lon
         for _ in range(20):
             seen.append(engine.call(lambda: (threading.current_thread().name, stepping.is_set())).result(10))
         assert set(seen) == {("hf-paged-engine", False)}
+        steps = []  # while a request generates, one call runs between two steps
+        long_generator.step = lambda: (steps.append(None), watched_step())[1]
+        queued = [engine.call(lambda: len(steps)) for _ in range(4)]
+        counts = [future.result(10) for future in queued]
+        assert all(b > a for a, b in zip(counts, counts[1:])), counts
+        long_generator.step = watched_step
         with pytest.raises(ZeroDivisionError):
             engine.call(lambda: 1 / 0).result(10)
         engine.stop()
@@ -182,6 +188,15 @@ def test_calls_on_the_engine_thread_run_between_steps_and_fail_when_it_stops(lon
         assert blocker.result(10) is True
         with pytest.raises(EngineStopping):
             later.result(10)
+        gate.clear()  # a graceful shutdown's cut-off fails the calls still queued too
+        blocker, later = engine.call(gate.wait), engine.call(lambda: 2)
+        engine.cut_off()
+        gate.set()
+        with pytest.raises(EngineStopping):
+            later.result(10)
+        ended = engine.call(lambda: (_ for _ in ()).throw(SystemExit("boom")))  # ends the thread: its caller knows
+        with pytest.raises(SystemExit):
+            ended.result(10)
     finally:
         long_generator.step = step
         engine.stop()

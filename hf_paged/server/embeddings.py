@@ -1,7 +1,7 @@
 """OpenAI's ``POST /v1/embeddings`` over the served model (`hf_paged.pooling`): its request and its answer.
 
-Inputs are tokenized as completion prompts are; their forwards run on the engine thread between steps, a few inputs
-at a time (`EMBED_CHUNK`), so generation goes on between them.
+Inputs are tokenized as completion prompts are; their forwards run on the engine thread, one call of at most
+`hf_paged.pooling.BATCH_TOKENS` tokens (or one longer input) between two generation steps, so generation goes on.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-EMBED_CHUNK = 16  # inputs per engine-thread call
-
 
 class EmbeddingRequest(BaseModel):
     """Body of ``POST /v1/embeddings``: one input (text or token ids) or a list of them."""
@@ -22,7 +20,7 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: StrictInt | None = Field(default=None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: the last N tokens (-1: all that fit)
 

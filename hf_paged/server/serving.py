@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,8 +20,8 @@ from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded,
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
 from ..reasoning import ReasoningParser
-from ..pooling import check_dimensions, embed
-from .embeddings import EMBED_CHUNK, EmbeddingRequest, embedding_response
+from ..pooling import PoolingConfig, check_dimensions, embed, token_batches
+from .embeddings import EmbeddingRequest, embedding_response
 from .limits import ServerLimits
 from .middleware import overloaded
 from .options import ServingOptions
@@ -59,7 +60,10 @@ class OpenAIServing:
         if self.sampling_defaults:
             logger.info("sampling settings a request leaves out: %s", self.sampling_defaults)
         self.content_format = options.content_format(generator.tokenizer.chat_template)
-        self.pooling = options.pooling_of(generator.model)
+        try:  # how embeddings are pooled, or why they cannot be (generation is served all the same)
+            self.pooling: PoolingConfig | ValueError = options.pooling_of(generator.model)
+        except ValueError as err:
+            self.pooling = err
         self.decode = encoder.decoder()
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -125,10 +129,30 @@ class OpenAIServing:
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """OpenAI's ``/v1/embeddings``: each input's pooled last hidden state (`hf_paged.pooling`), computed on the
-        engine thread between steps, `EMBED_CHUNK` inputs at a time."""
+        engine thread, one call of at most `pooling.BATCH_TOKENS` tokens between two generation steps."""
         self.check_model(body.model)
         if self.generator.lockstep is not None:
             raise APIError(400, "embeddings are not served under tensor parallelism", param="input")
+        if isinstance(self.pooling, ValueError):
+            raise APIError(400, f"embeddings of this model are not served: {self.pooling} (--pooler-config chooses "
+                                "a pooling)", param="model")
+        token_ids = await self.embedding_inputs(body)
+        vectors = []
+        for batch in token_batches(token_ids):
+            if vectors and await request.is_disconnected():
+                return Response(status_code=499)
+            prompts = [token_ids[i] for i in batch]
+            vectors += await self._on_engine(lambda prompts=prompts: embed(self.generator.model, prompts, self.pooling,
+                                                                           body.dimensions))
+        broken = next((i for i, vector in enumerate(vectors) if not all(map(math.isfinite, vector))), None)
+        if broken is not None:
+            raise APIError(500, f"the embedding of input {broken} is not finite: the model's hidden states "
+                                f"overflowed in {self.generator.model.dtype}", "server_error", code=500)
+        answer = embedding_response(vectors, body.encoding_format, self.served_model_name, sum(map(len, token_ids)))
+        return JSONResponse(answer)
+
+    async def embedding_inputs(self, body: EmbeddingRequest) -> list[list[int]]:
+        """The inputs' token ids, checked (a 400 naming the field at fault)."""
         inputs = body.inputs()
         if not inputs:
             raise APIError(400, "the input is empty", param="input")
@@ -146,15 +170,7 @@ class OpenAIServing:
                 self.generator.inputs.check_token_ids(ids)
             except ValueError as err:
                 raise APIError(400, str(err), param="input") from None
-        vectors = []
-        for start in range(0, len(token_ids), EMBED_CHUNK):
-            if start and await request.is_disconnected():
-                return Response(status_code=499)
-            chunk = token_ids[start:start + EMBED_CHUNK]
-            vectors += await self._on_engine(lambda chunk=chunk: embed(self.generator.model, chunk, self.pooling,
-                                                                       body.dimensions))
-        answer = embedding_response(vectors, body.encoding_format, self.served_model_name, sum(map(len, token_ids)))
-        return JSONResponse(answer)
+        return list(token_ids)
 
     async def _on_engine(self, fn):
         """``fn()`` run on the engine thread (`EngineLoop.call`); a failure is a 503 (the engine stopping) or a 500."""
