@@ -120,6 +120,12 @@ class StructuredOutputsParams:
         return isinstance(other, StructuredOutputsParams) and self.key == other.key
 
 
+# A generation config's settings that stand for what a server's request leaves out (vLLM's --generation-config), and
+# the `SamplingParams` field each one is.
+GENERATION_CONFIG_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters of one request, with vLLM's names and meanings.
@@ -270,9 +276,7 @@ class SamplingParams:
         """The sampling settings a model's own generation config recommends, as `SamplingParams` fields (vLLM's
         ``--generation-config auto``): its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens
         (as ``max_tokens``), where it sets them. A server uses them for what a request leaves out."""
-        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-        return {field: getattr(config, name) for name, field in names.items()
+        return {field: getattr(config, name) for name, field in GENERATION_CONFIG_DEFAULTS.items()
                 if config is not None and getattr(config, name, None) is not None}
 
     @classmethod

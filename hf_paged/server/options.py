@@ -9,11 +9,10 @@ import re
 from dataclasses import dataclass, field
 
 from ..generation import SamplingParams
+from ..generation.sampling_params import GENERATION_CONFIG_DEFAULTS
 from ..pooling import PoolingConfig
 from .metrics import METRICS_PREFIXES
 
-# A model's generation-config names that stand for what a request leaves out (`SamplingParams.model_defaults`).
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 CONTENT_FORMATS = ("auto", "string", "openai")
 # A template that loops over a message's content takes it as OpenAI's list of parts.
 _LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
@@ -44,16 +43,15 @@ class ServingOptions:
             raise ValueError("response_role must not be empty")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be at least 0, got {self.max_log_len}")
-        unknown = sorted(set(self.override_generation_config) - set(GENERATION_DEFAULTS))
+        unknown = sorted(set(self.override_generation_config) - set(GENERATION_CONFIG_DEFAULTS))
         if unknown:
             raise ValueError(f"override_generation_config sets {', '.join(map(repr, unknown))}: it takes "
-                             f"{', '.join(GENERATION_DEFAULTS)}")
+                             f"{', '.join(GENERATION_CONFIG_DEFAULTS)}")
         SamplingParams(**self.sampling_overrides())  # a bad value is refused here, not in every request
 
     def sampling_overrides(self) -> dict:
         """``override_generation_config`` as `SamplingParams` fields."""
-        return {"max_tokens" if name == "max_new_tokens" else name: value
-                for name, value in self.override_generation_config.items()}
+        return {GENERATION_CONFIG_DEFAULTS[name]: value for name, value in self.override_generation_config.items()}
 
     def sampling_defaults(self, model_generation_config) -> dict:
         """What a request leaves out of its sampling settings: the model's recommendations (``"auto"``), then the
@@ -68,8 +66,6 @@ class ServingOptions:
         """How embeddings are pooled: as asked, else as the model directory's sentence-transformers files say."""
         return self.pooling or PoolingConfig.of_model(getattr(model, "name_or_path", None))
 
-    def logged(self, text: str) -> str:
-        return text if self.max_log_len is None else text[:self.max_log_len]
 
 
 def content_format(asked: str, chat_template) -> str:

@@ -312,8 +312,8 @@ class OpenAIServing:
         and its sampling parameters."""
         cut = self.options.max_log_len
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
-        logger.info("request %s queued: prompt %r, prompt_token_ids %s, %r", request_id, self.options.logged(text),
-                    token_ids if cut is None else token_ids[:cut], params)
+        logger.info("request %s queued: prompt %r, prompt_token_ids %s, %r", request_id, text[:cut], token_ids[:cut],
+                    params)
 
     async def serve(self, body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
                     prefix: str, prompt_param: str, request: Request) -> Response:
