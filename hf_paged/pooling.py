@@ -84,38 +84,40 @@ def check_dimensions(model, dimensions: int | None) -> None:
         raise ValueError(f"dimensions must be 1 to the model's {width}, got {dimensions}")
 
 
-def token_batches(prompts: list[list[int]], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
-    """The prompts' indices in order, in runs of at most ``batch_tokens`` tokens (a longer prompt alone)."""
-    batches, tokens = [], batch_tokens
-    for index, prompt in enumerate(prompts):
-        if tokens + len(prompt) > batch_tokens:
-            batches.append([])
-            tokens = 0
-        batches[-1].append(index)
-        tokens += len(prompt)
+def padded_batches(lengths: list[int], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:
+    """Prompt indices by length, in batches whose padded size (prompts x the longest) is at most ``batch_tokens``
+    (a longer prompt alone)."""
+    batches: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if batches and (len(batches[-1]) + 1) * lengths[index] <= batch_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
     return batches
 
 
 @torch.inference_mode()
 def embed(model, prompts: list[list[int]], config: PoolingConfig, dimensions: int | None = None) -> list[list[float]]:
     """One embedding per prompt (token ids): the base model's last hidden states, pooled, cut to their first
-    ``dimensions`` (a Matryoshka embedding's prefix), then normalized if the config says so. Prompts of one length
-    run as one batch, of at most `BATCH_TOKENS` tokens."""
-    by_length: dict[int, list[int]] = {}
-    for index, prompt in enumerate(prompts):
-        by_length.setdefault(len(prompt), []).append(index)
+    ``dimensions`` (a Matryoshka embedding's prefix), then normalized if the config says so. Prompts run in
+    `padded_batches`, padded on the right under an attention mask (none where their lengths are equal)."""
     pooled: list[list[float]] = [[]] * len(prompts)
     device = next(model.parameters()).device
-    batches = [[same[i] for i in run] for same in by_length.values()
-               for run in token_batches([prompts[i] for i in same])]
-    for indices in batches:
-        input_ids = torch.tensor([prompts[i] for i in indices], device=device)
-        states = model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
-        vectors = {"last": states[:, -1], "mean": states.float().mean(dim=1), "cls": states[:, 0]}[config.pooling]
-        vectors = vectors.float()[:, :dimensions]
+    lengths = [len(prompt) for prompt in prompts]
+    for batch in padded_batches(lengths):
+        longest = lengths[batch[-1]]
+        sizes = torch.tensor([lengths[i] for i in batch], device=device)
+        input_ids = torch.tensor([prompts[i] + [0] * (longest - lengths[i]) for i in batch], device=device)
+        mask = (torch.arange(longest, device=device) < sizes[:, None]).long()
+        states = model.base_model(input_ids=input_ids, attention_mask=None if bool(mask.all()) else mask,
+                                  use_cache=False).last_hidden_state.float()
+        rows = torch.arange(len(batch), device=device)
+        vectors = {"last": lambda: states[rows, sizes - 1], "cls": lambda: states[:, 0],
+                   "mean": lambda: (states * mask[..., None]).sum(dim=1) / sizes[:, None]}[config.pooling]()
+        vectors = vectors[:, :dimensions]
         if config.normalize:
             vectors = torch.nn.functional.normalize(vectors, dim=-1)
-        for index, vector in zip(indices, vectors.tolist()):
+        for index, vector in zip(batch, vectors.tolist()):
             pooled[index] = vector
     return pooled
 

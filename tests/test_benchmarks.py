@@ -6,6 +6,7 @@ there is no GPU.
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,15 @@ def test_serve_load_smoke_drives_a_real_server(smollm2_path, tmp_path):
         assert 0 < report[mode]["completion_tokens"] <= 5 * 6
         assert report[mode]["tokens_per_s"] > 0 and report[mode]["ttft_p50_s"] > 0
     assert report["http_over_offline"] > 0
+
+
+def test_embeddings_benchmark_compares_with_transformers(smollm2_path):
+    """Both sides embed the same inputs: their vectors agree, and the ratio is printed."""
+    proc = run_script("embeddings.py", "--model", smollm2_path, "--num-inputs", "12", "--max-words", "20", "--rounds",
+                      "1", timeout=300)
+    summary = re.search(r"= ([\d.]+)x; largest vector difference ([\d.e+-]+)", proc.stdout)
+    assert summary, proc.stdout
+    assert float(summary.group(1)) > 0 and float(summary.group(2)) < 1e-4
 
 
 def load_benchmark(name: str):

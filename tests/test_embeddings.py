@@ -51,6 +51,14 @@ def test_pooled_states_are_transformers_own(smollm2, reference, config):
     torch.testing.assert_close(torch.tensor(cut), expected(reference, ids[0], config, 64), atol=2e-5, rtol=1e-4)
 
 
+def test_inputs_run_in_padded_batches_by_length():
+    from hf_paged.pooling import padded_batches
+
+    assert padded_batches([5, 1, 3, 3]) == [[1, 2, 3, 0]]  # by length; 4 x 5 tokens fit
+    assert padded_batches([600, 10, 700, 5000, 650], batch_tokens=2048) == [[1, 0, 4], [2], [3]]  # 4 x 700 would not
+    assert padded_batches([]) == []
+
+
 def test_pooling_follows_the_sentence_transformers_files(tmp_path):
     assert PoolingConfig.of_model(tmp_path) == PoolingConfig("last", True)  # none: vLLM's default for a causal LM
     assert PoolingConfig.of_model("") == PoolingConfig.of_model(None) == PoolingConfig()  # built from a config

@@ -20,7 +20,7 @@ from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded,
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
 from ..reasoning import ReasoningParser
-from ..pooling import PoolingConfig, check_dimensions, embed, token_batches
+from ..pooling import PoolingConfig, check_dimensions, embed, padded_batches
 from .embeddings import EmbeddingRequest, embedding_response
 from .limits import ServerLimits
 from .middleware import overloaded
@@ -129,7 +129,7 @@ class OpenAIServing:
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """OpenAI's ``/v1/embeddings``: each input's pooled last hidden state (`hf_paged.pooling`), computed on the
-        engine thread, one call of at most `pooling.BATCH_TOKENS` tokens between two generation steps."""
+        engine thread, one padded batch of at most `pooling.BATCH_TOKENS` tokens between two generation steps."""
         self.check_model(body.model)
         if self.generator.lockstep is not None:
             raise APIError(400, "embeddings are not served under tensor parallelism", param="input")
@@ -137,13 +137,15 @@ class OpenAIServing:
             raise APIError(400, f"embeddings of this model are not served: {self.pooling} (--pooler-config chooses "
                                 "a pooling)", param="model")
         token_ids = await self.embedding_inputs(body)
-        vectors = []
-        for batch in token_batches(token_ids):
-            if vectors and await request.is_disconnected():
+        vectors: list[list[float]] = [[]] * len(token_ids)
+        for number, batch in enumerate(padded_batches([len(ids) for ids in token_ids])):
+            if number and await request.is_disconnected():
                 return Response(status_code=499)
             prompts = [token_ids[i] for i in batch]
-            vectors += await self._on_engine(lambda prompts=prompts: embed(self.generator.model, prompts, self.pooling,
-                                                                           body.dimensions))
+            done = await self._on_engine(lambda prompts=prompts: embed(self.generator.model, prompts, self.pooling,
+                                                                       body.dimensions))
+            for index, vector in zip(batch, done):
+                vectors[index] = vector
         broken = next((i for i, vector in enumerate(vectors) if not all(map(math.isfinite, vector))), None)
         if broken is not None:
             raise APIError(500, f"the embedding of input {broken} is not finite: the model's hidden states "

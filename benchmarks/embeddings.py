@@ -1,0 +1,88 @@
+"""Embeddings side by side in one process: `hf_paged.pooling.embed` over the engine's model against plain Transformers
+(the same checkpoint under its default attention, sentence-transformers' way: batches of ``--batch-size`` inputs in
+order, padded to the longest, last token pooled and normalized), taking turns over ``--rounds`` rounds on the same
+seeded texts of ``--min-words`` to ``--max-words`` words. Prints input tokens/s per round, the median ratio, and the
+largest difference between the two sides' vectors.
+
+Usage:
+    python benchmarks/embeddings.py --num-inputs 256 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from common import HelpFormatter  # first: it sets up the import path
+
+import torch  # noqa: E402
+
+WORDS = ("the cat sat on a mat while rain fell over quiet hills and rivers ran past old stone bridges near towns where "
+         "people walked slowly home after long days of work in fields and shops").split()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--num-inputs", type=int, default=256)
+    parser.add_argument("--min-words", type=int, default=4)
+    parser.add_argument("--max-words", type=int, default=120)
+    parser.add_argument("--batch-size", type=int, default=32, help="Transformers' batch size")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def transformers_embed(model, tokenizer, texts: list[str], batch_size: int) -> list[list[float]]:
+    vectors = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(texts[start:start + batch_size], padding=True, return_tensors="pt")
+            states = model(**batch).last_hidden_state.float()
+            last = states[torch.arange(len(states)), batch.attention_mask.sum(dim=1) - 1]
+            vectors += torch.nn.functional.normalize(last, dim=-1).tolist()
+    return vectors
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoModel
+
+    from hf_paged import ContinuousBatchGenerator
+    from hf_paged.default_model import resolve_model
+    from hf_paged.loading import load_model
+    from hf_paged.pooling import PoolingConfig, embed
+
+    rng = random.Random(args.seed)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(args.min_words, args.max_words)))
+             for _ in range(args.num_inputs)]
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    ContinuousBatchGenerator(model, tokenizer, num_blocks=16)  # the engine's model, as a server runs it
+    plain = AutoModel.from_pretrained(resolve_model(args.model), dtype=getattr(torch, args.dtype)).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    ids = [tokenizer(text).input_ids for text in texts]
+    tokens = sum(map(len, ids))
+    runs = {"hf_paged": lambda: embed(model, ids, PoolingConfig()),
+            "transformers": lambda: transformers_embed(plain, tokenizer, texts, args.batch_size)}
+    speeds: dict[str, list[float]] = {name: [] for name in runs}
+    results = {}
+    for round_number in range(args.rounds):
+        for name in (list(runs) if round_number % 2 == 0 else list(runs)[::-1]):
+            start = time.perf_counter()
+            results[name] = runs[name]()
+            speeds[name].append(tokens / (time.perf_counter() - start))
+            print(f"round {round_number + 1}: {name}: {speeds[name][-1]:.0f} input tokens/s")
+    gap = max(abs(a - b) for x, y in zip(results["hf_paged"], results["transformers"]) for a, b in zip(x, y))
+    ours, theirs = statistics.median(speeds["hf_paged"]), statistics.median(speeds["transformers"])
+    print(f"\n{args.num_inputs} inputs, {tokens} tokens, {args.dtype}: hf_paged {ours:.0f} vs Transformers "
+          f"{theirs:.0f} input tokens/s (median of {args.rounds}) = {ours / theirs:.2f}x; largest vector difference "
+          f"{gap:.2e}")
+
+
+if __name__ == "__main__":
+    main()
