@@ -192,3 +192,19 @@ def test_a_model_whose_pooling_is_not_served_still_generates_and_overflow_is_nam
     with TestClient(app) as client:
         broken = client.post("/v1/embeddings", json={"input": "x"})
     assert broken.status_code == 500 and "input 0 is not finite" in broken.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen2_moe", "gemma3n", "gpt_oss", "gpt2", "falcon"])
+def test_a_padded_batch_embeds_each_input_as_it_alone(arch):
+    """Each input of a right-padded batch pools what it pools alone, whatever the architecture (sliding windows,
+    sinks, shared KV): the padding comes after it, and the mean and the last token skip it."""
+    from tiny_models import tiny_model
+
+    model, _ = tiny_model(arch)
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,)).tolist() for n in (3, 20, 11, 20, 7)]
+    for config in (PoolingConfig("mean", True), PoolingConfig("last", False)):
+        batched = embed(model, prompts, config)
+        for prompt, vector in zip(prompts, batched):
+            torch.testing.assert_close(torch.tensor(vector), torch.tensor(embed(model, [prompt], config)[0]),
+                                       atol=1e-5, rtol=1e-5)
