@@ -30,8 +30,8 @@ from ..chat_template import CLOSE_TAG, NOT_JSON, OPEN_TAG
 from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 from ..reasoning import partial_tag
 
-# A block ends at its closing tag, where the next block opens, or where the text ends (its text is the group, stripped:
-# whitespace matched around a lazy group would make a long run of it cost quadratic time).
+# A block ends at its closing tag, where the next block opens, or where the text ends (its text is the group, which
+# `_hermes_block_calls` strips: whitespace matched around a lazy group would make a long run of it cost quadratic time).
 _HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"((?:(?!" + re.escape(OPEN_TAG) + r").)*?)(?:"
                           + re.escape(CLOSE_TAG) + r"|(?=" + re.escape(OPEN_TAG) + r")|$)", re.S)
 
@@ -118,7 +118,7 @@ class ToolCallParser:
         self.mode, self.tokenizer, self.prompt, self.tools, self.named = mode, tokenizer, prompt, tools, named
         self.response_template = getattr(tokenizer, "response_template", None) if mode == "auto" else None
         self.functions = tool_functions(tools) if tools and mode == "auto" else {}
-        self.call_starts = _CALL_STARTS + tuple(f"[{name}(" for name in self.functions)
+        self.call_starts = _CALL_STARTS + _pythonic_starts(self.functions)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)``; text that holds no readable call is all content."""
@@ -127,7 +127,7 @@ class ToolCallParser:
         if self.response_template is not None:
             return self._parse_with_template(text)
         calls = [call for match in _HERMES_CALL.finditer(text)
-                 for call in _hermes_block_calls(match.group(1).strip(), self.functions)]
+                 for call in _hermes_block_calls(match.group(1), self.functions)]
         if calls:
             return _content_beside(text, self.functions) or None, calls
         calls = _json_object_calls(text, self.functions) or _pythonic_calls(text, self.functions)
@@ -250,7 +250,7 @@ class ToolCallStream:
         if _block_end(self.text, start + len(OPEN_TAG)) < 0 and not final:
             return False  # it may yet turn out to be a call to follow
         block = _HERMES_CALL.match(self.text, start)
-        for call in _hermes_block_calls(block.group(1).strip(), self.parser.functions):
+        for call in _hermes_block_calls(block.group(1), self.parser.functions):
             self._announce(call, entries)
         self.scan = block.end()
         return True
@@ -355,14 +355,17 @@ def _json_object_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
     return calls
 
 
+def _pythonic_starts(functions: dict[str, dict]) -> tuple[str, ...]:
+    return tuple(f"[{name}(" for name in functions)
+
+
 def _pythonic_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
     """The calls of an answer that is nothing but a Python list of calls of ``functions`` with literal keyword
     arguments (``[get_weather(city="Paris"), get_time()]``, Llama 3.2's and 4's way), or none."""
     text = _without_prefix(text).removesuffix(_PYTHONIC_END).strip()
     # As a stream decides it (`_calls_start`): what else Python reads as such a list (comments, parentheses,
     # identifiers it normalizes) is content.
-    starts = tuple(f"[{name}(" for name in functions)
-    if not ("".join(text[:40 + max(map(len, starts), default=0)].split()).startswith(starts) and text.endswith("]")):
+    if not (functions and _calls_start(text, _pythonic_starts(functions)) and text.endswith("]")):
         return []
     try:
         tree = ast.parse(text, mode="eval").body
@@ -399,6 +402,7 @@ def _hermes_block_calls(block: str, functions: dict[str, dict]) -> list[ToolCall
     """The calls a hermes block's text holds (none: it is content): the text read whole as ``{"name": ...,
     "arguments": ...}``, or read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as
     JSON; or Qwen3-Coder's XML functions (`_xml_calls`)."""
+    block = block.strip()
     try:
         call = json.loads(block)
     except NOT_JSON:
@@ -471,7 +475,7 @@ def _content_beside(text: str, functions: dict[str, dict], after: bool = False) 
     nothing comes before the first block (or, ``after``, when this text follows content already sent)."""
     pieces, at = [], 0
     for block in _HERMES_CALL.finditer(text):
-        if _hermes_block_calls(block.group(1).strip(), functions):
+        if _hermes_block_calls(block.group(1), functions):
             pieces.append(text[at:block.start()].rstrip())
             at = block.end()
     content = "".join(pieces + [text[at:]]).rstrip()
