@@ -28,6 +28,7 @@ from .generation import (  # noqa: E402  (after registration: the generator reli
 
 from .async_llm import AsyncLLM  # noqa: E402
 from .llm import LLM  # noqa: E402
+from .lora import LoRARequest  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "InvalidParameter",
     "LLM",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

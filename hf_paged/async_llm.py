@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 import os
@@ -14,6 +15,7 @@ from .engine_loop import EngineLoop
 from .generation import ContinuousBatchGenerator, RequestOutput, RequestOutputKind, SamplingParams
 from .generation.inputs import Prompt, tokenize_prompt
 from .loading import load_model, resolve_device
+from .lora import LoRARequest
 
 
 class AsyncLLM:
@@ -49,19 +51,23 @@ class AsyncLLM:
         self.engine.start()
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as ``sampling_params.output_kind`` asks (by default each time it grows, with
         everything generated so far); the last has ``finished`` set. A generator closed early (left by ``break``
         and released, or ``aclose()``d) aborts its request, as vLLM's. Raises ``ValueError`` for a prompt or
-        parameters the engine refuses, before anything is yielded."""
+        parameters the engine refuses, before anything is yielded. ``lora_request`` runs it under that LoRA adapter
+        (an engine with ``enable_lora``; `add_lora` loads one ahead of its first request)."""
         params = self.generator.inputs.sampling_params(sampling_params)
         kind = params.output_kind
         deltas = params.replace(output_kind=RequestOutputKind.DELTA)
         # Tokenized here, not under the engine loop's lock (the bad words' tokens are kept in ``deltas``).
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         deltas.bad_words_token_ids(self.tokenizer)
+        if lora_request is not None and lora_request.lora_int_id not in self.generator.list_loras():
+            await self.add_lora(lora_request)  # read off the event loop, not under the engine loop's lock
         stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,
-                                    [request_id or uuid.uuid4().hex])
+                                    [request_id or uuid.uuid4().hex], lora_request)
         so_far: RequestOutput | None = None
         try:
             async for delta in stream:
@@ -80,6 +86,16 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of a list); its `generate` ends with ``finish_reason="abort"``."""
         self.engine.end(request_id)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter (off the event loop), as vLLM's; ``ValueError`` names what does not fit."""
+        return await asyncio.to_thread(self.generator.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.generator.remove_lora(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.generator.list_loras()
 
     async def get_tokenizer(self):
         return self.tokenizer

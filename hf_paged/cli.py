@@ -113,6 +113,10 @@ def _http_options() -> argparse.ArgumentParser:
                           "key); a key given here is visible to other users in `ps`, prefer the file or variable")
     key.add_argument("--api-key-file", default=None,
                      help="read the API key from this file (several: one per line, as llama.cpp reads it)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) served under their own model names, as vLLM's: "
+                             "name=path, or '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (needs "
+                             "--enable-lora; --max-lora-rank above 16 for adapters of a higher rank)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
                              "default model's name)")
@@ -480,18 +484,38 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             sockets.append(_listening_socket(parser, args.host, args.port))
 
+    loras = _lora_modules(parser, args)
     generator = load_generator(parser, args, hold_port)
     if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 serves HTTP
         generator.run_worker()
         return 0
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(parser, args),
-                     options=options)
+    try:
+        app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(parser, args),
+                         options=options, lora_modules=loras)
+    except ValueError as err:  # an adapter that does not fit the model
+        parser.error(f"--lora-modules: {err}")
     scheme = "https" if args.ssl_certfile else "http"
     logging.getLogger("hf_paged").info("serving %r on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)", name, scheme,
                                        args.host, args.port, args.root_path, generator.max_model_len,
                                        generator.stats().num_blocks)
     return serve_until_stopped(GracefulServer(uvicorn.Config(app, **_uvicorn_settings(args))), app, sockets)
+
+
+def _lora_modules(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, str, str | None]]:
+    """``--lora-modules`` as ``(name, path, base model name)``; a bad entry exits with code 2."""
+    from .lora import read_adapter_config
+    from .server.models import parse_lora_module
+
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    try:
+        modules = [parse_lora_module(text) for text in args.lora_modules]
+        for name, path, _ in modules:  # the files' fit to the model is checked once it loads
+            read_adapter_config(path, f"LoRA adapter {name!r} ({path})")
+    except ValueError as err:
+        parser.error(f"--lora-modules: {err}")
+    return modules
 
 
 def _uvicorn_options(serve: argparse.ArgumentParser) -> None:
@@ -670,7 +694,8 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            serving_options(parser, args), args.device, server_limits(parser, args),
-                           tuple(allowed_origins(parser, args)), args.trust_remote_code)
+                           tuple(allowed_origins(parser, args)), args.trust_remote_code,
+                           tuple(_lora_modules(parser, args)))
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

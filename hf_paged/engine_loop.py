@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from .distributed import HEARTBEAT_S, DistributedError
 from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from .generation.inputs import Prompt
+from .lora import LoRARequest
 
 if TYPE_CHECKING:  # the server extra's; the loop itself runs without it (`hf_paged.AsyncLLM`)
     from .server.metrics import ServerMetrics
@@ -211,8 +212,10 @@ class EngineLoop:
         self._fail_in_flight(EngineStopping("the server is shutting down"), abort_unrouted=False)
         self._fail_calls(EngineStopping("the server is shutting down"))
 
-    def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str]) -> RequestStream:
-        """Queue one request per prompt (call from the event loop); raises ``ValueError`` for bad input,
+    def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str],
+               lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue one request per prompt, under the LoRA adapter ``lora_request`` if given (call from the event
+        loop); raises ``ValueError`` for bad input,
         `EngineOverloaded` when the queue is full and `EngineDead` once the engine has stopped for good.
 
         Give token ids: a text prompt would be tokenized here, on the caller's thread, under the engine's lock."""
@@ -234,7 +237,7 @@ class EngineLoop:
                 self._route(request_id, stream, params.n)
             try:
                 for prompt, request_id in zip(prompts, request_ids):
-                    self.generator.add_request(prompt, params, request_id)
+                    self.generator.add_request(prompt, params, request_id, lora_request)
             except BaseException:
                 self._unroute(request_ids)  # queues aborts for the prompts already added
                 raise

@@ -7,6 +7,7 @@ import os
 from .chat_template import TEMPLATE_PARAMETERS, render_prompt
 from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from .loading import load_model, resolve_device
+from .lora import LoRARequest
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, check_dimensions, embed
 
 
@@ -28,21 +29,24 @@ class LLM:
         return self.generator.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """`ContinuousBatchGenerator.run`: strings, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
-        None takes the sampling settings of the model's generation config."""
-        return self.generator.run(prompts, sampling_params, use_tqdm)
+        None takes the sampling settings of the model's generation config. ``lora_request`` (with
+        ``LLM(..., enable_lora=True)``): the LoRA adapter of every prompt, or one (or None) per prompt."""
+        return self.generator.run(prompts, sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to each of a list of them, rendered by the
         tokenizer's chat template with vLLM's options: ``continue_final_message`` (with
         ``add_generation_prompt=False``) continues the last message, ``tools`` (OpenAI's) go into the prompt,
         ``chat_template`` (a Jinja template) replaces the tokenizer's and ``chat_template_kwargs`` are the template's
-        own variables. Tool calls are not parsed (the server does)."""
+        own variables; ``lora_request`` as `generate`'s. Tool calls are not parsed (the server does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message instead of opening a new one: set "
@@ -59,7 +63,7 @@ class LLM:
         texts = [render_prompt(tokenizer, list(conversation), tools, options) for conversation in conversations]
         prompts = [{"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids, "prompt": text}
                    for text in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts, truncate_prompt_tokens: int | None = None,
               dimensions: int | None = None) -> list[EmbeddingRequestOutput]:

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import ray
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
@@ -31,7 +32,8 @@ from hf_paged.serve_ray.affinity import AffinityTable, prefix_hashes
 
 pytestmark = pytest.mark.slow
 
-ENGINE = EngineConfig(num_blocks=256)
+ENGINE = EngineConfig(num_blocks=256, enable_lora=True)
+LORA = "smol-lora"
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "user", "content": "Name three rivers."}]]
 PROMPTS = ["The three primary colors are", "Once upon a time"]
@@ -46,13 +48,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def config(model_path: str, prefix_affinity: bool = True) -> ServeRayConfig:
-    spec = ReplicaSpec(model_path, DEFAULT_MODEL_NAME, dtype="float32", engine=ENGINE)
+def config(model_path: str, prefix_affinity: bool = True, adapter: str | None = None) -> ServeRayConfig:
+    spec = ReplicaSpec(model_path, DEFAULT_MODEL_NAME, dtype="float32", engine=ENGINE,
+                       lora_modules=((LORA, adapter, None),) if adapter else ())
     return ServeRayConfig(spec, num_replicas=2, replica_cpus=1, prefix_affinity=prefix_affinity)
 
 
 @pytest.fixture(scope="module")
-def base(smollm2_path):
+def adapter(smollm2_path, tmp_path_factory) -> str:
+    """A random LoRA adapter of SmolLM2's attention, saved by PEFT."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path_factory.mktemp("adapter"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    tuned = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    with torch.no_grad():
+        for name, parameter in tuned.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    tuned.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(smollm2_path, adapter):
     """A local Ray with the app deployed; the base URL of Serve's HTTP proxy."""
     root = str(Path(hf_paged.__file__).parent.parent)  # replicas import this checkout's hf_paged
     env = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -67,7 +89,7 @@ def base(smollm2_path):
                 serve.shutdown()
                 if attempt == 2:
                     raise
-        serve.run(build_app(config(smollm2_path)), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(config(smollm2_path, adapter=adapter)), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -142,7 +164,7 @@ def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_che
         EngineReplica.func_or_class.check_health(replica(False))
 
 
-def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypatch, capsys):
+def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, adapter, monkeypatch, capsys):
     import hf_paged.serve_ray
     from hf_paged.cli import main
 
@@ -167,6 +189,11 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, monkeypa
             main(["serve-ray", smollm2_path, "--min-replicas", "1", "--max-replicas", "2", option, value])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not deployed[1:]
+    main(["serve-ray", smollm2_path, "--enable-lora", "--lora-modules", f"{LORA}={adapter}"])
+    assert deployed[1][0].replica.lora_modules == ((LORA, adapter, None),)
+    with pytest.raises(SystemExit) as exit_info:  # read before Ray starts, not by every replica
+        main(["serve-ray", smollm2_path, "--enable-lora", "--lora-modules", f"{LORA}={adapter}/missing"])
+    assert exit_info.value.code == 2 and "no adapter_config.json" in capsys.readouterr().err
 
 
 def test_the_ingress_refuses_an_oversized_body_before_reading_it(base):
@@ -191,7 +218,7 @@ def test_openai_client_streams_and_greedy_answers_equal_a_single_server(base, cl
             expected = single.completions.create(prompt=prompt, **greedy).choices[0].text
             stream = client.completions.create(prompt=prompt, stream=True, **greedy)
             assert "".join(c.choices[0].text for c in stream if c.choices) == expected
-    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME, LORA]
     with pytest.raises(openai.BadRequestError, match="temperature"):  # the replica's own validation answers
         client.chat.completions.create(messages=CHATS[0], model=DEFAULT_MODEL_NAME, temperature=-1)
     metrics = totals(base)
@@ -312,3 +339,21 @@ def test_an_ingress_with_a_key_checks_its_limits_and_lets_cors_preflights_throug
         assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
     finally:
         serve.delete("keyed")
+
+
+def test_replicas_serve_a_lora_adapter_by_its_name_as_a_single_server(base, client, smollm2, adapter):
+    """``--lora-modules`` reach every replica. (After the tests that count the replicas' requests.)"""
+    model, tokenizer = smollm2
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, ENGINE), DEFAULT_MODEL_NAME,
+                     lora_modules=[(LORA, adapter)])
+    with TestClient(app) as local:
+        single = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=local)
+        greedy = {"temperature": 0, "max_tokens": 12}
+        for prompt in PROMPTS:
+            expected = single.completions.create(model=LORA, prompt=prompt, **greedy).choices[0].text
+            assert expected != single.completions.create(model=DEFAULT_MODEL_NAME, prompt=prompt,
+                                                         **greedy).choices[0].text
+            answer = client.completions.create(model=LORA, prompt=prompt, **greedy)
+            assert answer.choices[0].text == expected and answer.model == LORA
+    # vLLM's lora_requests_info is the time of its last update: over replicas, the latest, not their sum
+    assert time.time() - 600 < totals(base)["hf_paged:lora_requests_info"] <= time.time() + 1

@@ -117,6 +117,17 @@ def test_embeddings_benchmark_compares_with_transformers(smollm2_path):
     assert float(summary.group(1)) > 0 and float(summary.group(2)) < 1e-4
 
 
+def test_lora_benchmark_compares_with_peft(smollm2_path):
+    """The three sides run the same requests: hf_paged's answers under adapters are PEFT's, and the ratios print."""
+    pytest.importorskip("peft")
+    proc = run_script("lora.py", "--model", smollm2_path, "--num-requests", "4", "--num-adapters", "2", "--base-share",
+                      "3", "--rank", "4", "--max-tokens", "6", "--rounds", "1", timeout=300)
+    summary = re.search(r"hf_paged / peft = ([\d.]+)x, hf_paged / hf_paged base = ([\d.]+)x; (\d+) of 4 answers",
+                        proc.stdout)
+    assert summary, proc.stdout
+    assert float(summary.group(1)) > 0 and float(summary.group(2)) > 0 and int(summary.group(3)) >= 3
+
+
 def load_benchmark(name: str):
     """A benchmark script as a module (its ``common`` helper first, as the script expects); sys.path is restored."""
     saved_path, modules = list(sys.path), {}

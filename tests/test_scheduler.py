@@ -285,3 +285,25 @@ def test_guesses_leave_a_token_for_every_later_sequence():
     out = scheduler.schedule()
     assert dict(zip([s.seq_id for s in out.seqs], out.num_tokens)) == {first.seq_id: 3, second.seq_id: 1}
     assert out.spec_token_ids == {first.seq_id: [7, 8]}
+
+
+def test_max_loras_bounds_the_adapters_running_at_once_and_a_passed_request_keeps_its_place():
+    from types import SimpleNamespace
+
+    scheduler = make_scheduler(max_loras=2)
+    requests = [make_request(f"r{i}", [5, 6, 7], max_tokens=3) for i in range(5)]
+    for request, lora_id in zip(requests, [1, 2, 3, 1, None]):
+        request.lora = None if lora_id is None else SimpleNamespace(request=SimpleNamespace(lora_int_id=lora_id))
+        scheduler.add(request)
+    out, _ = step(scheduler)
+    assert [seq.request.request_id for seq in out.admitted] == ["r0", "r1", "r3", "r4"]
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["r2"]  # adapter 3 waits for a seat
+    admitted_at = {}
+    for number in range(1, 20):
+        if not scheduler.has_work():
+            break
+        out, _ = step(scheduler)
+        admitted_at.update({seq.request.request_id: number for seq in out.admitted})
+        assert len({seq.request.lora_id for seq in scheduler.running} - {None}) <= 2
+    assert admitted_at == {"r2": 3} and all(r.is_finished for r in requests)  # once adapter 1 or 2 has finished
+    assert_no_leak(scheduler)

@@ -185,6 +185,16 @@ class EngineConfig:
         "a thinking model's reasoning (between <think> and </think>) is read apart: the chat reply answers it in "
         "its reasoning and reasoning_content fields, apart from the content, and a structured output starts after "
         f"it (vLLM's; one of {', '.join(PARSERS)}: both read these tags) (default: none)", type_=str)
+    enable_lora: bool = _option(
+        "serve LoRA adapters (vLLM's): a request may name one (LoRARequest; the server's --lora-modules), and one "
+        "step runs requests of several adapters and of none (default: off)", False)
+    max_loras: int = _option("most LoRA adapters among the running requests; a request of another one waits (default: "
+                             "1, vLLM's)", 1)
+    max_lora_rank: int = _option("highest LoRA rank served; an adapter of a higher one is refused (default: 16, "
+                                 "vLLM's)", 16)
+    max_cpu_loras: int | None = _option(
+        "most LoRA adapters kept loaded; loading one more drops the least recently used, read again when next asked "
+        "for (default: --max-loras, as vLLM)")
     seed: int | None = _option(
         "seed of the draws of requests that give no seed of their own (vLLM's): sampled outputs then repeat when "
         "the same requests come in the same order (default: none, different every run)")
@@ -197,10 +207,14 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.kv_cache_memory: {err}") from None
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks", "kv_cache_memory",
+                     "max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
         sizes = [name for name in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization")
                  if getattr(self, name) is not None]
         if len(sizes) > 1:

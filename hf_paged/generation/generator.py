@@ -21,6 +21,7 @@ from ..distributed import (DistributedError, Lockstep, check_engine_config, is_t
                            prepack_sharded_linear_layers, smallest_over_ranks)
 from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
+from ..lora import LoRAAdapters, LoRARequest
 from ..native_decoder import NativeDecoder
 from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, cpu_kv_space
 from .cuda_graphs import decode_graphs
@@ -127,6 +128,7 @@ class ContinuousBatchGenerator:
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
         self._workers_stopped = False
+        self.loras = self._loras(config)
         packed = 0
         try:
             self.runner = self._runner(config, native)
@@ -184,6 +186,13 @@ class ContinuousBatchGenerator:
                              "give the cache more memory (kv_cache_memory, num_blocks) or lower max_model_len")
         return min(limit for limit in (held, asked, context) if limit is not None)
 
+    def _loras(self, config: EngineConfig) -> LoRAAdapters | None:
+        if not config.enable_lora:
+            return None
+        if self.lockstep is not None:
+            raise ValueError("EngineConfig.enable_lora is not supported on a tensor-parallel engine yet")
+        return LoRAAdapters(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+
     def _runner(self, config: EngineConfig, native: NativeDecoder | None) -> ModelRunner:
         runner = ModelRunner(self.model, self.kv_storage, self.kv_manager, native)
         spec = config.speculative_config  # a verifying step holds 1 + k tokens per sequence
@@ -219,13 +228,17 @@ class ContinuousBatchGenerator:
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request; it joins the batch at the next step. Raises ``ValueError`` for bad input."""
+        """Queue a request, under the LoRA adapter ``lora_request`` if given (loaded on first use, as by `add_lora`);
+        it joins the batch at the next step. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params)
         if self.runner.long_rope is not None:
             request.cache_salt = self.runner.long_rope.cache_salt(request.num_prompt_tokens)
+        if lora_request is not None:
+            request.lora = self._lora(lora_request)
+            request.cache_salt = request.lora.cache_salt + (request.cache_salt or b"")
         if request.params.structured_outputs is not None and self.lockstep is not None:
             # Ranks would admit it when their own compile ends, at different steps, and leave lockstep.
             raise InvalidParameter("structured_outputs", "SamplingParams.structured_outputs is not supported on a "
@@ -238,6 +251,28 @@ class ContinuousBatchGenerator:
             self._live_ids.add(request_id)
         self._inbox.put(("add", request))
         return request_id
+
+    def _lora(self, lora_request: LoRARequest):
+        if self.loras is None:
+            raise InvalidParameter("lora_request", "a LoRA adapter was asked for, but the engine serves none: build it "
+                                   "with enable_lora=True (hf-paged serve --enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidParameter("lora_request", f"lora_request must be a LoRARequest, got "
+                                   f"{type(lora_request).__name__}")
+        return self.loras.get(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter now (vLLM's ``add_lora``), so its first request does not wait for it; ``ValueError``
+        names what in it does not fit the model."""
+        self._lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter (requests running under it finish under it); False if none has that id."""
+        return self.loras is not None and self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.loras is None else self.loras.ids()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of a list of them, as vLLM's); its blocks are freed at the next step, which
@@ -413,15 +448,19 @@ class ContinuousBatchGenerator:
             self._live_ids -= request_ids
 
     # ------------------------------------------------------------------------------------- batch interfaces
-    def _submit(self, prompts, sampling_params) -> list[tuple[str | None, RequestOutput | None]]:
+    def _submit(self, prompts, sampling_params, lora_request=None) -> list[tuple[str | None, RequestOutput | None]]:
         """Add every prompt; one refused (a ``ValueError``) gets a failed output. Any other error withdraws the
         prompts added before it and is raised."""
         prompts, per_prompt = one_params_per_prompt(prompts, sampling_params)
+        if not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(lora_request)} LoRA requests for {len(prompts)} prompts")
         submitted = []
         try:
-            for prompt, params in zip(prompts, per_prompt):
+            for prompt, params, lora in zip(prompts, per_prompt, lora_request):
                 try:
-                    submitted.append((self.add_request(prompt, params), None))
+                    submitted.append((self.add_request(prompt, params, lora_request=lora), None))
                 except ValueError as err:
                     failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [],
                                            True, RequestMetrics(time.monotonic()), error=str(err),
@@ -432,25 +471,26 @@ class ContinuousBatchGenerator:
             raise
         return submitted
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[RequestOutput]:
         """Yield each request's outputs as its ``output_kind`` asks (by default cumulative, every time it grows);
         refused prompts come first with ``error`` set."""
-        submitted = self._submit(prompts, sampling_params)
+        submitted = self._submit(prompts, sampling_params, lora_request)
         yield from self._until_finished({rid for rid, _ in submitted if rid is not None}, finished_only=False,
                                         first=[failed for _, failed in submitted if failed is not None])
 
-    def run(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def run(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generate for all ``prompts`` together; outputs come back complete, in input order.
 
         ``sampling_params`` is one `SamplingParams` (or `GenerationConfig`) for all, a list with one per prompt, or
-        None for the sampling settings of the model's generation config. A prompt that cannot be served (empty, too
-        long) gets an output with ``error`` set.
+        None for the sampling settings of the model's generation config; ``lora_request`` likewise one `LoRARequest`
+        for all, a list of one (or None) per prompt, or None. A prompt that cannot be served (empty, too long, an
+        adapter that does not fit) gets an output with ``error`` set.
         """
         if isinstance(sampling_params, (list, tuple)):
             sampling_params = [self.inputs.final_only(p) for p in sampling_params]
         else:
             sampling_params = self.inputs.final_only(sampling_params)
-        submitted = self._submit(prompts, sampling_params)
+        submitted = self._submit(prompts, sampling_params, lora_request)
         results = {rid: None for rid, _ in submitted if rid is not None}
         with tqdm(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:
             bar.update(len(submitted) - len(results))
@@ -518,7 +558,21 @@ class ContinuousBatchGenerator:
             prompt_tokens=self.scheduler.num_prompt_tokens,
             generation_tokens=self.scheduler.num_generated_tokens,
             **self._spec_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.loras is None:
+            return {}
+        scheduler = self.scheduler
+
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.lora.request.lora_name for r in requests if r.lora is not None}))
+
+        return dict(max_loras=self.config.max_loras,
+                    running_lora_adapters=names(seq.request for seq in scheduler.running),
+                    waiting_lora_adapters=names([*(seq.request for seq in scheduler.waiting),
+                                                 *scheduler.compiling.values()]))
 
     def _spec_stats(self) -> dict:
         s = self.speculator

@@ -13,6 +13,7 @@ from ..attention import unpadded_mask
 from ..cache import KVCacheManager, PagedKVStorage, PagedMetadata
 from ..integration import uses_paged_attention
 from ..kernels import cpu_decoder
+from ..lora import LoRAAdapter, LoRAStep
 from ..native_decoder import NativeDecoder
 from .long_rope import LongRope
 from .scheduler import SchedulerOutput
@@ -37,6 +38,7 @@ class StepInputs:
     sample_rows: torch.Tensor
     prompt_lens: torch.Tensor | None = None
     long_rope_rows: torch.Tensor | None = None
+    lora: LoRAStep | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +53,7 @@ class ModelRunner:
     rows: the last token of each sequence that finishes its pending tokens this step (and each speculative guess it
     verifies), then the prompt positions whose logprobs are asked for. Steps of at most ``native.max_tokens`` tokens go through
     the `NativeDecoder` instead, when the model has one; on GPU, decode steps replay CUDA graphs (``graphs``, set by
-    `hf_paged.generation.cuda_graphs.decode_graphs`).
+    `hf_paged.generation.cuda_graphs.decode_graphs`). Steps with LoRA-adapted tokens take neither (`hf_paged.lora`).
     """
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVStorage, kv_manager: KVCacheManager,
@@ -97,12 +99,13 @@ class ModelRunner:
                 sample_rows += range(num_tokens - 1 - len(guesses), num_tokens)
         for seq, first, count in out.prompt_logprob_spans:  # after every sampled row
             sample_rows += range(row_of_first[seq.seq_id] + first, row_of_first[seq.seq_id] + first + count)
-        return self.pack(spans, sample_rows, prompt_lens)
+        return self.pack(spans, sample_rows, prompt_lens, [seq.request.lora for seq in out.seqs])
 
-    def pack(self, spans: list[Span], sample_rows: list[int], prompt_lens: list[int] | None = None) -> StepInputs:
+    def pack(self, spans: list[Span], sample_rows: list[int], prompt_lens: list[int] | None = None,
+             loras: list[LoRAAdapter | None] | None = None) -> StepInputs:
         """The flat inputs of ``spans``: ``(seq_id, first position, tokens)`` each, the sequences' blocks already
         allocated through their last token; ``sample_rows`` index the packed tokens; ``prompt_lens``, if given, the
-        spans' prompt lengths (else taken as 0)."""
+        spans' prompt lengths (else taken as 0); ``loras``, if given, the spans' LoRA adapters (None: none)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -129,6 +132,7 @@ class ModelRunner:
             prompt_lens=None if prompt_lens is None or self.native is None else torch.tensor(prompt_lens,
                                                                                                dtype=torch.int32),
             long_rope_rows=long_rows,
+            lora=LoRAStep.of(loras, query_lens, self.device) if loras else None,
         )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -148,6 +152,9 @@ class ModelRunner:
             return self._run(step)
 
     def _run(self, step: StepInputs) -> torch.Tensor:
+        if step.lora is not None:  # only the model's own forward calls the hooks that add the adapters' products
+            with step.lora.applied(self.model):
+                return self.forward(step)
         if self.native is not None and step.num_tokens <= self.native.max_tokens:
             if self.native.ready():
                 return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..lora import LoRARequest
+
 
 class RequestOutputKind(enum.Enum):
     """What each `RequestOutput` of a request carries (vLLM's names).
@@ -104,6 +106,7 @@ class RequestOutput:
     # prompt is computed (a DELTA request's: in the first such output only).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None  # alongside: each prompt token's rank there (1: the likeliest)
+    lora_request: LoRARequest | None = None  # the adapter it ran under (vLLM's)
 
     def add(self, later: "RequestOutput") -> None:
         """Merge a later ``DELTA`` output of the same request into this one."""

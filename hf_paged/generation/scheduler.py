@@ -183,10 +183,16 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         seats = sum(seq.num_samples for seq in self.running)  # n > 1 forks after the prompt
+        loras = {seq.request.lora_id for seq in self.running} - {None}
+        passed: list[Sequence] = []  # of adapters beyond max_loras: they keep their place for a later step
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + seq.num_samples > self.config.max_num_seqs:
                 break
+            lora = seq.request.lora_id
+            if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
+                passed.append(self.waiting.popleft())
+                continue
             num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
                                                       reuse=not seq.request.scores_prompt)
             n = min(seq.num_tokens - num_cached, budget)
@@ -204,9 +210,12 @@ class Scheduler:
             if seq.index == 0 and seq.request.num_cached_tokens == 0:
                 seq.request.num_cached_tokens = num_cached
             seats += seq.num_samples
+            if lora is not None:
+                loras.add(lora)
             out.admitted.append(seq)
             self._take(out, seq, n, copies)
             budget -= n
+        self.waiting.extendleft(reversed(passed))
 
     def _take(self, out: SchedulerOutput, seq: Sequence, n: int, copies: list[BlockCopy]) -> None:
         """Put ``n`` tokens of ``seq`` in the step, and index the blocks they fill for prefix reuse now, so a later

@@ -11,6 +11,7 @@ from functools import cached_property
 
 import torch
 
+from ..lora import LoRAAdapter
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
@@ -138,6 +139,7 @@ class Request:
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank, alongside
     sent_prompt_logprobs: bool = False
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # ``params.bad_words``, tokenized
+    lora: LoRAAdapter | None = None  # the adapter the request runs under (None: the base model)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -162,6 +164,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def lora_id(self) -> int | None:
+        return None if self.lora is None else self.lora.request.lora_int_id
 
     # What the sampler needs of the request at every step, as tensors made once.
     @cached_property
@@ -209,4 +215,5 @@ class Request:
             error_param=self.error_param,
             prompt_logprobs=prompt_logprobs,
             prompt_ranks=prompt_ranks,
+            lora_request=None if self.lora is None else self.lora.request,
         )

@@ -1,6 +1,6 @@
 """The app's ``/metrics``: every replica's server metrics labelled ``replica="<id>"``, their total labelled
-``replica="all"`` (sums; the mean for fractions such as ``kv_cache_usage_perc``, and the speculation rates from
-the summed counters), and the router's counters. The totals of counters and histograms keep the last values of the
+``replica="all"`` (sums; the mean for fractions such as ``kv_cache_usage_perc``, the speculation rates from the
+summed counters, the latest time of ``lora_requests_info``), and the router's counters. The totals of counters and histograms keep the last values of the
 replicas that no longer answer (replaced, or late), so they never go down, as Prometheus expects of a counter."""
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ RATIOS = {
     "spec_decode_acceptance_rate": ("spec_decode_num_accepted_tokens", "spec_decode_num_draft_tokens", 0.0),
     "spec_decode_mean_accepted_length": ("spec_decode_num_accepted_tokens", "spec_decode_num_drafts", 1.0),
 }
+
+
+# Gauges whose value is a time (the series' labels carry the news): their total is the latest.
+LATEST = {"lora_requests_info"}
 
 
 def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None,
@@ -46,7 +50,9 @@ def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None,
     for name, samples in totals.items():
         prefix, _, short = name.rpartition(":")
         for (sample_name, labels), values in samples.items():
-            if short in RATIOS:
+            if short in LATEST:
+                value = max(values)
+            elif short in RATIOS:
                 above, below, plus = RATIOS[short]
                 value = plus + total(prefix, above) / total(prefix, below) if total(prefix, below) \
                     else sum(values) / len(values)

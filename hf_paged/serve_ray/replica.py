@@ -34,6 +34,7 @@ class ReplicaSpec:
     limits: ServerLimits = field(default_factory=ServerLimits)  # each replica's (the ingress checks the body's too)
     allowed_origins: tuple[str, ...] = ("*",)  # CORS, as `create_app`'s
     trust_remote_code: bool = False  # `loading.load_model`'s
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()  # `create_app`'s: (name, path, base model name)
 
     def load(self):
         """The replica's generator (call on the replica)."""
@@ -52,7 +53,8 @@ class EngineReplica:
 
         self.generator = spec.load()
         self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key, limits=spec.limits,
-                              allowed_origins=list(spec.allowed_origins), options=spec.options)
+                              allowed_origins=list(spec.allowed_origins), options=spec.options,
+                              lora_modules=spec.lora_modules)
         self.app.state.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
 

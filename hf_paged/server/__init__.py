@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over `ContinuousBatchGenerator` (needs the ``server`` extra).
 
-``create_app(generator, served_model_name, api_key=None, limits=None, options=None)`` returns a FastAPI app; run it
-with uvicorn, or use ``hf-paged serve``.
+``create_app(generator, served_model_name, api_key=None, limits=None, options=None, lora_modules=())`` returns a
+FastAPI app; run it with uvicorn, or use ``hf-paged serve``.
 """
 
 from .app import create_app

@@ -14,7 +14,10 @@ where OpenAI leaves room:
   to the rest of the context (``max_model_len`` minus the prompt), as chat models generate until they stop.
   ``max_completion_tokens`` takes precedence over ``max_tokens``. A limit that the prompt leaves no room for in the
   context is a 400 naming both lengths, as vLLM's.
-* ``model`` may be omitted (it then means the served model); any other name than the served one is a 404.
+* ``model`` may be omitted (it then means the served model); a LoRA adapter's name (``lora_modules``, vLLM's
+  ``--lora-modules``) runs the request under that adapter, and ``/v1/models`` lists each with the served model as
+  its parent; any other name is a 404. Where ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true, vLLM's
+  ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` add and drop adapters while serving.
 * ``/v1/completions`` takes a list of prompts too: prompt ``i``'s ``n`` choices get indices ``i*n .. i*n+n-1``.
   With ``echo`` each choice starts with its prompt (and, with ``logprobs``, the prompt tokens' logprobs, the
   first None), streamed in its first chunk. vLLM's ``prompt_logprobs`` (both endpoints, not streamed) answer in
@@ -50,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -59,18 +61,19 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..generation import ContinuousBatchGenerator
+from ..generation import ContinuousBatchGenerator, InvalidParameter
 from ..engine_loop import EngineLoop
 from .embeddings import EmbeddingRequest
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper, RequestIds
+from .models import LoadLoRAAdapterRequest, ServedModels, UnloadLoRAAdapterRequest, runtime_lora_updating
 from .options import ServingOptions
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .responses import ResponsesRequest
@@ -82,13 +85,16 @@ logger = logging.getLogger(__name__)
 
 def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
                api_key: str | Sequence[str] | None = None, limits: ServerLimits | None = None,
-               allowed_origins: Sequence[str] = ("*",), options: ServingOptions | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] = ("*",), options: ServingOptions | None = None,
+               lora_modules: Sequence[tuple[str, str] | tuple[str, str, str | None]] = ()) -> FastAPI:
     """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``, to clients that send
     ``api_key`` (or any of several; None: no key asked) on its ``/v1`` routes; browsers may call
     it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty). ``options`` are vLLM's
     choices of how to answer (`ServingOptions`): by default, as vLLM's ``--generation-config auto``, what a request
     leaves out of the sampling settings the model's generation config recommends is taken from it. With the engine's
-    ``reasoning_parser``, chat replies answer their reasoning apart from their content.
+    ``reasoning_parser``, chat replies answer their reasoning apart from their content. ``lora_modules`` are
+    ``(name, path)`` (or ``(name, path, base_model_name)``) of LoRA adapters served under those names (the engine
+    built with ``enable_lora``); each is loaded now (``ValueError`` names one that does not fit).
 
     The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
     stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
@@ -99,6 +105,8 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
     serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, options)
+    for module in lora_modules:
+        serving.models.add(*module)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -118,9 +126,9 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(RequestIds)  # outermost: refusals carry the id too
     _install_error_handlers(app)
-    card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "hf_paged",
-            "max_model_len": generator.max_model_len}
-    _install_routes(app, serving, card)
+    _install_routes(app, serving)
+    if runtime_lora_updating():
+        _install_lora_routes(app, serving.models)
     return app
 
 
@@ -142,8 +150,8 @@ class GracefulServer(uvicorn.Server):
                 cut.cancel()
 
 
-def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
-    engine, metrics, served_model_name = serving.engine, app.state.metrics, card["id"]
+def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    engine, metrics, max_model_len = serving.engine, app.state.metrics, serving.generator.max_model_len
 
     @app.get("/health")
     @app.head("/health")
@@ -165,14 +173,12 @@ def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": serving.models.cards(max_model_len)}
 
     @app.get("/v1/models/{model:path}")
     async def model_card(model: str) -> dict:
-        if model != served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_name!r}",
-                           param="model", code="model_not_found")
-        return card
+        name = serving.models.name(model)  # a 404 for a name not served
+        return next(card for card in serving.models.cards(max_model_len) if card["id"] == name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -188,6 +194,23 @@ def _install_routes(app: FastAPI, serving: OpenAIServing, card: dict) -> None:
 
     _install_responses_routes(app, serving)
     _install_token_routes(app, serving)
+
+
+def _install_lora_routes(app: FastAPI, models: ServedModels) -> None:
+    """vLLM's runtime adapter updates (where ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        try:  # reading the adapter's files is kept off the event loop
+            await asyncio.to_thread(models.add, body.lora_name, body.lora_path, None, body.load_inplace)
+        except InvalidParameter as err:
+            raise APIError(400, str(err), param=err.param) from err
+        return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        models.remove(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
 
 
 def _install_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -84,6 +84,11 @@ class ServerMetrics:
         self.batch_size = made(Histogram, "num_running_per_step",
                                "Sequences that produced tokens in one step (the decode batch size).",
                                buckets=_BATCH_BUCKETS)
+        # vLLM's, which gateways route LoRA requests by: one series, labelled with the adapters now running and
+        # waiting, set to the time of its last update (the series of earlier labels are removed).
+        self.lora_info = Gauge(f"{prefix}:lora_requests_info", "Running stats on LoRA requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
+        self._lora_labels: tuple[str, str, str] | None = None
         self._last = dict.fromkeys(_COUNTERS, 0)
         self._last_token_time: dict[str, float] = {}  # requests in flight that have tokens: when they last got some
 
@@ -96,6 +101,8 @@ class ServerMetrics:
         if stats.spec_decode_num_drafts:
             self.spec_acceptance.set(stats.spec_decode_acceptance_rate)
             self.spec_length.set(stats.spec_decode_mean_accepted_length)
+        if stats.max_loras:
+            self._observe_loras(stats)
         for name in _COUNTERS:
             value = getattr(stats, name)
             if value > self._last[name]:
@@ -111,6 +118,13 @@ class ServerMetrics:
                 self._observe_tokens(output, now)
             if output.finished:
                 self._observe_finished(output)
+
+    def _observe_loras(self, stats: EngineStats) -> None:
+        labels = (str(stats.max_loras), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
+        if labels != self._lora_labels and self._lora_labels is not None:
+            self.lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def _observe_tokens(self, output: RequestOutput, now: float) -> None:
         last = self._last_token_time.get(output.request_id)

@@ -19,11 +19,13 @@ from ..chat_template import render_prompt
 from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
+from ..lora import LoRARequest
 from ..reasoning import ReasoningParser
 from ..pooling import PoolingConfig, check_dimensions, embed, padded_batches
 from .embeddings import EmbeddingRequest, embedding_response
 from .limits import ServerLimits
 from .middleware import overloaded
+from .models import ServedModels
 from .options import ServingOptions
 from .protocol import (
     APIError,
@@ -55,6 +57,7 @@ class OpenAIServing:
         self.options = options
         self.reasoning = generator.config.reasoning_parser is not None  # chat replies' reasoning answered apart
         self.served_model_name = served_model_name
+        self.models = ServedModels(served_model_name, generator)
         # What a request leaves out of its sampling settings.
         self.sampling_defaults = options.sampling_defaults(getattr(generator.model, "generation_config", None))
         if self.sampling_defaults:
@@ -106,7 +109,7 @@ class OpenAIServing:
             chat = body.to_chat()
         except ValueError as err:
             raise _bad_request(err, "input") from err
-        events = ResponseEvents(body, self.served_model_name)
+        events = ResponseEvents(body, self.models.name(body.model))
         try:
             prompt, fmt, params = await self.chat_call(chat, "input")
             stream = await self.submit(chat, [prompt], params, [events.id], "input")
@@ -125,12 +128,14 @@ class OpenAIServing:
         used = response_usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens,
                               reasoning_tokens)
         items = output_items(message, status)
-        return JSONResponse(body.answer(events.id, events.created, self.served_model_name, status, items, used))
+        return JSONResponse(body.answer(events.id, events.created, events.model, status, items, used))
 
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """OpenAI's ``/v1/embeddings``: each input's pooled last hidden state (`hf_paged.pooling`), computed on the
         engine thread, one padded batch of at most `pooling.BATCH_TOKENS` tokens between two generation steps."""
-        self.check_model(body.model)
+        if self.check_model(body.model) is not None:
+            raise APIError(400, "embeddings are of the served model: LoRA adapters do not apply to them",
+                           param="model")
         if self.generator.lockstep is not None:
             raise APIError(400, "embeddings are not served under tensor parallelism", param="input")
         if isinstance(self.pooling, ValueError):
@@ -221,10 +226,9 @@ class OpenAIServing:
         self.check_model(body.model)
         return {"prompt": await self.encoder.text(body.tokens, "tokens")}
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.served_model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the served model); a 404 for a name not served."""
+        return self.models.lora(model)
 
     def check_request(self, body: GenerationRequest) -> None:
         self.check_model(body.model)
@@ -295,8 +299,15 @@ class OpenAIServing:
             _check_room(body, len(ids), context)
         new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
         self.limits.check_logprob_entries(body, params.n, new_tokens, [len(ids) for ids in token_ids])
+        lora = self.check_model(body.model)
+        if lora is not None and lora.lora_int_id not in self.generator.list_loras():  # dropped since: read it again
+            try:
+                await asyncio.to_thread(self.generator.add_lora, lora)  # off the event loop
+            except ValueError as err:
+                raise APIError(500, f"the adapter {lora.lora_name!r} cannot be loaded again: {err}",
+                               "server_error", code=500) from err
         try:
-            stream = self.engine.submit(list(token_ids), params, request_ids)
+            stream = self.engine.submit(list(token_ids), params, request_ids, lora)
         except ValueError as err:
             raise _bad_request(err, prompt_param) from err
         except EngineOverloaded as err:
@@ -324,7 +335,7 @@ class OpenAIServing:
         engine_id = f"{prefix}-{uuid.uuid4().hex}"  # unique in the engine, whatever ids clients send
         request_ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
         stream = await self.submit(body, prompts, params, request_ids, prompt_param)
-        header = {"id": call_id, "created": int(time.time()), "model": self.served_model_name}
+        header = {"id": call_id, "created": int(time.time()), "model": self.models.name(body.model)}
         fmt.prompt_top, fmt.return_token_ids = body.prompt_logprobs, bool(body.return_token_ids)
         fmt.tokens_as_ids = self.options.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None \
             else body.return_tokens_as_token_ids
