@@ -75,7 +75,7 @@ class LoRARequest:
         return self.lora_path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed as itself: a key of `LoRAStacks`
 class _Layer:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
@@ -222,22 +222,45 @@ def _pattern_value(patterns: dict, name: str, default):
     return default
 
 
+class LoRAStacks:
+    """Each layer's adapters of a mixed step side by side, ``A [sum of ranks, in]`` and ``B [out, sum of ranks]``, so
+    that the layer adds them all in two products; kept across steps (the same adapters usually run together for many
+    steps), the ``size`` most recently used sets."""
+
+    def __init__(self, size: int = 1024):
+        self.size = size
+        self._stacks: OrderedDict[tuple[_Layer, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def get(self, layers: tuple[_Layer, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        stack = self._stacks.get(layers)
+        if stack is None:
+            stack = self._stacks[layers] = (torch.cat([layer.a for layer in layers]),
+                                            torch.cat([layer.b for layer in layers], dim=1))
+            if len(self._stacks) > self.size:
+                self._stacks.popitem(last=False)
+        self._stacks.move_to_end(layers)
+        return stack
+
+
 @dataclass
 class LoRAStep:
     """Which rows of a step's ``num_tokens`` flat tokens each adapter changes: ``(adapter, rows)``, rows None for
     all of them."""
 
     num_tokens: int
-    groups: list[tuple[LoRAAdapter, torch.Tensor | None]] = field(default_factory=list)
+    groups: list[tuple[LoRAAdapter, torch.Tensor | None]]
+    stacks: LoRAStacks = field(default_factory=LoRAStacks)
 
     @classmethod
-    def of(cls, adapters: list[LoRAAdapter | None], lengths: list[int], device: torch.device) -> "LoRAStep | None":
+    def of(cls, adapters: list[LoRAAdapter | None], lengths: list[int], device: torch.device,
+           stacks: LoRAStacks | None = None) -> "LoRAStep | None":
         """The step of spans of ``lengths`` tokens, each of ``adapters[i]`` (None: the base model); None when no
         span has one."""
+        stacks = stacks or LoRAStacks()
         if not any(adapters):
             return None
         if len(set(map(id, adapters))) == 1:
-            return cls(sum(lengths), [(adapters[0], None)])
+            return cls(sum(lengths), [(adapters[0], None)], stacks)
         rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
         start = 0
         for adapter, length in zip(adapters, lengths):
@@ -245,7 +268,7 @@ class LoRAStep:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + length))
             start += length
         return cls(start, [(adapter, torch.tensor(index, dtype=torch.long, device=device))
-                           for adapter, index in rows.values()])
+                           for adapter, index in rows.values()], stacks)
 
     @contextmanager
     def applied(self, model: nn.Module):
@@ -254,13 +277,35 @@ class LoRAStep:
         for adapter, rows in self.groups:
             for name, layer in adapter.layers.items():
                 by_module.setdefault(name, []).append((layer, rows))
-        handles = [model.get_submodule(name).register_forward_hook(_adds(name, parts, self.num_tokens))
+        masks: dict[tuple, torch.Tensor] = {}
+        handles = [model.get_submodule(name).register_forward_hook(self._hook(name, parts, masks))
                    for name, parts in by_module.items()]
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _hook(self, name: str, parts: list[tuple[_Layer, torch.Tensor | None]], masks: dict):
+        if parts[0][1] is None:  # one adapter for every token: as PEFT computes it
+            return _adds_one(parts[0][0])
+        layers = tuple(layer for layer, _ in parts)
+        layout = tuple((id(rows), layer.a.shape[0], layer.scale) for layer, rows in parts)
+        if layout not in masks:
+            masks[layout] = self._mask(parts)
+        return _adds_mixed(name, *self.stacks.get(layers), masks[layout])
+
+    def _mask(self, parts: list[tuple[_Layer, torch.Tensor]]) -> torch.Tensor:
+        """``[tokens, sum of ranks]``: each adapter's scale in its rank's columns of its own tokens' rows, else 0."""
+        first = parts[0][0].a
+        mask = torch.zeros(self.num_tokens, sum(layer.a.shape[0] for layer, _ in parts), dtype=first.dtype,
+                           device=first.device)
+        column = 0
+        for layer, rows in parts:
+            rank = layer.a.shape[0]
+            mask[rows, column:column + rank] = layer.scale
+            column += rank
+        return mask
 
 
 class LoRAAdapters:
@@ -308,23 +353,28 @@ class LoRAAdapters:
             return set(self._loaded)
 
 
-def _adds(name: str, parts: list[tuple[_Layer, torch.Tensor | None]], num_tokens: int):
-    """The forward hook of layer ``name``: each adapter's ``(x A^T) B^T * scale`` added to its rows."""
+def _adds_one(layer: _Layer):
+    """The forward hook that adds one adapter's ``(x A^T) B^T * scale`` to every row."""
+
+    def hook(module, args, output):
+        x = args[0].to(layer.a.dtype)
+        return output + ((x @ layer.a.T) @ layer.b.T * layer.scale).to(output.dtype)
+
+    return hook
+
+
+def _adds_mixed(name: str, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor):
+    """The forward hook that adds each adapter's product to its own tokens' rows: the adapters side by side (``a``,
+    ``b``), each token's product masked to its adapter's columns, scaled (``mask``)."""
 
     def hook(module, args, output):
         x = args[0].reshape(-1, args[0].shape[-1])
-        if x.shape[0] != num_tokens and any(rows is not None for _, rows in parts):
-            raise RuntimeError(f"LoRA: {name} ran on {x.shape[0]} rows of a {num_tokens}-token step (a layer that "
+        if x.shape[0] != mask.shape[0]:
+            raise RuntimeError(f"LoRA: {name} ran on {x.shape[0]} rows of a {mask.shape[0]}-token step (a layer that "
                                "sees a subset of the tokens, such as an expert's), so its adapters' rows are unknown")
-        output = output.contiguous()
-        out = output.view(-1, output.shape[-1])
-        for layer, rows in parts:
-            h = (x if rows is None else x[rows]).to(layer.a.dtype)
-            delta = ((h @ layer.a.T) @ layer.b.T * layer.scale).to(out.dtype)
-            if rows is None:
-                out.add_(delta)
-            else:
-                out.index_add_(0, rows, delta)
-        return output
+        h = torch.mm(x.to(a.dtype), a.T).mul_(mask)
+        if output.dtype == b.dtype:
+            return torch.addmm(output.reshape(-1, output.shape[-1]), h, b.T).view(output.shape)
+        return output + torch.mm(h, b.T).view(output.shape).to(output.dtype)
 
     return hook

@@ -13,7 +13,7 @@ from ..attention import unpadded_mask
 from ..cache import KVCacheManager, PagedKVStorage, PagedMetadata
 from ..integration import uses_paged_attention
 from ..kernels import cpu_decoder
-from ..lora import LoRAAdapter, LoRAStep
+from ..lora import LoRAAdapter, LoRAStacks, LoRAStep
 from ..native_decoder import NativeDecoder
 from .long_rope import LongRope
 from .scheduler import SchedulerOutput
@@ -64,6 +64,7 @@ class ModelRunner:
         self.native = native
         self.graphs: DecodeGraphs | None = None
         self.long_rope = LongRope.for_model(model)
+        self.lora_stacks = LoRAStacks()
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -132,7 +133,7 @@ class ModelRunner:
             prompt_lens=None if prompt_lens is None or self.native is None else torch.tensor(prompt_lens,
                                                                                                dtype=torch.int32),
             long_rope_rows=long_rows,
-            lora=LoRAStep.of(loras, query_lens, self.device) if loras else None,
+            lora=LoRAStep.of(loras, query_lens, self.device, self.lora_stacks) if loras else None,
         )
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
