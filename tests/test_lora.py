@@ -355,3 +355,13 @@ def test_speculation_under_an_adapter_keeps_the_adapters_tokens(smollm2_path, ad
     outputs = generator.run([PROMPTS[2]] * 4, GREEDY, use_tqdm=False, lora_request=[loras.get(n) for n in names])
     assert [o.outputs[0].token_ids for o in outputs] == [expected[n][2] for n in names]
     assert generator.stats().spec_decode_num_draft_tokens > 0
+
+
+def test_an_adapter_loaded_through_transformers_runs_on_every_request(smollm2_path, adapters):
+    """Transformers' own PEFT integration (``model.load_adapter``) wraps the layers: the engine runs them as they are."""
+    paths, expected = adapters
+    model, tokenizer = tiny_model(smollm2_path)
+    model.load_adapter(paths["mlp"])
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
+    outputs = generator.run(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected["mlp"]
