@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
-from common import HelpFormatter  # first: it sets up the import path
+from common import WORDS, HelpFormatter, take_turns  # first: it sets up the import path
 
 import torch  # noqa: E402
 
-WORDS = ("the cat sat on a mat while rain fell over quiet hills and rivers ran past old stone bridges near towns where "
-         "people walked slowly home after long days of work in fields and shops").split()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,14 +66,7 @@ def main(argv=None) -> None:
     tokens = sum(map(len, ids))
     runs = {"hf_paged": lambda: embed(model, ids, PoolingConfig()),
             "transformers": lambda: transformers_embed(plain, tokenizer, texts, args.batch_size)}
-    speeds: dict[str, list[float]] = {name: [] for name in runs}
-    results = {}
-    for round_number in range(args.rounds):
-        for name in (list(runs) if round_number % 2 == 0 else list(runs)[::-1]):
-            start = time.perf_counter()
-            results[name] = runs[name]()
-            speeds[name].append(tokens / (time.perf_counter() - start))
-            print(f"round {round_number + 1}: {name}: {speeds[name][-1]:.0f} input tokens/s")
+    results, speeds = take_turns(runs, args.rounds, tokens, "input tokens/s")
     ours_vectors, their_vectors = torch.tensor(results["hf_paged"]), torch.tensor(results["transformers"])
     gap = (ours_vectors - their_vectors).abs().max().item()
     cosine = torch.nn.functional.cosine_similarity(ours_vectors, their_vectors, dim=-1).min().item()

@@ -22,14 +22,11 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 
-from common import HelpFormatter  # first: it sets up the import path
+from common import WORDS, HelpFormatter, take_turns  # first: it sets up the import path
 
 import torch  # noqa: E402
 
-WORDS = ("the cat sat on a mat while rain fell over quiet hills and rivers ran past old stone bridges near towns where "
-         "people walked slowly home after long days of work in fields and shops").split()
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -117,14 +114,7 @@ def main(argv=None) -> None:
     runs = {"hf_paged": lambda: ours(chosen), "hf_paged base": lambda: ours(None),
             "peft": lambda: peft_generate(tuned, tokenizer, prompts, names, args.max_tokens)}
     tokens = args.num_requests * args.max_tokens
-    speeds: dict[str, list[float]] = {name: [] for name in runs}
-    results = {}
-    for round_number in range(args.rounds):
-        for name in (list(runs) if round_number % 2 == 0 else list(runs)[::-1]):
-            start = time.perf_counter()
-            results[name] = runs[name]()
-            speeds[name].append(tokens / (time.perf_counter() - start))
-            print(f"round {round_number + 1}: {name}: {speeds[name][-1]:.1f} output tokens/s", flush=True)
+    results, speeds = take_turns(runs, args.rounds, tokens, "output tokens/s")
     same = sum(a == b for a, b in zip(results["hf_paged"], results["peft"]))
     median = {name: statistics.median(values) for name, values in speeds.items()}
     print(f"\n{args.num_requests} requests x {args.max_tokens} tokens, {args.num_adapters} adapters of rank "
