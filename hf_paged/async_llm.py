@@ -64,8 +64,8 @@ class AsyncLLM:
         # Tokenized here, not under the engine loop's lock (the bad words' tokens are kept in ``deltas``).
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         deltas.bad_words_token_ids(self.tokenizer)
-        if lora_request is not None and lora_request.lora_int_id not in self.generator.list_loras():
-            await self.add_lora(lora_request)  # read off the event loop, not under the engine loop's lock
+        if lora_request is not None:  # read off the event loop, not under the engine loop's lock
+            lora_request = await asyncio.to_thread(self.generator.load_lora, lora_request)
         stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,
                                     [request_id or uuid.uuid4().hex], lora_request)
         so_far: RequestOutput | None = None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .distributed import HEARTBEAT_S, DistributedError
 from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from .generation.inputs import Prompt
-from .lora import LoRARequest
+from .lora import LoRAAdapter, LoRARequest
 
 if TYPE_CHECKING:  # the server extra's; the loop itself runs without it (`hf_paged.AsyncLLM`)
     from .server.metrics import ServerMetrics
@@ -213,7 +213,7 @@ class EngineLoop:
         self._fail_calls(EngineStopping("the server is shutting down"))
 
     def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str],
-               lora_request: LoRARequest | None = None) -> RequestStream:
+               lora_request: LoRARequest | LoRAAdapter | None = None) -> RequestStream:
         """Queue one request per prompt, under the LoRA adapter ``lora_request`` if given (call from the event
         loop); raises ``ValueError`` for bad input,
         `EngineOverloaded` when the queue is full and `EngineDead` once the engine has stopped for good.

@@ -75,7 +75,7 @@ class LoRARequest:
         return self.lora_path
 
 
-@dataclass(frozen=True, eq=False)  # compared and hashed as itself: a key of `LoRAStacks`
+@dataclass(frozen=True)
 class _Layer:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
@@ -224,22 +224,21 @@ def _pattern_value(patterns: dict, name: str, default):
 
 class LoRAStacks:
     """Each layer's adapters of a mixed step side by side, ``A [sum of ranks, in]`` and ``B [out, sum of ranks]``, so
-    that the layer adds them all in two products; kept across steps (the same adapters usually run together for many
-    steps), the ``size`` most recently used sets."""
+    that the layer adds them all in two products; kept across steps for the ``size`` most recent sets of adapters (the
+    same ones usually run together for many steps), by the adapters' contents, so nothing holds a dropped adapter
+    beyond them."""
 
-    def __init__(self, size: int = 1024):
+    def __init__(self, size: int = 4):
         self.size = size
-        self._stacks: OrderedDict[tuple[_Layer, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._sets: OrderedDict[tuple[bytes, ...], dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
 
-    def get(self, layers: tuple[_Layer, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        stack = self._stacks.get(layers)
-        if stack is None:
-            stack = self._stacks[layers] = (torch.cat([layer.a for layer in layers]),
-                                            torch.cat([layer.b for layer in layers], dim=1))
-            if len(self._stacks) > self.size:
-                self._stacks.popitem(last=False)
-        self._stacks.move_to_end(layers)
-        return stack
+    def of(self, adapters: tuple[bytes, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The stacks of the set of adapters of these digests, by layer name (filled as layers ask)."""
+        stacks = self._sets.setdefault(adapters, {})
+        self._sets.move_to_end(adapters)
+        if len(self._sets) > self.size:
+            self._sets.popitem(last=False)
+        return stacks
 
 
 @dataclass
@@ -267,8 +266,9 @@ class LoRAStep:
             if adapter is not None:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + length))
             start += length
-        return cls(start, [(adapter, torch.tensor(index, dtype=torch.long, device=device))
-                           for adapter, index in rows.values()], stacks)
+        groups = sorted(rows.values(), key=lambda group: group[0].digest)  # the stacks' order, whatever the step's
+        return cls(start, [(adapter, torch.tensor(index, dtype=torch.long, device=device)) for adapter, index in groups],
+                   stacks)
 
     @contextmanager
     def applied(self, model: nn.Module):
@@ -278,7 +278,8 @@ class LoRAStep:
             for name, layer in adapter.layers.items():
                 by_module.setdefault(name, []).append((layer, rows))
         masks: dict[tuple, torch.Tensor] = {}
-        handles = [model.get_submodule(name).register_forward_hook(self._hook(name, parts, masks))
+        stacks = self.stacks.of(tuple(adapter.digest for adapter, _ in self.groups))
+        handles = [model.get_submodule(name).register_forward_hook(self._hook(name, parts, masks, stacks))
                    for name, parts in by_module.items()]
         try:
             yield
@@ -286,20 +287,21 @@ class LoRAStep:
             for handle in handles:
                 handle.remove()
 
-    def _hook(self, name: str, parts: list[tuple[_Layer, torch.Tensor | None]], masks: dict):
+    def _hook(self, name: str, parts: list[tuple[_Layer, torch.Tensor | None]], masks: dict, stacks: dict):
         if parts[0][1] is None:  # one adapter for every token: as PEFT computes it
             return _adds_one(parts[0][0])
-        layers = tuple(layer for layer, _ in parts)
-        layout = tuple((id(rows), layer.a.shape[0], layer.scale) for layer, rows in parts)
+        if name not in stacks:
+            stacks[name] = (torch.cat([layer.a for layer, _ in parts]), torch.cat([layer.b for layer, _ in parts], 1))
+        layout = (parts[0][0].a.device, *((id(rows), layer.a.shape[0], layer.scale) for layer, rows in parts))
         if layout not in masks:
             masks[layout] = self._mask(parts)
-        return _adds_mixed(name, *self.stacks.get(layers), masks[layout])
+        return _adds_mixed(name, *stacks[name], masks[layout])
 
     def _mask(self, parts: list[tuple[_Layer, torch.Tensor]]) -> torch.Tensor:
-        """``[tokens, sum of ranks]``: each adapter's scale in its rank's columns of its own tokens' rows, else 0."""
-        first = parts[0][0].a
-        mask = torch.zeros(self.num_tokens, sum(layer.a.shape[0] for layer, _ in parts), dtype=first.dtype,
-                           device=first.device)
+        """``[tokens, sum of ranks]``, fp32: each adapter's scale in its rank's columns of its own tokens' rows, else
+        0."""
+        mask = torch.zeros(self.num_tokens, sum(layer.a.shape[0] for layer, _ in parts), dtype=torch.float32,
+                           device=parts[0][0].a.device)
         column = 0
         for layer, rows in parts:
             rank = layer.a.shape[0]
@@ -372,7 +374,7 @@ def _adds_mixed(name: str, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor)
         if x.shape[0] != mask.shape[0]:
             raise RuntimeError(f"LoRA: {name} ran on {x.shape[0]} rows of a {mask.shape[0]}-token step (a layer that "
                                "sees a subset of the tokens, such as an expert's), so its adapters' rows are unknown")
-        h = torch.mm(x.to(a.dtype), a.T).mul_(mask)
+        h = torch.mm(x.to(a.dtype), a.T).float().mul_(mask).to(b.dtype)  # the scale rounded once, as PEFT's
         if output.dtype == b.dtype:
             return torch.addmm(output.reshape(-1, output.shape[-1]), h, b.T).view(output.shape)
         return output + torch.mm(h, b.T).view(output.shape).to(output.dtype)

@@ -365,3 +365,14 @@ def test_an_adapter_loaded_through_transformers_runs_on_every_request(smollm2_pa
     generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
     outputs = generator.run(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected["mlp"]
+
+
+def test_stacks_are_kept_for_the_most_recent_sets_of_adapters_only():
+    from hf_paged.lora import LoRAStacks
+
+    stacks = LoRAStacks(size=2)
+    stacks.of((b"a", b"b"))["layer"] = "kept"
+    stacks.of((b"c",))
+    assert stacks.of((b"a", b"b")) == {"layer": "kept"}  # used again: the most recent
+    stacks.of((b"d",))  # a third set drops the least recent, (c,)
+    assert stacks.of((b"a", b"b")) == {"layer": "kept"} and stacks.of((b"c",)) == {}

@@ -21,7 +21,7 @@ from ..distributed import (DistributedError, Lockstep, check_engine_config, is_t
                            prepack_sharded_linear_layers, smallest_over_ranks)
 from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
-from ..lora import LoRAAdapters, LoRARequest
+from ..lora import LoRAAdapter, LoRAAdapters, LoRARequest
 from ..native_decoder import NativeDecoder
 from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, cpu_kv_space
 from .cuda_graphs import decode_graphs
@@ -228,16 +228,17 @@ class ContinuousBatchGenerator:
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
-        request_id: str | None = None, lora_request: LoRARequest | None = None,
+        request_id: str | None = None, lora_request: LoRARequest | LoRAAdapter | None = None,
     ) -> str:
-        """Queue a request, under the LoRA adapter ``lora_request`` if given (loaded on first use, as by `add_lora`);
-        it joins the batch at the next step. Raises ``ValueError`` for bad input."""
+        """Queue a request, under the LoRA adapter ``lora_request`` if given (loaded on first use, as by `load_lora`,
+        or the adapter `load_lora` returned); it joins the batch at the next step. Raises ``ValueError`` for bad
+        input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params)
         if self.runner.long_rope is not None:
             request.cache_salt = self.runner.long_rope.cache_salt(request.num_prompt_tokens)
         if lora_request is not None:
-            request.lora = self._lora(lora_request)
+            request.lora = self.load_lora(lora_request)
             request.cache_salt = request.lora.cache_salt + (request.cache_salt or b"")
         if request.params.structured_outputs is not None and self.lockstep is not None:
             # Ranks would admit it when their own compile ends, at different steps, and leave lockstep.
@@ -252,10 +253,15 @@ class ContinuousBatchGenerator:
         self._inbox.put(("add", request))
         return request_id
 
-    def _lora(self, lora_request: LoRARequest):
+    def load_lora(self, lora_request: LoRARequest | LoRAAdapter) -> LoRAAdapter:
+        """The loaded adapter of ``lora_request``, read now if need be; ``ValueError`` names what in it does not fit
+        the model. A caller that must not read files on its own thread loads here from another and queues requests
+        with the adapter returned, which stays loaded for them whatever is dropped meanwhile."""
         if self.loras is None:
             raise InvalidParameter("lora_request", "a LoRA adapter was asked for, but the engine serves none: build it "
                                    "with enable_lora=True (hf-paged serve --enable-lora)")
+        if isinstance(lora_request, LoRAAdapter):
+            return lora_request
         if not isinstance(lora_request, LoRARequest):
             raise InvalidParameter("lora_request", f"lora_request must be a LoRARequest, got "
                                    f"{type(lora_request).__name__}")
@@ -264,7 +270,7 @@ class ContinuousBatchGenerator:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load a LoRA adapter now (vLLM's ``add_lora``), so its first request does not wait for it; ``ValueError``
         names what in it does not fit the model."""
-        self._lora(lora_request)
+        self.load_lora(lora_request)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -80,7 +80,8 @@ class ServedModels:
         except ValueError as err:
             raise InvalidParameter("lora_path", str(err)) from err
         with self._lock:
-            if name in self._loras and not replace:  # loaded meanwhile by another call
+            if name in self._loras and not replace:  # loaded meanwhile by another call: this load is dropped
+                self.generator.remove_lora(lora.lora_int_id)
                 raise InvalidParameter("lora_name", f"the model name {name!r} is taken already")
             replaced = self._loras.get(name)
             self._loras = {**self._loras, name: lora}

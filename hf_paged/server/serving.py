@@ -300,9 +300,9 @@ class OpenAIServing:
         new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
         self.limits.check_logprob_entries(body, params.n, new_tokens, [len(ids) for ids in token_ids])
         lora = self.check_model(body.model)
-        if lora is not None and lora.lora_int_id not in self.generator.list_loras():  # dropped since: read it again
+        if lora is not None:  # read off the event loop if it was dropped since (--max-cpu-loras)
             try:
-                await asyncio.to_thread(self.generator.add_lora, lora)  # off the event loop
+                lora = await asyncio.to_thread(self.generator.load_lora, lora)
             except ValueError as err:
                 raise APIError(500, f"the adapter {lora.lora_name!r} cannot be loaded again: {err}",
                                "server_error", code=500) from err
