@@ -376,3 +376,11 @@ def test_stacks_are_kept_for_the_most_recent_sets_of_adapters_only():
     assert stacks.of((b"a", b"b")) == {"layer": "kept"}  # used again: the most recent
     stacks.of((b"d",))  # a third set drops the least recent, (c,)
     assert stacks.of((b"a", b"b")) == {"layer": "kept"} and stacks.of((b"c",)) == {}
+
+
+def test_peft_over_a_paged_model_generates_as_over_sdpa(smollm2_path, adapters):
+    """Plain ``generate`` keeps working under PEFT's own wrapper (its LoRA layers around the paged model's)."""
+    paths, expected = adapters
+    model, _ = tiny_model(smollm2_path)
+    adapted = peft.PeftModel.from_pretrained(model, paths["all"])
+    assert [_greedy(adapted, p) for p in PROMPTS] == expected["all"]
