@@ -171,8 +171,7 @@ class EngineConfig:
         "do not reuse the KV of prompt prefixes shared between requests", True, flag="--no-prefix-caching")
     prepack_weights: bool = _option(
         "on CPU, run linear layers through plain torch instead of oneDNN with weights packed once (packing is "
-        "faster and costs the linear weights' memory once more; layers the native decoder covers are not packed, "
-        "unless LoRA is enabled)",
+        "faster and costs the linear weights' memory once more; layers the native decoder covers are not packed)",
         True, flag="--no-prepack-weights")
     enforce_eager: bool = _option(
         "run every step through the model's own eager Transformers forward: no CUDA graphs for decode steps on GPU, "

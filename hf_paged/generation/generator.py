@@ -133,9 +133,7 @@ class ContinuousBatchGenerator:
         try:
             self.runner = self._runner(config, native)
             if config.prepack_weights and model.device.type == "cpu":
-                # Steps with LoRA-adapted tokens run through the Transformers forward: every layer is packed then.
-                plain = () if config.enable_lora else self.runner.native_linear_layers()
-                packed = prepack_linear_layers(model, keep_plain=plain)
+                packed = prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
                 if self.lockstep is not None:
                     prepack_sharded_linear_layers(model)
             self.speculator = self._speculator(config)
