@@ -14,6 +14,8 @@ from .integration import ATTN_IMPLEMENTATION, register, uses_paged_attention
 register()
 
 from .generation import (  # noqa: E402  (after registration: the generator relies on it)
+    BeamSearchOutput,
+    BeamSearchParams,
     CompletionOutput,
     ContinuousBatchGenerator,
     EngineConfig,
@@ -35,6 +37,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "BlockPool",
     "CompletionOutput",
     "ContinuousBatchGenerator",

@@ -6,6 +6,7 @@ import os
 
 from .chat_template import TEMPLATE_PARAMETERS, render_prompt
 from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
+from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .loading import load_model, resolve_device
 from .lora import LoRARequest
 from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, check_dimensions, embed
@@ -35,6 +36,25 @@ class LLM:
         None takes the sampling settings of the model's generation config. ``lora_request`` (with
         ``LLM(..., enable_lora=True)``): the LoRA adapter of every prompt, or one (or None) per prompt."""
         return self.generator.run(prompts, sampling_params, use_tqdm, lora_request)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first (the search runs in
+        the engine, see `SamplingParams.use_beam_search`). As in vLLM, a beam's ``tokens`` and ``text`` hold its
+        prompt too (the text with special tokens skipped)."""
+        outputs = self.generator.run(prompts, params.sampling_params(), use_tqdm, lora_request)
+        decode = self.get_tokenizer().decode
+        results = []
+        for output in outputs:
+            if output.error is not None:
+                raise ValueError(f"beam search of request {output.request_id} failed: {output.error}")
+            beams = [BeamSearchSequence(tokens=output.prompt_token_ids + beam.token_ids,
+                                        cum_logprob=beam.cumulative_logprob,
+                                        text=decode(output.prompt_token_ids + beam.token_ids, skip_special_tokens=True),
+                                        finish_reason=beam.finish_reason, stop_reason=beam.stop_reason,
+                                        lora_request=output.lora_request) for beam in output.outputs]
+            results.append(BeamSearchOutput(beams))
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,

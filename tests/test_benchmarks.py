@@ -128,6 +128,16 @@ def test_lora_benchmark_compares_with_peft(smollm2_path):
     assert float(summary.group(1)) > 0 and float(summary.group(2)) > 0 and int(summary.group(3)) >= 3
 
 
+def test_beam_search_benchmark_compares_with_transformers(smollm2_path):
+    """Both sides search the same prompts: the beams agree (unpadded prompts of one length round alike), the ratio
+    prints."""
+    proc = run_script("beam_search.py", "--model", smollm2_path, "--num-requests", "3", "--beam-width", "3",
+                      "--max-tokens", "6", "--rounds", "1", timeout=300)
+    summary = re.search(r"hf_paged / transformers = ([\d.]+)x; (\d+) of 3 prompts' beams identical", proc.stdout)
+    assert summary, proc.stdout
+    assert float(summary.group(1)) > 0 and int(summary.group(2)) >= 2
+
+
 def load_benchmark(name: str):
     """A benchmark script as a module (its ``common`` helper first, as the script expects); sys.path is restored."""
     saved_path, modules = list(sys.path), {}

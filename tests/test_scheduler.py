@@ -307,3 +307,95 @@ def test_max_loras_bounds_the_adapters_running_at_once_and_a_passed_request_keep
         assert len({seq.request.lora_id for seq in scheduler.running} - {None}) <= 2
     assert admitted_at == {"r2": 3} and all(r.is_finished for r in requests)  # once adapter 1 or 2 has finished
     assert_no_leak(scheduler)
+
+
+def beam_row(seq):
+    """A fake model's beam candidates after ``seq``: ``keep`` distinct tokens, likeliest first, EOS among them after
+    some tokens; they depend only on the sequence's last token."""
+    keep, last = seq.request.beams.keep, seq.token_ids[-1]
+    ids = [(last * 7 + 3 * j) % 50 + 3 for j in range(keep)]
+    if last % 4 == 0:
+        ids[0] = EOS
+    return ids, [-(0.1 + 0.3 * j + (last % 5) * 0.05) for j in range(keep)]
+
+
+def beam_step_of(scheduler):
+    """One step with the fake model of `beam_row`; checks that a search's running beams stay side by side and that a
+    step computes all of them that have anything to compute, or none."""
+    out = scheduler.schedule()
+    for request in {seq.request.request_id: seq.request for seq in scheduler.running}.values():
+        if request.beams is not None:
+            positions = [i for i, seq in enumerate(scheduler.running) if seq.request is request]
+            assert positions == list(range(positions[0], positions[0] + len(positions)))
+            busy = [seq for seq in scheduler.running
+                    if seq.request is request and seq.num_computed_tokens < seq.num_tokens]
+            assert {seq.seq_id for seq in busy} <= {seq.seq_id for seq in out.seqs} or not set(busy) & set(out.seqs)
+    sampled = SamplerOutput([10 + seq.num_output_tokens for seq, _ in out.draws],
+                            beams=[beam_row(seq) if seq.request.beams else None for seq, _ in out.draws])
+    return out, scheduler.update(out, sampled if out.draws else None)
+
+
+def run_beams(scheduler, requests, max_steps=300):
+    for request in requests:
+        scheduler.add(request)
+    for _ in range(max_steps):
+        if not scheduler.has_work():
+            return
+        beam_step_of(scheduler)
+    raise AssertionError("the scheduler did not finish")
+
+
+def beams_of(request):
+    return [(o.token_ids, o.finish_reason, round(o.cumulative_logprob, 4)) for o in request.take_output().outputs]
+
+
+def test_beams_share_the_prompt_blocks_and_step_together():
+    scheduler = make_scheduler()
+    request = make_request("a", range(3, 12), n=3, max_tokens=6, use_beam_search=True)
+    scheduler.add(request)
+    out, _ = beam_step_of(scheduler)
+    assert len(out.draws) == 1 and len(request.seqs) == 3 and len(scheduler.running) == 3  # forked after the prompt
+    tables = [scheduler.kv_manager.block_table(seq.seq_id) for seq in request.seqs]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the prompt's two full blocks of 4
+    out, _ = beam_step_of(scheduler)
+    assert sorted(out.num_tokens) == [1, 1, 1] and len(out.block_copies) == 2  # the shared partial block, copied
+    run_beams(scheduler, [])
+    beams = beams_of(request)
+    assert len(beams) == 3 and request.is_finished and request.beams.done
+    assert "stop" in {reason for _, reason, _ in beams}  # beams that took EOS are among the best
+    scores = [logprob / len(tokens) for tokens, _, logprob in beams]  # length_penalty 1
+    assert scores == sorted(scores, reverse=True)
+    assert_no_leak(scheduler)
+
+
+def test_a_beam_search_is_preempted_and_readmitted_whole_with_the_same_beams():
+    def search(**options):
+        scheduler = make_scheduler(**options)
+        beam = make_request("beam", range(3, 14), n=4, max_tokens=10, use_beam_search=True, ignore_eos=True)
+        other = make_request("other", range(20, 31), max_tokens=12)
+        scheduler.add(other)
+        scheduler.add(beam)
+        beams_requeued = False
+        while scheduler.has_work():
+            beam_step_of(scheduler)
+            waiting = [seq for seq in beam.seqs if seq.status is SequenceStatus.WAITING]
+            assert not waiting or len(waiting) == len(beam.beams.live)  # all the live beams wait, or none
+            beams_requeued |= len(waiting) > 1
+        assert_no_leak(scheduler)
+        return beams_of(beam), other.seqs[0].output_token_ids, beams_requeued
+
+    roomy, other_roomy, _ = search()
+    tight, other_tight, beams_requeued = search(num_blocks=16, enable_prefix_caching=False)
+    assert beams_requeued and tight == roomy and other_tight == other_roomy
+    assert len(roomy) == 4
+
+
+def test_aborting_a_beam_search_frees_every_beam():
+    scheduler = make_scheduler()
+    request = make_request("a", range(3, 12), n=3, max_tokens=20, use_beam_search=True, ignore_eos=True)
+    scheduler.add(request)
+    for _ in range(3):
+        beam_step_of(scheduler)
+    scheduler.abort(request)
+    assert request.is_finished and request.take_output().outputs == []
+    assert_no_leak(scheduler)

@@ -61,6 +61,9 @@ def server(smollm2):
     chat_ref, prompt_ref = generator.run([CHAT, PROMPT], greedy, use_tqdm=False)
     bad_words = prompt_ref.outputs[0].text.split()[:1]  # the first word the prompt's greedy output says
     bad_words_ref = generator.run([PROMPT], greedy.replace(bad_words=bad_words), use_tqdm=False)[0].outputs[0]
+    beams = SamplingParams(n=3, use_beam_search=True, max_tokens=GREEDY_TOKENS, length_penalty=0.5)
+    beam_refs = [[beam.text for beam in output.outputs] for output in
+                 generator.run([PROMPT, CHAT], [beams, beams.replace(n=2, length_penalty=1.0)], use_tqdm=False)]
     app = create_app(generator, MODEL, api_key=API_KEY)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -71,7 +74,8 @@ def server(smollm2):
     base = f"http://127.0.0.1:{port}"
     wait_until_up(base, timeout=30)
     yield SimpleNamespace(base=base, generator=generator, app=app, chat_ref=chat_ref.outputs[0],
-                          prompt_ref=prompt_ref.outputs[0], bad_words=bad_words, bad_words_ref=bad_words_ref)
+                          prompt_ref=prompt_ref.outputs[0], bad_words=bad_words, bad_words_ref=bad_words_ref,
+                          beam_refs=beam_refs)
     uv.should_exit = True
     thread.join(30)
     sock.close()
@@ -312,6 +316,26 @@ def test_logprobs(server, client):
     assert joined.startswith(said) and len(joined) - len(said) < 4  # max_tokens may cut the last character
 
 
+def test_beam_search_answers_the_engines_beams(server, client):
+    """vLLM's ``use_beam_search``: ``n`` beams, best first, whole in one answer or in a stream."""
+    done = client.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=GREEDY_TOKENS,
+                                     extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [choice.text for choice in sorted(done.choices, key=lambda c: c.index)] == server.beam_refs[0]
+    assert len(set(server.beam_refs[0])) == 3
+    chunks = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_completion_tokens=GREEDY_TOKENS,
+                                            stream=True, extra_body={"use_beam_search": True})
+    texts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert [texts[0], texts[1]] == server.beam_refs[1]
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2, "logprobs": 1,
+                                                  "use_beam_search": True}), 400, "logprobs", "use_beam_search")
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2, "use_beam_search": True,
+                                                  "early_stopping": "soon"}), 400)
+    wait_until_idle(server.generator)
+
+
 def test_token_bytes_are_the_vocabularys(smollm2):
     """Byte-level BPE (SmolLM2) and SentencePiece-style (Metaspace, byte fallback) vocabularies."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -546,7 +570,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
 
 
 @pytest.mark.parametrize("extra", [
-    {"functions": [{"name": "f"}]}, {"best_of": 3}, {"use_beam_search": True}, {"chat_template": "{{ messages }}"},
+    {"functions": [{"name": "f"}]}, {"best_of": 3}, {"chat_template": "{{ messages }}"},
     {"cache_salt": "tenant-1"}, {"priority": 1}, {"generation_config": '{"max_new_tokens": 3}'},
 ], ids=lambda extra: next(iter(extra)))
 def test_unsupported_fields_are_refused_by_name(server, extra):

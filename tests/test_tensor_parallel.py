@@ -82,8 +82,9 @@ def text_model(tmp_path_factory, tokenizer_path) -> str:
 
 
 def _check_ranks_match_one_process(out: Path, paths: list[str], world: int, whole_samples: bool = True) -> None:
-    """Greedy tokens equal one process's; seeded samples too (``whole_samples``), or their first tokens: the sharded
-    matrix products round differently, which can move a later draw of a flat distribution to a neighbour."""
+    """Greedy tokens equal one process's; seeded samples and beams too (``whole_samples``), or their first tokens:
+    the sharded matrix products round differently, which can move a later draw of a flat distribution to a
+    neighbour."""
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     for path in paths:
         name = os.path.basename(path)
@@ -93,9 +94,11 @@ def _check_ranks_match_one_process(out: Path, paths: list[str], world: int, whol
         assert got["engine"] == reference["engine"], name
         if whole_samples:
             assert got["sampled"] == reference["sampled"], name
+            assert got["beams"] == reference["beams"], name  # every rank searched alike, from the same logits
         else:
             first = lambda sampled: [[tokens[0] for tokens in prompt] for prompt in sampled]  # noqa: E731
             assert first(got["sampled"]) == first(reference["sampled"]), name
+            assert first(got["beams"]) == first(reference["beams"]), name
         for other in ranks[1:]:
             assert other[name]["generate"] == got["generate"], name
             assert other[name]["digest"] == got["digest"], f"{name}: the ranks sampled different tokens"

@@ -46,6 +46,8 @@ def run_model(path: str, tensor_parallel_size: int) -> dict:
     sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True, n=2)
     result["engine"] = [o.outputs[0].token_ids for o in generator.run(prompts, greedy, use_tqdm=False)]
     result["sampled"] = [[c.token_ids for c in o.outputs] for o in generator.run(prompts, sampled, use_tqdm=False)]
+    beams = SamplingParams(n=3, use_beam_search=True, max_tokens=8, ignore_eos=True)
+    result["beams"] = [[c.token_ids for c in o.outputs] for o in generator.run(prompts, beams, use_tqdm=False)]
     generator.stop_workers()
     if generator.lockstep is not None:
         result["digest"] = generator.lockstep.digest

@@ -30,6 +30,7 @@ from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
+from .beam_search import beam_candidates
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import InvalidParameter, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -412,6 +413,8 @@ class ContinuousBatchGenerator:
         else:
             rows = logits if len(out.draw_rows) == logits.shape[0] else logits[out.draw_rows]
             sampled = sample(rows, build_sampling_batch(out.draws, logits.device))
+        if out.draws:
+            sampled.beams = beam_candidates(logits[out.draw_rows], out.draws)
         if scored:
             sampled.prompt_logprobs, sampled.prompt_ranks = prompt_logprobs(prompt_logits, out.prompt_logprob_spans)
         return sampled

@@ -97,6 +97,8 @@ class SamplerOutput:
     # and that token's rank there (1: the likeliest).
     prompt_logprobs: list[list[dict[int, float]]] | None = None
     prompt_ranks: list[list[int]] | None = None
+    # Per row, a beam search's candidates (`beam_search.beam_candidates`); None for other rows.
+    beams: list | None = None
 
 
 def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device,

@@ -149,6 +149,11 @@ class SamplingParams:
     a choice of strings or a grammar: tokens that would leave it are masked before penalties, temperature and top-k/p,
     and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.
     ``output_kind`` says what each output of the request carries (see `RequestOutputKind`).
+    ``use_beam_search=True`` decodes by beam search of width ``n`` as Transformers' ``generate(num_beams=n)`` does
+    (see `beam_search`): the ``n`` best finished beams come back, best first, once the search ends; ``length_penalty``
+    and ``early_stopping`` are Transformers'. It ranks by the model's own log-probabilities, so the sampling fields
+    (temperature, top_p, top_k, min_p, seed) play no part, and the fields that would change the distribution are
+    refused with it.
     """
 
     n: int = 1
@@ -175,6 +180,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # ((tokenizer, bad_words) it was made from, their token sequences): see `bad_words_token_ids`
     _bad_words_token_ids: tuple[tuple, list[list[int]]] | None = field(default=None, init=False, repr=False,
                                                                         compare=False)
@@ -222,6 +230,21 @@ class SamplingParams:
                     "a RequestOutputKind")
         if self.top_k == -1:
             self.top_k = 0
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    # Fields beam search cannot honour (it ranks by the model's own log-probabilities), with their "off" values.
+    _NOT_WITH_BEAMS = {"logprobs": None, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.0, "stop": [], "logit_bias": {}, "allowed_token_ids": None,
+                       "bad_words": [], "structured_outputs": None}
+
+    def _check_beam_search(self) -> None:
+        for name, off in self._NOT_WITH_BEAMS.items():
+            if getattr(self, name) != off:
+                raise InvalidParameter(name, f"SamplingParams.{name} cannot be used with use_beam_search (beam search "
+                                       "ranks beams by the model's own log-probabilities)")
+        self._check(self.early_stopping in (True, False, "never"), "early_stopping", self.early_stopping,
+                    'True, False or "never"')
 
     def _copy_containers(self) -> None:
         """The list and map fields as this object's own lists and dict (a lone stop string becomes a list)."""
@@ -249,10 +272,12 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None or name in ("n", "top_k", "min_tokens"):
                 self._check(_is_int(value), name, value, "an integer")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                     "length_penalty"):
             value = getattr(self, name)
             self._check(_is_real(value) and abs(value) <= FLOAT32_MAX, name, value, "a finite float32 number")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):  # "false" would read as True
+        # "false" would read as True
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "use_beam_search"):
             self._check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")
@@ -269,7 +294,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
+        """Whether no token is drawn at random (a beam search draws none either: its sampled token goes unused)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.use_beam_search
 
     @staticmethod
     def model_defaults(config: GenerationConfig | None) -> dict:
@@ -288,7 +314,8 @@ class SamplingParams:
         supported = {
             "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
             "min_new_tokens", "num_return_sequences", "stop_strings", "eos_token_id", "pad_token_id", "bos_token_id",
-            "use_cache", "return_dict_in_generate", "max_length", "cache_implementation",
+            "use_cache", "return_dict_in_generate", "max_length", "cache_implementation", "num_beams",
+            "length_penalty", "early_stopping",
             "transformers_version", "_from_model_config",
         }
         # No equivalent, but fine when off (logits: ask for SamplingParams.logprobs).
@@ -302,9 +329,16 @@ class SamplingParams:
             raise ValueError(f"GenerationConfig options with no SamplingParams equivalent: {sorted(unmapped)}")
         if config.max_new_tokens is None and config.max_length not in (defaults.max_length, fallback.get("max_length")):
             raise ValueError("GenerationConfig.max_length cannot be mapped (prompts differ in length): use max_new_tokens")
-        sample = bool(config.do_sample)
+        sample, beams = bool(config.do_sample), (config.num_beams or 1) > 1
+        if sample and beams:
+            raise ValueError("GenerationConfig do_sample with num_beams > 1 (beam sampling) has no SamplingParams "
+                             "equivalent")
         return cls(
-            n=config.num_return_sequences or 1,
+            # A beam search returns all its beams, best first: the first num_return_sequences are generate's.
+            n=config.num_beams if beams else config.num_return_sequences or 1,
+            use_beam_search=beams,
+            length_penalty=config.length_penalty if config.length_penalty is not None else 1.0,
+            early_stopping=config.early_stopping if config.early_stopping is not None else False,
             temperature=(config.temperature if config.temperature is not None else 1.0) if sample else 0.0,
             top_p=(config.top_p if config.top_p is not None else 1.0) if sample else 1.0,
             top_k=(config.top_k if config.top_k is not None else fallback.get("top_k", 0)) if sample else 0,

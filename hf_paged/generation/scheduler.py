@@ -3,6 +3,7 @@ forks, stops, preemption, freeing, and the rollback of a failed step)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from ..cache import KVCacheManager
 from ..cache.kv_cache_manager import BlockCopy
 from ..reasoning import ReasoningEnd
+from .beam_search import Choice, Hypothesis, beam_step
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .outputs import ranked_logprobs
@@ -146,6 +148,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.request.beams is not None:
+                budget = self._schedule_beams(out, seq, budget)
+                continue
             # Guesses take only the budget left once every later sequence has a token: they are optional.
             needed = seq.num_tokens - seq.num_computed_tokens
             guesses = min(len(seq.spec_token_ids), max(0, budget - needed - (len(running) - 1 - i)))
@@ -163,6 +168,30 @@ class Scheduler:
             if copies is not None:
                 self._take(out, seq, n, copies)
                 budget -= n
+        return budget
+
+    def _schedule_beams(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        """Schedule the live beams of ``seq``'s search together, when its first is reached: each takes what it needs of
+        ``budget``, and their blocks are found for all of them or (the newest sequences preempted first; the beams
+        themselves, all together, when they are the newest) for none. Returns the budget left."""
+        beams = [s for s in self.running if s.request is seq.request]
+        if seq is not beams[0]:
+            return budget
+        plan = []
+        for beam in beams:  # a beam whose candidates wait for its siblings' has nothing to compute
+            n = min(beam.num_tokens - beam.num_computed_tokens, budget)
+            if n > 0:
+                plan.append((beam, n))
+                budget -= n
+        needed = sum(self.kv_manager.num_blocks_needed(b.seq_id, b.num_computed_tokens, b.num_computed_tokens + n)
+                     for b, n in plan)
+        while needed > self.kv_manager.pool.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim.request is seq.request:
+                return budget + sum(n for _, n in plan)
+        for beam, n in plan:
+            self._take(out, beam, n, self._grow(beam, n))
         return budget
 
     def _grow(self, seq: Sequence, n: int) -> list[BlockCopy] | None:
@@ -186,13 +215,37 @@ class Scheduler:
         loras = {seq.request.lora_id for seq in self.running} - {None}
         passed: list[Sequence] = []  # of adapters beyond max_loras: they keep their place for a later step
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if seats + seq.num_samples > self.config.max_num_seqs:
+            unit = self._waiting_unit()
+            samples = sum(seq.num_samples for seq in unit)
+            if seats + samples > self.config.max_num_seqs:
                 break
-            lora = seq.request.lora_id
+            lora = unit[0].request.lora_id
             if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
-                passed.append(self.waiting.popleft())
+                passed += [self.waiting.popleft() for _ in unit]
                 continue
+            plan = self._fit(unit, budget)
+            if plan is None:
+                break
+            for seq, num_cached, n, copies in plan:
+                self._admit(out, self.waiting.popleft(), num_cached, n, copies)
+                budget -= n
+            seats += samples
+            if lora is not None:
+                loras.add(lora)
+        self.waiting.extendleft(reversed(passed))
+
+    def _waiting_unit(self) -> list[Sequence]:
+        """What is admitted next, all or nothing: the first waiting sequence, with the other beams of a beam search."""
+        first = self.waiting[0]
+        if first.request.beams is None:
+            return [first]
+        return list(itertools.takewhile(lambda seq: seq.request is first.request, self.waiting))
+
+    def _fit(self, unit: list[Sequence], budget: int) -> list[tuple[Sequence, int, int, list[BlockCopy]]] | None:
+        """Attach each sequence's cached prefix and find blocks for what it computes of ``budget``: per sequence
+        ``(sequence, cached tokens, tokens, block copies)``, or None, every block given back, when they are short."""
+        plan = []
+        for seq in unit:
             num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
                                                       reuse=not seq.request.scores_prompt)
             n = min(seq.num_tokens - num_cached, budget)
@@ -200,22 +253,23 @@ class Scheduler:
             room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0)
             copies = self.kv_manager.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
             if copies is None:
-                self.kv_manager.free(seq.seq_id)
-                break
-            self.waiting.popleft()
-            seq.num_computed_tokens = num_cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.prefix_matches.append((seq.num_tokens, num_cached))
-            if seq.index == 0 and seq.request.num_cached_tokens == 0:
-                seq.request.num_cached_tokens = num_cached
-            seats += seq.num_samples
-            if lora is not None:
-                loras.add(lora)
-            out.admitted.append(seq)
-            self._take(out, seq, n, copies)
+                for held in unit[: len(plan) + 1]:
+                    self.kv_manager.free(held.seq_id)
+                return None
+            plan.append((seq, num_cached, n, copies))
             budget -= n
-        self.waiting.extendleft(reversed(passed))
+        return plan
+
+    def _admit(self, out: SchedulerOutput, seq: Sequence, num_cached: int, n: int, copies: list[BlockCopy]) -> None:
+        seq.num_computed_tokens = num_cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.prefix_matches.append((seq.num_tokens, num_cached))
+        if seq.index == 0 and seq.request.num_cached_tokens == 0:
+            seq.request.num_cached_tokens = num_cached
+        out.admitted.append(seq)
+        if n:  # a beam admitted with its siblings past the step's budget computes in a later step
+            self._take(out, seq, n, copies)
 
     def _take(self, out: SchedulerOutput, seq: Sequence, n: int, copies: list[BlockCopy]) -> None:
         """Put ``n`` tokens of ``seq`` in the step, and index the blocks they fill for prefix reuse now, so a later
@@ -239,7 +293,7 @@ class Scheduler:
         row = 0
         for seq, n in zip(out.seqs, out.num_tokens):
             if seq.num_computed_tokens + n >= seq.num_tokens:  # its last known token is computed: sample the next
-                for k in range(seq.num_samples):
+                for k in range(seq.num_draws):
                     out.draws.append((seq, k))
                     out.draw_rows.append(row)
                 row += 1 + len(out.spec_token_ids.get(seq.seq_id, ()))
@@ -249,7 +303,12 @@ class Scheduler:
         return len(self.running) // 2 + self.kv_manager.pool.num_blocks // 100
 
     def _preempt(self, seq: Sequence) -> None:
-        self._requeue(seq)
+        """Free ``seq``'s blocks and requeue it to be recomputed; a beam goes with all its siblings, in order."""
+        beams = seq.request.beams
+        for victim in reversed([s for s in self.running if s.request is seq.request] if beams else [seq]):
+            self._requeue(victim)
+        if beams is not None:
+            beams.pending.clear()  # each beam draws its candidates again once recomputed
         self.num_preemptions += 1
 
     def _requeue(self, seq: Sequence) -> None:
@@ -262,7 +321,8 @@ class Scheduler:
     # --------------------------------------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[Request]:
         """Apply a step's result: advance the computed tokens, fork ``n > 1`` prompts, append each sampled token,
-        and finish (and free) the sequences that stop. Returns the requests that changed, in step order.
+        and finish (and free) the sequences that stop; step the beam searches whose beams all have candidates.
+        Returns the requests that changed, in step order.
 
         A token that cannot be appended (the detokenizer raised, say) fails its own request, not the step.
         """
@@ -273,20 +333,19 @@ class Scheduler:
         self.num_partial_prefills += out.num_partial_prefills
         changed: dict[str, Request] = {}
         if sampled is not None and sampled.prompt_logprobs is not None:
-            text = self.detokenizer.token_text
-            for (seq, first, _), scores, ranks in zip(out.prompt_logprob_spans, sampled.prompt_logprobs,
-                                                      sampled.prompt_ranks):
-                tokens = seq.token_ids[first + 1 : first + 1 + len(scores)]
-                seq.request.prompt_logprobs += [ranked_logprobs(entry, token, rank, text)
-                                                for entry, token, rank in zip(scores, tokens, ranks)]
-                seq.request.prompt_ranks += ranks
+            self._add_prompt_logprobs(out, sampled)
         now = time.monotonic()
         seqs = [seq if k == 0 else self._fork(seq, k) for seq, k in out.draws]  # before any sample has a token
+        searches: dict[str, Request] = {}
         for row, seq in enumerate(seqs):
             request = seq.request
             changed[request.request_id] = request
             if seq.is_finished:
                 continue  # its request failed on an earlier row of this step
+            if request.beams is not None:
+                request.beams.pending[seq.seq_id] = sampled.beams[row]
+                searches[request.request_id] = request
+                continue
             tokens = self._new_tokens(row, sampled)
             if tokens[-1] == NO_TOKEN:
                 self.fail(request, *_nothing_allowed(request.params, seq.num_output_tokens))
@@ -302,7 +361,94 @@ class Scheduler:
             except Exception as err:  # noqa: BLE001 - any failure here is this request's alone
                 logger.exception("request %s failed while appending a token", request.request_id)
                 self.fail(request, f"generation failed: {type(err).__name__}: {err}")
+        self._advance_searches(searches.values(), now)
         return list(changed.values())
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput, sampled: SamplerOutput) -> None:
+        text = self.detokenizer.token_text
+        for (seq, first, _), scores, ranks in zip(out.prompt_logprob_spans, sampled.prompt_logprobs,
+                                                  sampled.prompt_ranks):
+            tokens = seq.token_ids[first + 1 : first + 1 + len(scores)]
+            seq.request.prompt_logprobs += [ranked_logprobs(entry, token, rank, text)
+                                            for entry, token, rank in zip(scores, tokens, ranks)]
+            seq.request.prompt_ranks += ranks
+
+    # ---------------------------------------------------------------------------------------------- beam search
+    def _advance_searches(self, requests, now: float) -> None:
+        """Step each beam search of ``requests`` whose live beams all have their candidates; a step that raises fails
+        its own request only."""
+        for request in requests:
+            if request.beams.ready() and not request.is_finished:
+                try:
+                    self._advance_beams(request, now)
+                except Exception as err:  # noqa: BLE001 - any failure here is this request's alone
+                    logger.exception("request %s failed in a beam search step", request.request_id)
+                    self.fail(request, f"generation failed: {type(err).__name__}: {err}")
+
+    def _advance_beams(self, request: Request, now: float) -> None:
+        """One step of ``request``'s beam search, once every live beam has its candidates (see `beam_step`)."""
+        state, params = request.beams, request.params
+        live = state.live
+        limit = min(params.max_tokens or self.max_model_len, self.max_model_len - request.num_prompt_tokens)
+        step = beam_step(state, params, [seq.cumulative_logprob for seq in live],
+                         [state.pending.pop(seq.seq_id) for seq in live], live[0].num_output_tokens, limit,
+                         request.stop_ids)
+        state.finished = [beam if isinstance(beam, Hypothesis) else self._hypothesis(live[beam.source], beam, now)
+                          for beam in step.finished]
+        state.improvable, state.done = step.improvable, step.done
+        if step.done:  # the live beams cannot beat the finished ones
+            state.live = []
+            for seq in live:
+                self.finish(seq, "length", now=now)
+            return
+        state.live = self._rebeam(live, step.running)
+        for seq, choice in zip(state.live, step.running):
+            seq.token_ids.append(choice.token)
+            seq.cumulative_logprob = choice.logprob
+            self.detokenizer.step(seq, params.skip_special_tokens)
+            self._count_token(seq, now)
+
+    def _hypothesis(self, source: Sequence, choice: Choice, now: float) -> Hypothesis:
+        """The finished beam ``source`` followed by ``choice.token``."""
+        params, seq = source.request.params, source.detached()
+        seq.token_ids.append(choice.token)
+        seq.cumulative_logprob = choice.logprob
+        new_text = self.detokenizer.step(seq, params.skip_special_tokens)
+        self._count_token(seq, now)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+        if choice.token in source.request.stop_ids:  # its text goes, as a stop token's (see `check_stop`)
+            seq.finish_reason = "stop"
+            seq.stop_reason = choice.token if choice.token in params.stop_token_ids else None
+            if not params.include_stop_str_in_output:
+                seq.text = seq.text[: len(seq.text) - len(new_text)]
+        return Hypothesis(seq, choice.score)
+
+    def _rebeam(self, live: list[Sequence], choices: list[Choice]) -> list[Sequence]:
+        """The sequences that carry ``choices``, before their new tokens: a beam continued once keeps its sequence; a
+        further continuation takes over the state and KV blocks of a beam that none continues (or forks one, at the
+        prompt); beams left over finish."""
+        spare = [seq for i, seq in enumerate(live) if i not in {choice.source for choice in choices}]
+        carriers, kept = [], set()
+        for choice in choices:
+            source = live[choice.source]
+            if choice.source not in kept:
+                kept.add(choice.source)
+                carriers.append(source)
+            elif spare:
+                seq = spare.pop()
+                seq.become(source)
+                self.kv_manager.free(seq.seq_id)
+                self.kv_manager.fork(source.seq_id, seq.seq_id)
+                carriers.append(seq)
+            else:
+                child = source.fork(len(source.request.seqs))
+                child.become(source)
+                self.kv_manager.fork(source.seq_id, child.seq_id)
+                self.running.insert(self.running.index(source) + 1, child)  # a search's beams stay together
+                carriers.append(child)
+        for seq in spare:
+            self.finish(seq, "length")
+        return carriers
 
     def _fork(self, parent: Sequence, k: int) -> Sequence:
         child = parent.fork(k)
@@ -322,14 +468,19 @@ class Scheduler:
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             self.kv_manager.truncate(seq.seq_id, seq.num_computed_tokens)
 
-    def _append(self, seq: Sequence, token: int, row: int, sampled: SamplerOutput, now: float) -> None:
-        params, metrics = seq.request.params, seq.request.metrics
-        seq.token_ids.append(token)
+    def _count_token(self, seq: Sequence, now: float) -> None:
+        """Count a token ``seq`` just appended, and its request's first token."""
+        metrics = seq.request.metrics
         self.num_generated_tokens += 1
         if metrics.first_token_time is None:
             self.num_prompt_tokens += seq.request.num_prompt_tokens
             metrics.first_token_time = now
         metrics.num_output_tokens = max(metrics.num_output_tokens, seq.num_output_tokens)
+
+    def _append(self, seq: Sequence, token: int, row: int, sampled: SamplerOutput, now: float) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token)
+        self._count_token(seq, now)
         if seq.logprobs is not None:
             top = dict(zip(sampled.top_ids[row][: params.logprobs], sampled.top_logprobs[row][: params.logprobs]))
             top[token] = sampled.sampled_logprobs[row]

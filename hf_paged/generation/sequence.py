@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 
 from ..lora import LoRAAdapter
+from .beam_search import BeamState
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
@@ -76,6 +77,11 @@ class Sequence:
         """Sequences this one becomes at its first token: ``n`` for a request's prompt, not yet forked, else 1."""
         return self.request.params.n if len(self.request.seqs) == 1 and self.num_output_tokens == 0 else 1
 
+    @property
+    def num_draws(self) -> int:
+        """Samples drawn from its logits once its last token is computed: ``num_samples``; a beam's candidates, once."""
+        return 1 if self.request.beams is not None else self.num_samples
+
     def fork(self, index: int) -> "Sequence":
         """A sibling sample that shares everything computed so far (it has generated nothing yet)."""
         child = Sequence(self.request, index, list(self.token_ids))
@@ -86,6 +92,20 @@ class Sequence:
         child.in_reasoning, child.reasoning_opener = self.in_reasoning, self.reasoning_opener
         self.request.seqs.append(child)
         return child
+
+    def become(self, source: "Sequence") -> None:
+        """Take over the tokens and decoding state of ``source`` (a beam that continues another; its KV blocks are the
+        scheduler's to share)."""
+        self.token_ids, self.num_computed_tokens = list(source.token_ids), source.num_computed_tokens
+        self.status, self.text = source.status, source.text
+        self.prefix_offset, self.read_offset = source.prefix_offset, source.read_offset
+        self.cumulative_logprob = source.cumulative_logprob
+
+    def detached(self) -> "Sequence":
+        """A copy outside the request's sequences and the KV cache (a beam that finished)."""
+        copy = Sequence(self.request, self.index, [])
+        copy.become(self)
+        return copy
 
     def take_output(self, delta: bool) -> CompletionOutput | None:
         """This sample's output: all of it, or (``delta``) what was not handed back before (None: nothing new).
@@ -140,6 +160,7 @@ class Request:
     sent_prompt_logprobs: bool = False
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # ``params.bad_words``, tokenized
     lora: LoRAAdapter | None = None  # the adapter the request runs under (None: the base model)
+    beams: BeamState | None = None  # the search of a ``use_beam_search`` request
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -149,6 +170,8 @@ class Request:
         self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
         if params.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_ranks = [None], [None]
+        if params.use_beam_search:
+            self.beams = BeamState(params.n, max(2, 1 + len(self.stop_ids)) * params.n, live=[self.seqs[0]])
 
     def wire_fields(self) -> dict:
         """What another rank rebuilds this request from (``Request(**fields)``), before any step touched it."""
@@ -190,16 +213,21 @@ class Request:
     @property
     def is_finished(self) -> bool:
         # A request aborted before its prompt forked into n samples has fewer sequences, all finished.
+        complete = len(self.seqs) == self.params.n if self.beams is None else self.beams.done
         return all(seq.is_finished for seq in self.seqs) and (
-            len(self.seqs) == self.params.n or any(seq.finish_reason == "abort" for seq in self.seqs))
+            complete or any(seq.finish_reason == "abort" for seq in self.seqs))
 
     def take_output(self) -> RequestOutput | None:
         """The output this request hands back now, per its ``output_kind`` (None: nothing to hand back yet)."""
         kind, finished = self.params.output_kind, self.is_finished or self.error is not None
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
+        if (kind is RequestOutputKind.FINAL_ONLY or self.beams is not None) and not finished:
+            return None  # a search's beams change until it ends
         delta = kind is RequestOutputKind.DELTA
-        outputs = [seq.take_output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
+        if self.beams is not None:  # the finished beams, best first (none when aborted before the search ended)
+            outputs = [self._beam_output(rank, hypothesis.seq) for rank, hypothesis in
+                       enumerate(self.beams.finished)] if finished and self.beams.done else []
+        else:
+            outputs = [seq.take_output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
         prompt_logprobs = prompt_ranks = None
         if self.prompt_logprobs is not None and not self.scores_prompt and not (delta and self.sent_prompt_logprobs):
             prompt_logprobs, prompt_ranks, self.sent_prompt_logprobs = self.prompt_logprobs, self.prompt_ranks, True
@@ -217,3 +245,9 @@ class Request:
             prompt_ranks=prompt_ranks,
             lora_request=None if self.lora is None else self.lora.request,
         )
+
+    @staticmethod
+    def _beam_output(rank: int, seq: Sequence) -> CompletionOutput:
+        return CompletionOutput(index=rank, text=seq.text, token_ids=seq.output_token_ids,
+                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                cumulative_logprob=seq.cumulative_logprob)

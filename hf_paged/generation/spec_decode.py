@@ -83,14 +83,14 @@ class Speculator:
         self.num_accepted_tokens = 0
 
     def budget(self, seq: Sequence) -> int:
-        """How many guesses ``seq`` may take now: none while it is prefilling, asks for logprobs, penalties, a
-        grammar (or one that starts when its reasoning block ends: guesses kept past the end would escape it) or bad
-        words of several tokens (which change with every token), must not stop yet (min_tokens), or has too little
-        room left."""
+        """How many guesses ``seq`` may take now: none while it is prefilling, is a beam, asks for logprobs,
+        penalties, a grammar (or one that starts when its reasoning block ends: guesses kept past the end would escape
+        it) or bad words of several tokens (which change with every token), must not stop yet (min_tokens), or has too
+        little room left."""
         params = seq.request.params
         # A prompt (no output yet) takes none: with n > 1 it forks after this step, and its samples must start even.
         if (seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_output_tokens == 0 or params.logprobs is not None
-                or seq.matcher is not None or seq.in_reasoning
+                or seq.matcher is not None or seq.in_reasoning or params.use_beam_search
                 or params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
                 or seq.num_output_tokens < params.min_tokens
                 or any(len(word) > 1 for word in seq.request.bad_words_token_ids)):

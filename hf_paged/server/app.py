@@ -23,7 +23,7 @@ where OpenAI leaves room:
   first None), streamed in its first chunk. vLLM's ``prompt_logprobs`` (both endpoints, not streamed) answer in
   vLLM's shape: in each choice of a completion, at the top of a chat response.
 * A field of OpenAI's API or of vLLM's extensions that would change the output and is not implemented (``suffix``,
-  ``echo`` on the chat endpoint, ``best_of`` above ``n``, beam search, ``tools`` on ``/v1/completions``, ...; see
+  ``echo`` on the chat endpoint, ``best_of`` above ``n``, ``tools`` on ``/v1/completions``, ...; see
   ``protocol._UNSUPPORTED``) is a 400 naming it, and so are other servers' names for fields taken under another
   name here (llama.cpp's ``n_predict``, ``grammar``, ``repeat_penalty``, ...: ``protocol._OTHER_NAMES``, the error
   says which); a field that is not known at all is ignored and logged, as vLLM does.

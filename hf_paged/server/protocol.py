@@ -48,7 +48,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda value: value in (None, "none", "auto"),
     "functions": lambda value: not value,
     "function_call": lambda value: value in (None, "none", "auto"),
-    "use_beam_search": lambda value: not value,
     "echo": lambda value: not value,
     "chat_template": lambda value: value is None,
     "documents": lambda value: not value,
@@ -169,6 +168,9 @@ class GenerationRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool | None = None  # vLLM's: a beam search of width n (see `SamplingParams.use_beam_search`)
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     def constraints(self) -> list[Constraint]:
         """Every structured-output constraint the request asks for (raises ``InvalidParameter`` for a bad one)."""
@@ -215,8 +217,11 @@ class GenerationRequest(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logit_bias": self._logit_bias(),
             "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
-            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens, "use_beam_search": self.use_beam_search,
+            "length_penalty": self.length_penalty, "early_stopping": self.early_stopping,
         }
+        if self.use_beam_search:  # a model's own repetition penalty is for sampling; beam search refuses it
+            defaults = {name: value for name, value in defaults.items() if name != "repetition_penalty"}
         values = {**defaults, **{name: value for name, value in given.items() if value is not None}}
         cap = values.pop("max_tokens", None)
         if cap is not None:  # as vLLM's: a generation config's max_new_tokens bounds every request on the server
