@@ -24,14 +24,14 @@ def prompt_ids(smollm2):
                                           tokenize=True, return_dict=True).input_ids for q in QUESTIONS]
 
 
-def transformers_beams(smollm2, ids, width, length_penalty, early_stopping, max_tokens=MAX_TOKENS):
+def transformers_beams(smollm2, ids, width, length_penalty, early_stopping, max_tokens=MAX_TOKENS, **options):
     """`generate`'s ``width`` beams of one prompt (sdpa, plain linear layers), best first, each up to its EOS."""
     model, tokenizer = smollm2
     unpack_linear_layers(model)  # a generator may have packed them
     eos = tokenizer.eos_token_id
     out = generate_with(model, "sdpa", input_ids=torch.tensor([ids]), num_beams=width, num_return_sequences=width,
                         do_sample=False, max_new_tokens=max_tokens, length_penalty=length_penalty,
-                        early_stopping=early_stopping, eos_token_id=eos, pad_token_id=eos)
+                        early_stopping=early_stopping, eos_token_id=eos, pad_token_id=eos, **options)
     beams = [row[len(ids) :].tolist() for row in out]
     return [beam[: beam.index(eos) + 1] if eos in beam else beam for beam in beams]
 
@@ -80,11 +80,27 @@ def test_a_generation_config_with_num_beams_searches_as_generate(smollm2, prompt
     outputs = gen.run(prompt_ids, config, use_tqdm=False)
     # All four beams come back, best first; generate's own answer (num_return_sequences=1) is the first.
     assert [[beam.token_ids for beam in output.outputs] for output in outputs] == references[(4, 1.0, False)]
+    # generate's beam search applies a repetition penalty to the beams' log-probabilities; so does the engine's
+    penalized = GenerationConfig(num_beams=3, max_new_tokens=MAX_TOKENS, do_sample=False, repetition_penalty=1.3)
+    expected = [transformers_beams(smollm2, ids, 3, 1.0, False, repetition_penalty=1.3) for ids in prompt_ids[:2]]
+    assert expected != references[(3, 0.5, True)][:2]
+    got = gen.run(prompt_ids[:2], penalized, use_tqdm=False)
+    assert [[beam.token_ids for beam in output.outputs] for output in got] == expected
     params = SamplingParams.from_generation_config(GenerationConfig(num_beams=3, length_penalty=0.5,
                                                                     early_stopping="never", max_new_tokens=8))
     assert (params.n, params.use_beam_search, params.length_penalty, params.early_stopping) == (3, True, 0.5, "never")
     with pytest.raises(ValueError, match="beam sampling"):
         SamplingParams.from_generation_config(GenerationConfig(num_beams=3, do_sample=True, max_new_tokens=8))
+
+
+def test_one_beam_is_greedy_decoding_as_in_generate(smollm2, prompt_ids):
+    model, tokenizer = smollm2
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=256)
+    one_beam = SamplingParams(n=1, use_beam_search=True, max_tokens=15, length_penalty=2.0, early_stopping="never")
+    greedy = SamplingParams(temperature=0, max_tokens=15)
+    beams, plain = (gen.run(prompt_ids, params, use_tqdm=False) for params in (one_beam, greedy))
+    assert [o.outputs[0].token_ids for o in beams] == [o.outputs[0].token_ids for o in plain]
+    assert any(o.outputs[0].finish_reason == "stop" for o in beams)
 
 
 def test_llm_beam_search_returns_vllm_beams(smollm2_path, smollm2, prompt_ids, references):
@@ -102,7 +118,7 @@ def test_llm_beam_search_returns_vllm_beams(smollm2_path, smollm2, prompt_ids, r
 
 
 @pytest.mark.parametrize("change, param", [(dict(logprobs=2), "logprobs"), (dict(stop=["."]), "stop"),
-                                           (dict(repetition_penalty=1.2), "repetition_penalty"),
+                                           (dict(presence_penalty=0.5), "presence_penalty"),
                                            (dict(min_tokens=2), "min_tokens"), (dict(logit_bias={5: 1.0}), "logit_bias"),
                                            (dict(early_stopping="soon"), "early_stopping")])
 def test_what_beam_search_cannot_honour_is_refused_by_name(change, param):

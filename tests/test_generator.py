@@ -750,8 +750,8 @@ def test_generation_config_is_mapped_or_refused(smollm2, chat_prompts):
 
     params = SamplingParams.from_generation_config(GenerationConfig(max_new_tokens=7, do_sample=False))
     assert params.greedy and params.max_tokens == 7
-    with pytest.raises(ValueError, match="num_beams"):
-        SamplingParams.from_generation_config(GenerationConfig(num_beams=4))
+    with pytest.raises(ValueError, match="num_beams"):  # beam sampling (beam search: tests/test_beam_search.py)
+        SamplingParams.from_generation_config(GenerationConfig(num_beams=4, do_sample=True))
     gen = make_generator(smollm2)
     out = gen.run([chat_prompts[0]], GenerationConfig(max_new_tokens=5, do_sample=False), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5

@@ -399,3 +399,49 @@ def test_aborting_a_beam_search_frees_every_beam():
     scheduler.abort(request)
     assert request.is_finished and request.take_output().outputs == []
     assert_no_leak(scheduler)
+
+
+def test_beams_recomputed_together_share_their_prompt_blocks():
+    scheduler = make_scheduler()
+    beam = make_request("beam", range(3, 14), n=3, max_tokens=10, use_beam_search=True, ignore_eos=True)
+    scheduler.add(beam)
+    for _ in range(4):
+        beam_step_of(scheduler)
+    scheduler._preempt(scheduler.running[0])
+    assert all(seq.status is SequenceStatus.WAITING for seq in beam.beams.live)
+    assert scheduler.kv_manager.reset_prefix_cache()  # nothing cached: the beams can only share among themselves
+    out, _ = beam_step_of(scheduler)
+    assert len(out.admitted) == 3
+    tables = [scheduler.kv_manager.block_table(seq.seq_id) for seq in beam.beams.live]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the prompt's two full blocks, computed once
+    run_beams(scheduler, [])
+    assert len(beam.take_output().outputs) == 3
+    assert_no_leak(scheduler)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_search_that_outgrows_the_kv_cache_fails_by_name_and_the_others_finish(caching):
+    scheduler = make_scheduler(num_blocks=12, enable_prefix_caching=caching)
+    scheduler.kv_manager.enable_prefix_caching = caching
+    beam = make_request("beam", range(3, 14), n=4, max_tokens=40, use_beam_search=True, ignore_eos=True)
+    other = make_request("other", range(20, 24), max_tokens=6, ignore_eos=True)
+    failed = []
+    scheduler.add(beam)
+    scheduler.add(other)
+    for _ in range(300):
+        if not scheduler.has_work():
+            break
+        out, _ = beam_step_of(scheduler)
+        failed += out.failed
+    assert failed == [beam] and beam.is_finished and beam.error_param == "n"
+    assert "need more KV cache than the engine has (12 blocks of 4 tokens)" in beam.error
+    assert other.seqs[0].output_token_ids == [10 + i for i in range(6)]
+    assert_no_leak(scheduler)
+
+
+def test_a_search_alone_that_cannot_grow_fails_at_once_rather_than_preempt_itself():
+    scheduler = make_scheduler(num_blocks=16)
+    beam = make_request("beam", range(3, 14), n=4, max_tokens=60, use_beam_search=True, ignore_eos=True)
+    run_beams(scheduler, [beam])
+    assert "need more KV cache" in beam.error and scheduler.num_preemptions == 0
+    assert_no_leak(scheduler)

@@ -333,6 +333,9 @@ def test_beam_search_answers_the_engines_beams(server, client):
                                                   "use_beam_search": True}), 400, "logprobs", "use_beam_search")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": 2, "use_beam_search": True,
                                                   "early_stopping": "soon"}), 400)
+    constrained = {"model": MODEL, "messages": CHAT, "n": 2, "use_beam_search": True,
+                   "response_format": {"type": "json_object"}}
+    assert_error(post(server, "/v1/chat/completions", constrained), 400, "response_format", "use_beam_search")
     wait_until_idle(server.generator)
 
 

@@ -146,12 +146,22 @@ def beam_step(state: BeamState, params: SamplingParams, scores: list[float], row
 
 def beam_candidates(logits: torch.Tensor, draws: list[tuple[Sequence, int]]) -> list[Candidates | None] | None:
     """Per draw (row of ``logits``), a beam search's candidates: the ``keep`` likeliest tokens by the model's own
-    log-probabilities (float32, as `generate`); None for other rows, and None when no row is a beam's."""
+    log-probabilities (float32), with ``repetition_penalty`` applied to those of the beam's tokens so far, as
+    `generate`'s beam search applies it; None for other rows, and None when no row is a beam's."""
     rows = [row for row, (seq, _) in enumerate(draws) if seq.request.beams is not None]
     if not rows:
         return None
     keep = [draws[row][0].request.beams.keep for row in rows]
-    top = logits[rows].float().log_softmax(dim=-1).topk(min(max(keep), logits.shape[-1]), dim=-1)
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    for i, row in enumerate(rows):
+        seq = draws[row][0]
+        penalty = seq.request.params.repetition_penalty
+        if penalty != 1:
+            seen = torch.tensor(seq.token_ids, device=logprobs.device)
+            seen = seen[seen < logprobs.shape[-1]]  # tokens past the output layer's (never generated) go unpenalised
+            scores = logprobs[i, seen]
+            logprobs[i, seen] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    top = logprobs.topk(min(max(keep), logits.shape[-1]), dim=-1)
     candidates: list[Candidates | None] = [None] * len(draws)
     for row, k, ids, logprobs in zip(rows, keep, top.indices.tolist(), top.values.tolist()):
         candidates[row] = (ids[:k], logprobs[:k])

@@ -340,6 +340,8 @@ class ContinuousBatchGenerator:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule() if self.scheduler.has_work() else None
+        if out is not None:
+            changed += out.failed
         if out is not None and out.seqs:
             now = time.monotonic()
             for seq in out.seqs:

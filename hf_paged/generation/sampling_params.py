@@ -150,10 +150,10 @@ class SamplingParams:
     and the output ends (``finish_reason="stop"``) when the constraint is complete and the model emits its end token.
     ``output_kind`` says what each output of the request carries (see `RequestOutputKind`).
     ``use_beam_search=True`` decodes by beam search of width ``n`` as Transformers' ``generate(num_beams=n)`` does
-    (see `beam_search`): the ``n`` best finished beams come back, best first, once the search ends; ``length_penalty``
-    and ``early_stopping`` are Transformers'. It ranks by the model's own log-probabilities, so the sampling fields
-    (temperature, top_p, top_k, min_p, seed) play no part, and the fields that would change the distribution are
-    refused with it.
+    (see `beam_search`; one beam is greedy decoding): the ``n`` best finished beams come back, best first, once the
+    search ends; ``length_penalty``, ``early_stopping`` and ``repetition_penalty`` (on the log-probabilities) are
+    Transformers'. It ranks by the model's own log-probabilities, so the sampling fields (temperature, top_p, top_k,
+    min_p, seed) play no part, and the other fields that would change them or cut a beam short are refused with it.
     """
 
     n: int = 1
@@ -234,7 +234,7 @@ class SamplingParams:
             self._check_beam_search()
 
     # Fields beam search cannot honour (it ranks by the model's own log-probabilities), with their "off" values.
-    _NOT_WITH_BEAMS = {"logprobs": None, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+    _NOT_WITH_BEAMS = {"logprobs": None, "min_tokens": 0, "presence_penalty": 0.0,
                        "frequency_penalty": 0.0, "stop": [], "logit_bias": {}, "allowed_token_ids": None,
                        "bad_words": [], "structured_outputs": None}
 

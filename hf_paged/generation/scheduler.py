@@ -48,6 +48,7 @@ class SchedulerOutput:
     # Prompt logprobs: ``(sequence, first position, count)``, positions whose logits score the prompt token after
     # them; their rows follow all the others, in this order.
     prompt_logprob_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # beam searches that cannot fit in the KV cache
 
     @property
     def num_prompt_logprob_rows(self) -> int:
@@ -142,14 +143,16 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        running = list(self.running)
+        running, searches = list(self.running), set()
         for i, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if seq.request.beams is not None:
-                budget = self._schedule_beams(out, seq, budget)
+                if seq.request.request_id not in searches:  # its beams are scheduled with its first
+                    searches.add(seq.request.request_id)
+                    budget = self._schedule_beams(out, seq.request, budget)
                 continue
             # Guesses take only the budget left once every later sequence has a token: they are optional.
             needed = seq.num_tokens - seq.num_computed_tokens
@@ -170,25 +173,25 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _schedule_beams(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
-        """Schedule the live beams of ``seq``'s search together, when its first is reached: each takes what it needs of
-        ``budget``, and their blocks are found for all of them or (the newest sequences preempted first; the beams
-        themselves, all together, when they are the newest) for none. Returns the budget left."""
-        beams = [s for s in self.running if s.request is seq.request]
-        if seq is not beams[0]:
-            return budget
+    def _schedule_beams(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        """Schedule the running beams of a search together: each takes what it needs of ``budget``, and their blocks
+        are found for all of them or (the newest sequences preempted first; the beams themselves, all together, when
+        they are the newest) for none. Returns the budget left."""
         plan = []
-        for beam in beams:  # a beam whose candidates wait for its siblings' has nothing to compute
-            n = min(beam.num_tokens - beam.num_computed_tokens, budget)
+        for beam in [seq for seq in request.seqs if seq.status is SequenceStatus.RUNNING]:
+            n = min(beam.num_tokens - beam.num_computed_tokens, budget)  # 0: its candidates wait for its siblings'
             if n > 0:
                 plan.append((beam, n))
                 budget -= n
         needed = sum(self.kv_manager.num_blocks_needed(b.seq_id, b.num_computed_tokens, b.num_computed_tokens + n)
                      for b, n in plan)
         while needed > self.kv_manager.pool.num_free_blocks:
+            if all(seq.request is request for seq in self.running):  # it holds every block in use
+                self._fail_search(out, request)
+                return budget + sum(n for _, n in plan)
             victim = self.running[-1]
             self._preempt(victim)
-            if victim.request is seq.request:
+            if victim.request is request:
                 return budget + sum(n for _, n in plan)
         for beam, n in plan:
             self._take(out, beam, n, self._grow(beam, n))
@@ -224,6 +227,9 @@ class Scheduler:
                 passed += [self.waiting.popleft() for _ in unit]
                 continue
             plan = self._fit(unit, budget)
+            if plan is None and not self.running and unit[0].request.beams is not None:  # every block is free
+                self._fail_search(out, unit[0].request)
+                continue
             if plan is None:
                 break
             for seq, num_cached, n, copies in plan:
@@ -243,7 +249,8 @@ class Scheduler:
 
     def _fit(self, unit: list[Sequence], budget: int) -> list[tuple[Sequence, int, int, list[BlockCopy]]] | None:
         """Attach each sequence's cached prefix and find blocks for what it computes of ``budget``: per sequence
-        ``(sequence, cached tokens, tokens, block copies)``, or None, every block given back, when they are short."""
+        ``(sequence, cached tokens, tokens, block copies)``, or None, every block given back, when they are short.
+        Each one's blocks are indexed for prefix reuse at once, so that beams recomputed together share theirs."""
         plan = []
         for seq in unit:
             num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
@@ -253,9 +260,12 @@ class Scheduler:
             room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0)
             copies = self.kv_manager.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
             if copies is None:
+                for held, cached, _, _ in plan:  # blocks indexed for this step, never to be written
+                    self.kv_manager.uncache_blocks(held.seq_id, cached)
                 for held in unit[: len(plan) + 1]:
                     self.kv_manager.free(held.seq_id)
                 return None
+            self.kv_manager.cache_blocks(seq.seq_id, seq.token_ids, num_cached + n, seq.request.cache_salt)
             plan.append((seq, num_cached, n, copies))
             budget -= n
         return plan
@@ -374,6 +384,14 @@ class Scheduler:
             seq.request.prompt_ranks += ranks
 
     # ---------------------------------------------------------------------------------------------- beam search
+    def _fail_search(self, out: SchedulerOutput, request: Request) -> None:
+        """Fail a beam search whose beams cannot go on even with every other sequence preempted."""
+        pool = self.kv_manager.pool
+        self.fail(request, f"the {request.params.n} beams of this beam search need more KV cache than the engine has "
+                  f"({pool.num_blocks} blocks of {pool.block_size} tokens): give the engine more (num_blocks, "
+                  "kv_cache_memory), or ask for fewer beams (n) or tokens (max_tokens)", "n")
+        out.failed.append(request)
+
     def _advance_searches(self, requests, now: float) -> None:
         """Step each beam search of ``requests`` whose live beams all have their candidates; a step that raises fails
         its own request only."""

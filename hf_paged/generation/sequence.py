@@ -170,7 +170,7 @@ class Request:
         self.stop_holdback = max((len(s) for s in params.stop), default=1) - 1
         if params.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_ranks = [None], [None]
-        if params.use_beam_search:
+        if params.use_beam_search and params.n > 1:  # one beam is greedy decoding, as in `generate`
             self.beams = BeamState(params.n, max(2, 1 + len(self.stop_ids)) * params.n, live=[self.seqs[0]])
 
     def wire_fields(self) -> dict:

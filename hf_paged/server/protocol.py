@@ -220,13 +220,14 @@ class GenerationRequest(BaseModel):
             "truncate_prompt_tokens": self.truncate_prompt_tokens, "use_beam_search": self.use_beam_search,
             "length_penalty": self.length_penalty, "early_stopping": self.early_stopping,
         }
-        if self.use_beam_search:  # a model's own repetition penalty is for sampling; beam search refuses it
-            defaults = {name: value for name, value in defaults.items() if name != "repetition_penalty"}
         values = {**defaults, **{name: value for name, value in given.items() if value is not None}}
         cap = values.pop("max_tokens", None)
         if cap is not None:  # as vLLM's: a generation config's max_new_tokens bounds every request on the server
             max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         constraint = self.constraint()
+        if constraint is not None and self.use_beam_search:
+            raise InvalidParameter(constraint.param, f"{constraint.param} cannot be used with use_beam_search (beam "
+                                   "search ranks beams by the model's own log-probabilities)")
         # The server merges each request's deltas itself (see `engine.RequestStream`).
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, output_kind=RequestOutputKind.DELTA,
                               structured_outputs=constraint.spec if constraint else None,
