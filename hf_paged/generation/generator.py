@@ -416,7 +416,7 @@ class ContinuousBatchGenerator:
             rows = logits if len(out.draw_rows) == logits.shape[0] else logits[out.draw_rows]
             sampled = sample(rows, build_sampling_batch(out.draws, logits.device))
         if out.draws:
-            sampled.beams = beam_candidates(logits[out.draw_rows], out.draws)
+            sampled.beams = beam_candidates(logits, out.draws, out.draw_rows)
         if scored:
             sampled.prompt_logprobs, sampled.prompt_ranks = prompt_logprobs(prompt_logits, out.prompt_logprob_spans)
         return sampled
