@@ -17,34 +17,22 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 
-from common import WORDS, HelpFormatter, take_turns  # first: it sets up the import path
+from common import WORDS, padded_generate, side_by_side_parser, take_turns  # first: it sets up the import path
 
 import torch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser = side_by_side_parser(__doc__)
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
 def transformers_beams(model, tokenizer, prompts: list[list[int]], width: int, max_tokens: int) -> list:
-    width_of_batch = max(map(len, prompts))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width_of_batch - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width_of_batch - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                             num_beams=width, num_return_sequences=width, eos_token_id=None, pad_token_id=pad)
-    rows = out[:, width_of_batch:].tolist()
+    rows = padded_generate(model, tokenizer, prompts, max_tokens, num_beams=width, num_return_sequences=width)
     return [rows[i * width : (i + 1) * width] for i in range(len(prompts))]
 
 
@@ -72,9 +60,8 @@ def main(argv=None) -> None:
     runs = {"hf_paged": ours,
             "transformers": lambda: transformers_beams(plain, tokenizer, prompts, args.beam_width, args.max_tokens)}
     work = args.num_requests * args.beam_width * args.max_tokens
-    results, speeds = take_turns(runs, args.rounds, work, "beam tokens/s")
+    results, median = take_turns(runs, args.rounds, work, "beam tokens/s")
     same = sum(a == b for a, b in zip(results["hf_paged"], results["transformers"]))
-    median = {name: statistics.median(values) for name, values in speeds.items()}
     print(f"\n{args.num_requests} prompts x {args.beam_width} beams x {args.max_tokens} tokens, {args.dtype}: "
           f"hf_paged {median['hf_paged']:.1f}, transformers {median['transformers']:.1f} beam tokens/s (median of "
           f"{args.rounds}); hf_paged / transformers = {median['hf_paged'] / median['transformers']:.2f}x; "

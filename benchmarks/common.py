@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +26,8 @@ WORDS = ("the cat sat on a mat while rain fell over quiet hills and rivers ran p
 
 def take_turns(runs: dict[str, Callable[[], object]], rounds: int, work: int, unit: str) -> tuple[dict, dict]:
     """Run each of ``runs`` once a round, in turns (the order reversed every other round: the machine's speed drifts);
-    returns each one's last result and its speeds (``work`` ``unit`` per second), each printed as it comes."""
+    returns each one's last result and its median speed (``work`` ``unit`` per second; each round's printed as it
+    comes)."""
     speeds: dict[str, list[float]] = {name: [] for name in runs}
     results = {}
     for round_number in range(rounds):
@@ -34,7 +36,33 @@ def take_turns(runs: dict[str, Callable[[], object]], rounds: int, work: int, un
             results[name] = runs[name]()
             speeds[name].append(work / (time.perf_counter() - start))
             print(f"round {round_number + 1}: {name}: {speeds[name][-1]:.1f} {unit}", flush=True)
-    return results, speeds
+    return results, {name: statistics.median(values) for name, values in speeds.items()}
+
+
+def padded_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int, **options) -> list[list[int]]:
+    """Transformers ``generate`` of exactly ``max_tokens`` new tokens (no EOS) for ``prompts`` in one left-padded
+    batch, greedy unless ``options`` say otherwise; each returned row's new tokens."""
+    import torch
+
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=pad, **options)
+    return out[:, width:].tolist()
+
+
+def side_by_side_parser(description: str) -> argparse.ArgumentParser:
+    """The flags of a comparison run in one process, sides taking turns: ``--model``, ``--dtype``, ``--rounds``,
+    ``--seed``; the script adds its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

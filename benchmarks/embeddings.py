@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 
-from common import WORDS, HelpFormatter, take_turns  # first: it sets up the import path
+from common import WORDS, side_by_side_parser, take_turns  # first: it sets up the import path
 
 import torch  # noqa: E402
 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser = side_by_side_parser(__doc__)
     parser.add_argument("--num-inputs", type=int, default=256)
     parser.add_argument("--min-words", type=int, default=4)
     parser.add_argument("--max-words", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=32, help="Transformers' batch size")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -66,11 +61,11 @@ def main(argv=None) -> None:
     tokens = sum(map(len, ids))
     runs = {"hf_paged": lambda: embed(model, ids, PoolingConfig()),
             "transformers": lambda: transformers_embed(plain, tokenizer, texts, args.batch_size)}
-    results, speeds = take_turns(runs, args.rounds, tokens, "input tokens/s")
+    results, median = take_turns(runs, args.rounds, tokens, "input tokens/s")
     ours_vectors, their_vectors = torch.tensor(results["hf_paged"]), torch.tensor(results["transformers"])
     gap = (ours_vectors - their_vectors).abs().max().item()
     cosine = torch.nn.functional.cosine_similarity(ours_vectors, their_vectors, dim=-1).min().item()
-    ours, theirs = statistics.median(speeds["hf_paged"]), statistics.median(speeds["transformers"])
+    ours, theirs = median["hf_paged"], median["transformers"]
     print(f"\n{args.num_inputs} inputs, {tokens} tokens, {args.dtype}: hf_paged {ours:.0f} vs Transformers "
           f"{theirs:.0f} input tokens/s (median of {args.rounds}) = {ours / theirs:.2f}x; largest vector difference "
           f"{gap:.2e}, lowest cosine similarity {cosine:.6f}")

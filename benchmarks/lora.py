@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import copy
 import random
-import statistics
 import sys
 import tempfile
 
-from common import WORDS, HelpFormatter, take_turns  # first: it sets up the import path
+from common import WORDS, padded_generate, side_by_side_parser, take_turns  # first: it sets up the import path
 
 import torch  # noqa: E402
 
@@ -31,17 +30,13 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser = side_by_side_parser(__doc__)
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--num-adapters", type=int, default=4)
     parser.add_argument("--base-share", type=int, default=0,
                         help="every N-th request runs under no adapter (0: all run under one)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -63,15 +58,6 @@ def make_adapters(base, count: int, rank: int, root: str) -> list[str]:
     return paths
 
 
-def peft_generate(model, tokenizer, prompts: list[list[int]], names: list[str], max_tokens: int) -> list[list[int]]:
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=pad, adapter_names=names)
-    return out[:, width:].tolist()
 
 
 def main(argv=None) -> None:
@@ -112,11 +98,10 @@ def main(argv=None) -> None:
                                                                lora_request=lora_requests)]
 
     runs = {"hf_paged": lambda: ours(chosen), "hf_paged base": lambda: ours(None),
-            "peft": lambda: peft_generate(tuned, tokenizer, prompts, names, args.max_tokens)}
+            "peft": lambda: padded_generate(tuned, tokenizer, prompts, args.max_tokens, adapter_names=names)}
     tokens = args.num_requests * args.max_tokens
-    results, speeds = take_turns(runs, args.rounds, tokens, "output tokens/s")
+    results, median = take_turns(runs, args.rounds, tokens, "output tokens/s")
     same = sum(a == b for a, b in zip(results["hf_paged"], results["peft"]))
-    median = {name: statistics.median(values) for name, values in speeds.items()}
     print(f"\n{args.num_requests} requests x {args.max_tokens} tokens, {args.num_adapters} adapters of rank "
           f"{args.rank}, {args.dtype}: hf_paged {median['hf_paged']:.1f}, hf_paged base {median['hf_paged base']:.1f}, "
           f"peft {median['peft']:.1f} output tokens/s (median of {args.rounds}); hf_paged / peft = "

@@ -390,23 +390,25 @@ def test_a_beam_search_is_preempted_and_readmitted_whole_with_the_same_beams():
     assert len(roomy) == 4
 
 
-def test_aborting_a_beam_search_frees_every_beam():
+def started_search(steps, **params):
+    """A scheduler whose one request, a beam search of the fake model of `beam_row`, has run ``steps`` steps."""
     scheduler = make_scheduler()
-    request = make_request("a", range(3, 12), n=3, max_tokens=20, use_beam_search=True, ignore_eos=True)
+    request = make_request("beam", range(3, 14), use_beam_search=True, ignore_eos=True, **params)
     scheduler.add(request)
-    for _ in range(3):
+    for _ in range(steps):
         beam_step_of(scheduler)
+    return scheduler, request
+
+
+def test_aborting_a_beam_search_frees_every_beam():
+    scheduler, request = started_search(3, n=3, max_tokens=20)
     scheduler.abort(request)
     assert request.is_finished and request.take_output().outputs == []
     assert_no_leak(scheduler)
 
 
 def test_beams_recomputed_together_share_their_prompt_blocks():
-    scheduler = make_scheduler()
-    beam = make_request("beam", range(3, 14), n=3, max_tokens=10, use_beam_search=True, ignore_eos=True)
-    scheduler.add(beam)
-    for _ in range(4):
-        beam_step_of(scheduler)
+    scheduler, beam = started_search(4, n=3, max_tokens=10)
     scheduler._preempt(scheduler.running[0])
     assert all(seq.status is SequenceStatus.WAITING for seq in beam.beams.live)
     assert scheduler.kv_manager.reset_prefix_cache()  # nothing cached: the beams can only share among themselves
