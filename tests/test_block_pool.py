@@ -169,3 +169,20 @@ def test_a_freed_sequence_evicts_its_last_block_first():
     kv.free("a")
     assert kv.allocate("b", 0, 8) == []  # the one plain free block, then one cached block evicted
     assert kv.match_prefix("c", tokens + [99]) == 8
+
+
+@pytest.mark.parametrize("bystander", [False, True])
+def test_blocks_needed_together_count_one_copy_fewer_than_the_sharers_that_write(bystander):
+    """Three forks write into their shared partial block: two copies, the last one writes in place; a fourth holder
+    that does not write leaves every writer a copy to make."""
+    kv = KVCacheManager(BlockPool(16, 4))
+    kv.allocate("a", 0, 6)
+    for child in ("b", "c") + (("d",) if bystander else ()):
+        kv.fork("a", child)
+    spans = [(seq, 6, 7) for seq in ("a", "b", "c")]
+    needed = kv.num_blocks_needed_all(spans)
+    free = kv.pool.num_free_blocks
+    copies = [kv.allocate(*span) for span in spans]
+    assert needed == free - kv.pool.num_free_blocks == (3 if bystander else 2)
+    assert sum(map(len, copies)) == needed
+    assert kv.num_blocks_needed_all([("a", 0, 9)]) == kv.num_blocks_needed("a", 0, 9) == 1

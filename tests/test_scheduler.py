@@ -407,11 +407,13 @@ def test_aborting_a_beam_search_frees_every_beam():
     assert_no_leak(scheduler)
 
 
-def test_beams_recomputed_together_share_their_prompt_blocks():
+@pytest.mark.parametrize("caching", [True, False])
+def test_beams_recomputed_together_share_their_prompt_blocks(caching):
     scheduler, beam = started_search(4, n=3, max_tokens=10)
     scheduler._preempt(scheduler.running[0])
     assert all(seq.status is SequenceStatus.WAITING for seq in beam.beams.live)
     assert scheduler.kv_manager.reset_prefix_cache()  # nothing cached: the beams can only share among themselves
+    scheduler.kv_manager.enable_prefix_caching = caching
     out, _ = beam_step_of(scheduler)
     assert len(out.admitted) == 3
     tables = [scheduler.kv_manager.block_table(seq.seq_id) for seq in beam.beams.live]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import Counter
 from collections.abc import Hashable, Sequence
 
 from .block_pool import BlockPool
@@ -53,6 +54,18 @@ class KVCacheManager:
         """New blocks that :meth:`allocate` would take to hold ``num_tokens`` tokens."""
         table = self.block_table(seq_id)
         return max(0, self._blocks_for(num_tokens) - len(table)) + self._needs_copy(table, num_computed)
+
+    def num_blocks_needed_all(self, spans: Sequence[tuple[Hashable, int, int]]) -> int:
+        """New blocks that :meth:`allocate` would take for each ``(seq_id, num_computed, num_tokens)`` of ``spans`` in
+        turn: a shared, partly filled block that ``k`` of them write into is copied ``k`` times, or ``k - 1`` when
+        they are all its holders (the last one writes into it in place)."""
+        new, writers = 0, Counter()
+        for seq_id, num_computed, num_tokens in spans:
+            table = self.block_table(seq_id)
+            new += max(0, self._blocks_for(num_tokens) - len(table))
+            if self._needs_copy(table, num_computed):
+                writers[table[num_computed // self.block_size]] += 1
+        return new + sum(min(k, self.pool.ref_counts[block] - 1) for block, k in writers.items())
 
     def allocate(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> list[BlockCopy] | None:
         """Make room for tokens ``[num_computed, num_tokens)`` of ``seq_id``.
@@ -148,6 +161,16 @@ class KVCacheManager:
         self.pool.incref(table)
         self.tables[child] = table
         self._hashes[child] = list(self._hashes.get(parent, []))
+
+    def share_prefix(self, seq_id: Hashable, source: Hashable, num_tokens: int) -> None:
+        """Let ``seq_id``, which holds only a matched prefix so far, start with the whole blocks of the first
+        ``num_tokens`` tokens of ``source`` instead (beams recomputed together)."""
+        keep = num_tokens // self.block_size
+        blocks = self.tables[source][:keep]
+        self.pool.incref(blocks)
+        self.free(seq_id)
+        self.tables[seq_id] = list(blocks)
+        self._hashes[seq_id] = list(self._hashes.get(source, [])[:keep])
 
     def select(self, sources: Sequence[Hashable]) -> None:
         """Renumber: sequence ``i`` becomes a sharer of the blocks of old sequence ``sources[i]``."""

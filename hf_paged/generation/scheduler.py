@@ -183,8 +183,8 @@ class Scheduler:
             if n > 0:
                 plan.append((beam, n))
                 budget -= n
-        needed = sum(self.kv_manager.num_blocks_needed(b.seq_id, b.num_computed_tokens, b.num_computed_tokens + n)
-                     for b, n in plan)
+        needed = self.kv_manager.num_blocks_needed_all([(b.seq_id, b.num_computed_tokens, b.num_computed_tokens + n)
+                                                        for b, n in plan])
         while needed > self.kv_manager.pool.num_free_blocks:
             if all(seq.request is request for seq in self.running):  # it holds every block in use
                 self._fail_search(out, request)
@@ -249,26 +249,37 @@ class Scheduler:
 
     def _fit(self, unit: list[Sequence], budget: int) -> list[tuple[Sequence, int, int, list[BlockCopy]]] | None:
         """Attach each sequence's cached prefix and find blocks for what it computes of ``budget``: per sequence
-        ``(sequence, cached tokens, tokens, block copies)``, or None, every block given back, when they are short.
-        Each one's blocks are indexed for prefix reuse at once, so that beams recomputed together share theirs."""
+        ``(sequence, cached tokens, tokens, block copies)``, or None, every block given back, when they are short."""
         plan = []
         for seq in unit:
             num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
                                                       reuse=not seq.request.scores_prompt)
+            num_cached = self._share_planned(seq, num_cached, plan)
             n = min(seq.num_tokens - num_cached, budget)
             needed = self.kv_manager.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
             room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0)
             copies = self.kv_manager.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
             if copies is None:
-                for held, cached, _, _ in plan:  # blocks indexed for this step, never to be written
-                    self.kv_manager.uncache_blocks(held.seq_id, cached)
                 for held in unit[: len(plan) + 1]:
                     self.kv_manager.free(held.seq_id)
                 return None
-            self.kv_manager.cache_blocks(seq.seq_id, seq.token_ids, num_cached + n, seq.request.cache_salt)
             plan.append((seq, num_cached, n, copies))
             budget -= n
         return plan
+
+    def _share_planned(self, seq: Sequence, num_cached: int, plan: list) -> int:
+        """Beams recomputed together share their common prefix: ``seq`` takes the whole blocks of the longest one that
+        a beam planned before it holds or computes this step, where longer than its own ``num_cached`` (with or
+        without prefix caching). Returns the tokens it now holds."""
+        for held, cached, n, _ in plan:
+            # Theirs as far as this step computes; mine leaving one token to compute (its logits are needed).
+            theirs, mine = held.token_ids[: cached + n], seq.token_ids[: seq.num_tokens - 1]
+            common = next((i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
+            common -= common % self.kv_manager.block_size
+            if common > num_cached:
+                self.kv_manager.share_prefix(seq.seq_id, held.seq_id, common)
+                num_cached = common
+        return num_cached
 
     def _admit(self, out: SchedulerOutput, seq: Sequence, num_cached: int, n: int, copies: list[BlockCopy]) -> None:
         seq.num_computed_tokens = num_cached
