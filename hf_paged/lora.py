@@ -267,8 +267,8 @@ class LoRAStep:
                 rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + length))
             start += length
         groups = sorted(rows.values(), key=lambda group: group[0].digest)  # the stacks' order, whatever the step's
-        return cls(start, [(adapter, torch.tensor(index, dtype=torch.long, device=device)) for adapter, index in groups],
-                   stacks)
+        indices = [(adapter, torch.tensor(index, dtype=torch.long, device=device)) for adapter, index in groups]
+        return cls(start, indices, stacks)
 
     @contextmanager
     def applied(self, model: nn.Module):

@@ -119,7 +119,8 @@ def test_llm_beam_search_returns_vllm_beams(smollm2_path, smollm2, prompt_ids, r
 
 @pytest.mark.parametrize("change, param", [(dict(logprobs=2), "logprobs"), (dict(stop=["."]), "stop"),
                                            (dict(presence_penalty=0.5), "presence_penalty"),
-                                           (dict(min_tokens=2), "min_tokens"), (dict(logit_bias={5: 1.0}), "logit_bias"),
+                                           (dict(min_tokens=2), "min_tokens"),
+                                           (dict(logit_bias={5: 1.0}), "logit_bias"),
                                            (dict(early_stopping="soon"), "early_stopping")])
 def test_what_beam_search_cannot_honour_is_refused_by_name(change, param):
     with pytest.raises(InvalidParameter, match=param) as err:

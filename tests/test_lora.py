@@ -224,8 +224,9 @@ def test_smollm2_under_an_adapter_matches_peft(smollm2_path, chat_prompts, tmp_p
     prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in chat_prompts[:2]]
     reference = AutoModelForCausalLM.from_pretrained(smollm2_path, attn_implementation="sdpa", dtype=torch.float32)
     base_tokens = [_greedy(reference, p, 16) for p in prompts]
+    every_linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapted = _save_adapter(reference, tmp_path / "smol", 0, spread=0.02, r=8, lora_alpha=16,
-                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+                            target_modules=every_linear)
     adapter_tokens = [_greedy(adapted, p, 16) for p in prompts]
     assert adapter_tokens != base_tokens
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, attn_implementation="paged", dtype=torch.float32)
@@ -358,7 +359,8 @@ def test_speculation_under_an_adapter_keeps_the_adapters_tokens(smollm2_path, ad
 
 
 def test_an_adapter_loaded_through_transformers_runs_on_every_request(smollm2_path, adapters):
-    """Transformers' own PEFT integration (``model.load_adapter``) wraps the layers: the engine runs them as they are."""
+    """Transformers' own PEFT integration (``model.load_adapter``) wraps the layers: the engine runs them as they
+    are."""
     paths, expected = adapters
     model, tokenizer = tiny_model(smollm2_path)
     model.load_adapter(paths["mlp"])

@@ -146,9 +146,9 @@ def beam_step(state: BeamState, params: SamplingParams, scores: list[float], row
 
 def beam_candidates(logits: torch.Tensor, draws: list[tuple[Sequence, int]],
                     draw_rows: list[int]) -> list[Candidates | None] | None:
-    """Per draw (from row ``draw_rows[i]`` of ``logits``), a beam search's candidates: the ``keep`` likeliest tokens by the model's own
-    log-probabilities (float32), with ``repetition_penalty`` applied to those of the beam's tokens so far, as
-    `generate`'s beam search applies it; None for other rows, and None when no row is a beam's."""
+    """Per draw (from row ``draw_rows[i]`` of ``logits``), a beam search's candidates: the ``keep`` likeliest tokens
+    by the model's own log-probabilities (float32), with ``repetition_penalty`` applied to those of the beam's tokens
+    so far, as `generate`'s beam search applies it; None for other rows, and None when no row is a beam's."""
     rows = [row for row, (seq, _) in enumerate(draws) if seq.request.beams is not None]
     if not rows:
         return None

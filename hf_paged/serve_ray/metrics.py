@@ -1,7 +1,8 @@
 """The app's ``/metrics``: every replica's server metrics labelled ``replica="<id>"``, their total labelled
 ``replica="all"`` (sums; the mean for fractions such as ``kv_cache_usage_perc``, the speculation rates from the
-summed counters, the latest time of ``lora_requests_info``), and the router's counters. The totals of counters and histograms keep the last values of the
-replicas that no longer answer (replaced, or late), so they never go down, as Prometheus expects of a counter."""
+summed counters, the latest time of ``lora_requests_info``), and the router's counters. The totals of counters and
+histograms keep the last values of the replicas that no longer answer (replaced, or late), so they never go down, as
+Prometheus expects of a counter."""
 
 from __future__ import annotations
 
