@@ -830,11 +830,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    from .distributed import DistributedError
+    from .distributed import DistributedError, destroy_process_group
 
     try:
         code = _setup_parallel(args.command_parser, args, argv)
-        return code if code is not None else args.run(args.command_parser, args)
+        if code is not None:
+            return code
+        code = args.run(args.command_parser, args)
+        if code == 0:  # every rank is done with the others (not after a failure: a rank may be stuck in a collective)
+            destroy_process_group()
+        return code
     except DistributedError as err:
         print(f"hf-paged: error: {err}", file=sys.stderr)
         return 1

@@ -72,6 +72,13 @@ def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     _timeout_s = timeout_s
 
 
+def destroy_process_group() -> None:
+    """Leave the group, on a clean exit: a process that ends in it can abort (SIGABRT, "terminate called without an
+    active exception") while the interpreter finalizes, gloo's worker threads still holding work."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def smallest_over_ranks(value: int, device: torch.device) -> int:
     """The smallest ``value`` any rank has (a collective: every rank calls it)."""
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
