@@ -23,6 +23,7 @@ from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..lora import LoRAAdapter, LoRAAdapters, LoRARequest
 from ..native_decoder import NativeDecoder
+from .beam_search import beam_candidates
 from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, cpu_kv_space
 from .cuda_graphs import decode_graphs
 from .detokenizer import Detokenizer
@@ -30,7 +31,6 @@ from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
-from .beam_search import beam_candidates
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import InvalidParameter, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput

@@ -471,7 +471,6 @@ class Scheduler:
                 carriers.append(seq)
             else:
                 child = source.fork(len(source.request.seqs))
-                child.become(source)
                 self.kv_manager.fork(source.seq_id, child.seq_id)
                 self.running.insert(self.running.index(source) + 1, child)  # a search's beams stay together
                 carriers.append(child)

@@ -84,10 +84,8 @@ class Sequence:
 
     def fork(self, index: int) -> "Sequence":
         """A sibling sample that shares everything computed so far (it has generated nothing yet)."""
-        child = Sequence(self.request, index, list(self.token_ids))
-        child.num_computed_tokens = self.num_computed_tokens
-        child.status = self.status
-        child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
+        child = Sequence(self.request, index, [])
+        child.become(self)
         child.matcher = self.matcher.fork() if self.matcher is not None else None
         child.in_reasoning, child.reasoning_opener = self.in_reasoning, self.reasoning_opener
         self.request.seqs.append(child)
@@ -225,7 +223,7 @@ class Request:
         delta = kind is RequestOutputKind.DELTA
         if self.beams is not None:  # the finished beams, best first (none when aborted before the search ended)
             outputs = [self._beam_output(rank, hypothesis.seq) for rank, hypothesis in
-                       enumerate(self.beams.finished)] if finished and self.beams.done else []
+                       enumerate(self.beams.finished)] if self.beams.done else []
         else:
             outputs = [seq.take_output(delta) for seq in sorted(self.seqs, key=lambda s: s.index)]
         prompt_logprobs = prompt_ranks = None
