@@ -3,10 +3,11 @@ one step runs requests of several adapters and of none.
 
 An adapter is a PEFT directory (``adapter_config.json`` and ``adapter_model.safetensors``): for each linear layer it
 targets, ``A [r, in]``, ``B [out, r]`` and ``scale`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA), so that the
-layer computes ``base(x) + (x A^T) B^T * scale`` as PEFT does. The base weights are never changed: during a step that
-holds adapted tokens, a forward hook on each targeted layer adds each adapter's product to its own tokens' rows
-(`LoRAAdapters.applied`); other steps run the model as it is (native decoder, CUDA graphs included). Keys and values
-computed under an adapter are cached apart from the base model's and other adapters' (`LoRAAdapter.cache_salt`).
+layer computes ``base(x) + (x A^T) B^T * scale`` as PEFT does. The base weights are never changed: the native decoder
+adds each token's adapter's product in its own layers (`LoRAStep.stacked`, `LoRAStep.slots`); in a step through the
+Transformers forward that holds adapted tokens, a forward hook on each targeted layer adds each adapter's product to
+its own tokens' rows (`LoRAStep.applied`). Keys and values computed under an adapter are cached apart from the base
+model's and other adapters' (`LoRAAdapter.cache_salt`).
 """
 
 from __future__ import annotations
@@ -223,17 +224,17 @@ def _pattern_value(patterns: dict, name: str, default):
 
 
 class LoRAStacks:
-    """Each layer's adapters of a mixed step side by side, ``A [sum of ranks, in]`` and ``B [out, sum of ranks]``, so
-    that the layer adds them all in two products; kept across steps for the ``size`` most recent sets of adapters (the
-    same ones usually run together for many steps), by the adapters' contents, so nothing holds a dropped adapter
-    beyond them."""
+    """What is built from a set of adapters for its steps (each layer's adapters side by side, `LoRAStep.stacked`,
+    so that the layer adds them all in two products; the native decoder's structure of them), kept across steps for
+    the ``size`` most recent sets of adapters (the same ones usually run together for many steps), by the adapters'
+    contents, so nothing holds a dropped adapter beyond them."""
 
     def __init__(self, size: int = 4):
         self.size = size
-        self._sets: OrderedDict[tuple[bytes, ...], dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._sets: OrderedDict[tuple[bytes, ...], dict] = OrderedDict()
 
-    def of(self, adapters: tuple[bytes, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The stacks of the set of adapters of these digests, by layer name (filled as layers ask)."""
+    def of(self, adapters: tuple[bytes, ...]) -> dict:
+        """What was built for the set of adapters of these digests, by key (filled as steps ask)."""
         stacks = self._sets.setdefault(adapters, {})
         self._sets.move_to_end(adapters)
         if len(self._sets) > self.size:
@@ -278,8 +279,7 @@ class LoRAStep:
             for name, layer in adapter.layers.items():
                 by_module.setdefault(name, []).append((layer, rows))
         masks: dict[tuple, torch.Tensor] = {}
-        stacks = self.stacks.of(tuple(adapter.digest for adapter, _ in self.groups))
-        handles = [model.get_submodule(name).register_forward_hook(self._hook(name, parts, masks, stacks))
+        handles = [model.get_submodule(name).register_forward_hook(self._hook(name, parts, masks))
                    for name, parts in by_module.items()]
         try:
             yield
@@ -287,15 +287,40 @@ class LoRAStep:
             for handle in handles:
                 handle.remove()
 
-    def _hook(self, name: str, parts: list[tuple[_Layer, torch.Tensor | None]], masks: dict, stacks: dict):
+    def built(self) -> dict:
+        """What is kept for this step's set of adapters (`LoRAStacks`)."""
+        return self.stacks.of(tuple(adapter.digest for adapter, _ in self.groups))
+
+    def stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor, list[int], list[float]] | None:
+        """Layer ``name``'s adapters in this step side by side, in `groups` order: ``A [sum of ranks, in]``, ``B [out,
+        sum of ranks]``, and each group's rank there (0: its adapter leaves the layer alone) and scale; None where no
+        adapter changes the layer."""
+        built = self.built()
+        if name not in built:
+            layers = [adapter.layers.get(name) for adapter, _ in self.groups]
+            changing = [layer for layer in layers if layer is not None]
+            built[name] = None if not changing else (
+                torch.cat([layer.a for layer in changing]), torch.cat([layer.b for layer in changing], 1),
+                [0 if layer is None else layer.a.shape[0] for layer in layers],
+                [0.0 if layer is None else layer.scale for layer in layers])
+        return built[name]
+
+    def slots(self) -> torch.Tensor:
+        """Each token's group (its index in `groups`), -1 for a token of the base model: int32 ``[num_tokens]``."""
+        if self.groups[0][1] is None:
+            return torch.zeros(self.num_tokens, dtype=torch.int32)
+        slots = torch.full((self.num_tokens,), -1, dtype=torch.int32)
+        for index, (_, rows) in enumerate(self.groups):
+            slots[rows] = index
+        return slots
+
+    def _hook(self, name: str, parts: list[tuple[_Layer, torch.Tensor | None]], masks: dict):
         if parts[0][1] is None:  # one adapter for every token: as PEFT computes it
             return _adds_one(parts[0][0])
-        if name not in stacks:
-            stacks[name] = (torch.cat([layer.a for layer, _ in parts]), torch.cat([layer.b for layer, _ in parts], 1))
         layout = (parts[0][0].a.device, *((id(rows), layer.a.shape[0], layer.scale) for layer, rows in parts))
         if layout not in masks:
             masks[layout] = self._mask(parts)
-        return _adds_mixed(name, *stacks[name], masks[layout])
+        return _adds_mixed(name, *self.stacked(name)[:2], masks[layout])
 
     def _mask(self, parts: list[tuple[_Layer, torch.Tensor]]) -> torch.Tensor:
         """``[tokens, sum of ranks]``, fp32: each adapter's scale in its rank's columns of its own tokens' rows, else

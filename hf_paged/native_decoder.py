@@ -9,7 +9,8 @@ returns the sampled rows' logits. It multiplies by its own copy of the linear we
 and biases are read where they are. The embedding and the rotary tables still come from the model's own modules, so
 every rope variant Transformers implements is honoured. Each elementwise step rounds where Transformers rounds; only
 summation orders differ, as they do between any two matrix-multiply kernels, and SiLU's exponential (vectorised, within
-1 ulp, as torch's own is).
+1 ulp, as torch's own is). Steps with LoRA-adapted tokens run natively too: each layer adds each token's adapter's
+product as PEFT's LoRA layer does (`hf_paged.lora`), so long as the adapters change only the layers' linear layers.
 
 Anything else (another architecture, a quantized, tensor-parallel or modified layer, a KV cache in another dtype, no
 C++ compiler) is not recognised and runs through the Transformers forward, as do steps of more than `max_tokens`
@@ -30,6 +31,7 @@ from torch import nn
 from .cache import PagedKVStorage, PagedMetadata
 from .kernels import cpu_decoder, cpu_ops
 from .kernels.cpu_linear import PrepackedLinear
+from .lora import LoRAStep
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,8 @@ class NativeDecoder:
         base = self.model.base_model  # the modules whose forward the native call stands in for
         standing_in = [self.model, base, base.norm, self.model.get_output_embeddings(), *base.layers.modules()]
         self._hook_dicts = [(m._forward_hooks, m._forward_pre_hooks, m.__dict__) for m in standing_in]
+        names = {id(module): name for name, module in self.model.named_modules()}
+        self._linear_names = tuple(tuple(names[id(module)] for module in _linears(layer)) for layer in base.layers)
 
     def _addresses(self) -> tuple[int, ...]:
         # Converting a model or a part of it (``.to()``, ``.half()``) gives parameters new storage; an in-place change
@@ -264,8 +268,7 @@ class NativeDecoder:
             raise Unsupported(f"layer {index}'s norms or activation are not RMSNorm and SiLU")
         entry = {"eps": [norm.variance_epsilon for norm in norms.values()],
                  **{name: _norm(norm, dtype, f"layer {index}'s {name}") for name, norm in norms.items()}}
-        for name, module in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
-                             ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):
+        for name, module in zip(cpu_decoder.LINEARS, _linears(layer)):
             linear = _linear(module, dtype, f"layer {index}'s {name} projection")
             entry[name], entry[f"{name}_bias"] = _packed(linear.weight), _held(linear.bias)
             entry.setdefault("packed_from", []).append(linear.weight)
@@ -277,13 +280,35 @@ class NativeDecoder:
         return entry
 
     # ---------------------------------------------------------------------------------------------- one step
+    def takes(self, lora: LoRAStep | None) -> bool:
+        """Whether it runs a step of these adapters: they change only the linear layers of its decoder layers."""
+        return lora is None or self._lora_layers(lora) is not None
+
+    def _lora_layers(self, lora: LoRAStep) -> cpu_decoder.LoraLayers | None:
+        built, key = lora.built(), ("native decoder", self._linear_names)
+        if key not in built:
+            covered = {name for layer in self._linear_names for name in layer}
+            changed = {name for adapter, _ in lora.groups for name in adapter.layers}
+            built[key] = None if not changed <= covered else cpu_decoder.LoraLayers(
+                [dict(zip(cpu_decoder.LINEARS, map(lora.stacked, layer))) for layer in self._linear_names])
+        return built[key]
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: PagedMetadata,
-                sample_rows: torch.Tensor, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+                sample_rows: torch.Tensor, prompt_lens: torch.Tensor | None = None,
+                lora: LoRAStep | None = None) -> torch.Tensor:
         """Logits ``[len(sample_rows), vocab]`` of the tokens ``input_ids`` ``[1, T]`` at ``position_ids``, whose keys
         and values are stored in the slots ``metadata`` names (as the Transformers forward would store them).
-        ``prompt_lens`` (int32, per sequence) marks its prompt tokens (`cpu_decoder.prompt_tiles`)."""
+        ``prompt_lens`` (int32, per sequence) marks its prompt tokens (`cpu_decoder.prompt_tiles`); ``lora``, the
+        tokens' adapters, if any (the decoder `takes` them)."""
         hidden = self.embed(input_ids)[0].contiguous()
         cos, sin = self.rotary(hidden, position_ids)
+        adapters = None if lora is None else (self._lora_layers(lora), lora.slots())
         return cpu_decoder.decoder_forward(self._struct, hidden, cos[0].contiguous(), sin[0].contiguous(), metadata,
-                                           sample_rows, prompt_lens)
+                                           sample_rows, prompt_lens, adapters)
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A decoder layer's linear layers, in `cpu_decoder.LINEARS` order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj

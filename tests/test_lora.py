@@ -71,10 +71,28 @@ def engine(smollm2_path, **options):
     return ContinuousBatchGenerator(*tiny_model(smollm2_path), **{"num_blocks": 256, "enable_lora": True, **options})
 
 
-def test_requests_of_several_adapters_and_none_in_one_batch_match_peft(smollm2_path, adapters):
+def adapted_native_steps(generator) -> list[int]:
+    """Counts, from now on, the native decoder's steps that hold adapted tokens (one entry per step: its tokens)."""
+    native, steps = generator.runner.native, []
+    forward = native.forward
+
+    def counted(*args, lora=None):
+        if lora is not None:
+            steps.append(lora.num_tokens)
+        return forward(*args, lora=lora)
+
+    native.forward = counted
+    return steps
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_requests_of_several_adapters_and_none_in_one_batch_match_peft(smollm2_path, adapters, enforce_eager):
+    """In the native decoder's steps, and with ``enforce_eager`` through the Transformers forward and its hooks."""
     paths, expected = adapters
     loras = requests_of(paths)
-    generator = engine(smollm2_path, max_loras=3)
+    generator = engine(smollm2_path, max_loras=3, enforce_eager=enforce_eager)
+    assert (generator.runner.native is None) == enforce_eager
+    native_steps = [] if enforce_eager else adapted_native_steps(generator)
     names = [None, *ADAPTERS] * len(PROMPTS)
     prompts = [PROMPTS[i // (len(ADAPTERS) + 1)] for i in range(len(names))]
     outputs = generator.run(prompts, GREEDY, use_tqdm=False, lora_request=[loras.get(n) for n in names])
@@ -82,6 +100,7 @@ def test_requests_of_several_adapters_and_none_in_one_batch_match_peft(smollm2_p
         assert output.outputs[0].token_ids == expected[name][PROMPTS.index(prompt)], name
         assert output.lora_request == loras.get(name)
     assert generator.list_loras() == {1, 2, 3}
+    assert enforce_eager or len(native_steps) == GREEDY.max_tokens  # the prompts' step and every decode step
 
 
 def test_max_loras_holds_requests_of_other_adapters_until_a_seat_frees(smollm2_path, adapters):
@@ -217,7 +236,7 @@ def test_async_llm_runs_a_request_under_an_adapter(smollm2_path, adapters):
 
 
 def test_smollm2_under_an_adapter_matches_peft(smollm2_path, chat_prompts, tmp_path):
-    """The real model: base steps run through the native decoder, adapted ones through the Transformers forward."""
+    """The real model, every step through the native decoder, adapted tokens beside base ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
@@ -231,11 +250,39 @@ def test_smollm2_under_an_adapter_matches_peft(smollm2_path, chat_prompts, tmp_p
     assert adapter_tokens != base_tokens
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, attn_implementation="paged", dtype=torch.float32)
     generator = ContinuousBatchGenerator(model, tokenizer, enable_lora=True, kv_cache_memory=256 << 20)
-    assert generator.runner.native is not None  # the base model's steps run natively
+    native_steps = adapted_native_steps(generator)
     lora = LoRARequest("smol", 1, str(tmp_path / "smol"))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outputs = generator.run(prompts * 2, params, use_tqdm=False, lora_request=[lora, lora, None, None])
     assert [o.outputs[0].token_ids for o in outputs] == adapter_tokens + base_tokens
+    assert len(native_steps) == 16
+
+
+def test_bf16_adapted_tokens_do_not_depend_on_the_batch(smollm2_path, chat_prompts, tmp_path):
+    """In the native decoder a token's adapter product is its own row's (PEFT's roundings, the same in any batch):
+    SmolLM2 in bf16 under two adapters gives each request the tokens it gets alone, beside other adapters' requests
+    and base ones. (Through the Transformers forward, a mixed step's stacked products round otherwise than a step of
+    one adapter.)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = [tokenizer(p, add_special_tokens=False).input_ids for p in chat_prompts[:6]]
+    every_linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, attn_implementation="paged", dtype=torch.bfloat16)
+    loras = []
+    for seed, rank in ((0, 8), (1, 4)):
+        _save_adapter(copy.deepcopy(model), tmp_path / f"a{seed}", seed, spread=0.02, r=rank, lora_alpha=16,
+                      target_modules=every_linear)
+        loras.append(LoRARequest(f"a{seed}", seed + 1, str(tmp_path / f"a{seed}")))
+    generator = ContinuousBatchGenerator(model, tokenizer, enable_lora=True, max_loras=2, kv_cache_memory=256 << 20,
+                                         enable_prefix_caching=False)
+    native_steps = adapted_native_steps(generator)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    chosen = [loras[0], loras[1], None, loras[0], None, loras[1]]
+    together = generator.run(prompts, params, use_tqdm=False, lora_request=chosen)
+    alone = [generator.run([p], params, use_tqdm=False, lora_request=[lora])[0] for p, lora in zip(prompts, chosen)]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert native_steps[1:24] == [6] * 23 and len(native_steps) == 24 * 5  # all six together, then four alone
 
 
 def test_the_server_serves_adapters_by_model_name_as_vllm(smollm2_path, adapters, monkeypatch):

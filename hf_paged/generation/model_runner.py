@@ -53,7 +53,8 @@ class ModelRunner:
     rows: the last token of each sequence that finishes its pending tokens this step (and each speculative guess it
     verifies), then the prompt positions whose logprobs are asked for. Steps of at most ``native.max_tokens`` tokens go through
     the `NativeDecoder` instead, when the model has one; on GPU, decode steps replay CUDA graphs (``graphs``, set by
-    `hf_paged.generation.cuda_graphs.decode_graphs`). Steps with LoRA-adapted tokens take neither (`hf_paged.lora`).
+    `hf_paged.generation.cuda_graphs.decode_graphs`). Steps with LoRA-adapted tokens take the native decoder where it
+    takes their adapters, never the graphs (`hf_paged.lora`).
     """
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVStorage, kv_manager: KVCacheManager,
@@ -153,15 +154,15 @@ class ModelRunner:
             return self._run(step)
 
     def _run(self, step: StepInputs) -> torch.Tensor:
+        if self.native is not None and step.num_tokens <= self.native.max_tokens and self.native.takes(step.lora):
+            if self.native.ready():
+                return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,
+                                           step.prompt_lens, lora=step.lora)
+            if self.native.gone:
+                self.native = None
         if step.lora is not None:  # only the model's own forward calls the hooks that add the adapters' products
             with step.lora.applied(self.model):
                 return self.forward(step)
-        if self.native is not None and step.num_tokens <= self.native.max_tokens:
-            if self.native.ready():
-                return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,
-                                           step.prompt_lens)
-            if self.native.gone:
-                self.native = None
         if self.graphs is not None and (logits := self.graphs.run(step)) is not None:
             return logits
         return self.forward(step)

@@ -702,6 +702,16 @@ struct DecoderLayer {
     int32_t sliding_window;  // <= 0: none
 };
 
+// One linear layer's LoRA adapters in a step, side by side (hf_paged.lora): A [rank, in] and B transposed,
+// [rank, out], in the model's dtype; adapter a's rows of them start at offsets[a], ranks[a] of them (0: it leaves the
+// layer alone), and scale it by scales[a].
+struct LoraLinear {
+    const void *a, *bt;
+    const int32_t *offsets, *ranks;
+    const float* scales;
+    int32_t rank;  // A's rows
+};
+
 struct DecoderModel {
     const DecoderLayer* layers;
     const void *final_norm, *lm_head, *lm_head_bias;  // lm_head in panels
@@ -723,6 +733,8 @@ struct DecoderStep {
     const int64_t* sample_rows;  // [num_samples]: the token rows whose logits are wanted
     const int32_t* prompt_lens;  // [num_seqs] or null: a sequence's positions below its prompt length are the prompt's
     void* logits;  // [num_samples, vocab]
+    const LoraLinear* lora;  // [num_layers * 7] (q, k, v, o, gate, up, down), or null: no token has an adapter
+    const int32_t* lora_slots;  // [num_tokens]: each token's adapter (its index in the LoraLinears), -1 for none
     int32_t num_tokens, num_seqs, bt_width, num_samples, num_threads;
 };
 
@@ -734,6 +746,10 @@ struct Forward {
     const DecoderStep& s;
     const int L, H, I, D, Hq, Hkv, width;  // tokens, sizes; width: one token's row of q, k and v
     std::vector<T> xn, qkv, attn, act;
+    // Where a token has an adapter: three linear layers' lora_A(x) and lora_B(lora_A(x)) of every token (lora_inputs,
+    // lora_outputs), each layer's of lora_stride and out_stride floats.
+    std::vector<float> lora_h, lora_d;
+    int64_t lora_stride = 0, out_stride = 0;
     std::vector<uint8_t> prompt_rows;  // per token: whether it is a prompt token
     const uint8_t* prompt = nullptr;  // prompt_rows, where any token is one
 
@@ -741,13 +757,114 @@ struct Forward {
         : m(model), s(step), L(step.num_tokens), H(model.hidden_size), I(model.intermediate_size),
           D(model.head_dim), Hq(model.num_heads), Hkv(model.num_kv_heads), width((Hq + 2 * Hkv) * D),
           xn(static_cast<size_t>(L) * H), qkv(static_cast<size_t>(L) * width), attn(static_cast<size_t>(L) * Hq * D),
-          act(static_cast<size_t>(L) * I) {}
+          act(static_cast<size_t>(L) * I) {
+        if (!s.lora) return;
+        int rank = 0;
+        for (int i = 0; i < 7 * m.num_layers; ++i) rank = std::max(rank, s.lora[i].rank);
+        lora_stride = static_cast<int64_t>(L) * rank;
+        out_stride = static_cast<int64_t>(L) * std::max<int64_t>({H, I, Hq * D, Hkv * D});
+        lora_h.resize(3 * lora_stride);
+        lora_d.resize(3 * out_stride);
+    }
 
     T* hidden() const { return static_cast<T*>(s.hidden); }
 
     void norm_rows(const void* weight) {
 #pragma omp for
         for (int t = 0; t < L; ++t) rms_norm(hidden() + t * H, static_cast<const T*>(weight), H, m.eps, xn.data() + t * H);
+    }
+
+    // The adapters of linear layer j (0-6: q, k, v, o, gate, up, down) of `layer` in this step, or null.
+    const LoraLinear* lora_of(const DecoderLayer& layer, int j) const {
+        const LoraLinear* lora = s.lora ? s.lora + (&layer - m.layers) * 7 + j : nullptr;
+        return lora && lora->rank > 0 ? lora : nullptr;
+    }
+
+    float* lora_buffer(int i) { return lora_h.data() + i * lora_stride; }
+    float* lora_out_buffer(int i) { return lora_d.data() + i * out_stride; }
+
+    // h[t * rank + c] = lora_A(x[t]) in each token's adapter's columns c (rounded to T, as PEFT's), for x [L, K]: the
+    // threads share the tokens' columns, 8 at a time, and go on without waiting (see lora_wait).
+    void lora_inputs(const LoraLinear* lora, const T* x, int64_t K, float* h) {
+        if (!lora) return;
+        const T* a = static_cast<const T*>(lora->a);
+        const int R = lora->rank, groups = (R + 7) / 8;
+#pragma omp for schedule(static) nowait
+        for (int i = 0; i < L * groups; ++i) {
+            const int t = i / groups, slot = s.lora_slots[t];
+            if (slot < 0) continue;
+            const int c0 = lora->offsets[slot] + i % groups * 8;
+            const int c1 = std::min(c0 + 8, lora->offsets[slot] + lora->ranks[slot]);
+            if (c0 < c1)
+                products(1, x + t * K, K, a, K, c0, c1, [&](int, int64_t c, float v) { h[t * R + c] = rounded<T>(v); });
+        }
+    }
+
+    // Every thread waits for the others' lora_inputs, where any of them ran (`any`: the same in every thread).
+    void lora_wait(bool any) {
+        if (any) {
+#pragma omp barrier
+        }
+    }
+
+    // d[t * N + n] = lora_B(h[t]) * scaling for the outputs [n0, n1) of a layer of N, each rounded to T as PEFT's, for
+    // each token of an adapter that changes the layer; each output summed over the adapter's rank in order, 16 outputs
+    // side by side (rows of B^T).
+    void lora_outputs(const LoraLinear* lora, const float* h, int64_t N, int64_t n0, int64_t n1, float* d) {
+        if (!lora) return;
+        const T* bt = static_cast<const T*>(lora->bt);
+        for (int t = 0; t < L; ++t) {
+            const int slot = s.lora_slots[t];
+            if (slot < 0 || lora->ranks[slot] == 0) continue;
+            const int c0 = lora->offsets[slot], c1 = c0 + lora->ranks[slot];
+            const float* ht = h + t * lora->rank;
+            for (int64_t n = n0; n < n1; n += 16) {
+                const int64_t count = std::min<int64_t>(16, n1 - n);
+                vec16 sum = {};
+                for (int c = c0; c < c1; ++c) sum = sum + ht[c] * load_part(bt + c * N + n, count);
+                const vec16 out = round16(round16(sum) * lora->scales[slot]);
+                std::memcpy(d + t * N + n, &out, count * sizeof(float));
+            }
+        }
+    }
+
+    static vec16 load_part(const T* p, int64_t count) {
+        if (count == 16) return load16(p);
+        T part[16] = {};
+        std::copy(p, p + count, part);
+        return load16(part);
+    }
+
+    static vec16 round16(vec16 v) {  // each lane rounded to T, as `store` rounds
+        if constexpr (sizeof(T) == sizeof(float)) {
+            return v;
+        } else {
+            T rounded[16];
+            store16(rounded, v);
+            return load16(rounded);
+        }
+    }
+
+    // f(t, n, y) for the outputs n of panels [p0, p1) of a linear layer (N outputs of K inputs, weight w in panels) on
+    // x [L, K]: y = x[t] . w[n] + bias[n], and for a token whose adapter changes the layer (lora: its lora_A(x) in
+    // lora_buffer(i)), as PEFT's LoRA layer returns it, y rounded to T + lora_B(lora_A(x)) * scaling (lora_outputs,
+    // into lora_out_buffer(i)). Without adapters on the layer, the products alone.
+    template <typename F>
+    void linear_outputs(const T* x, int64_t K, const void* w, const void* b, int64_t N, int64_t p0, int64_t p1,
+                        const LoraLinear* lora, int i, F&& f) {
+        const T *weight = static_cast<const T*>(w), *bias = static_cast<const T*>(b);
+        if (!lora) {
+            panel_products(L, x, K, weight, K, N, p0, p1,
+                           [&](int t, int64_t n, float v) { f(t, n, v + bias_at(bias, n)); }, prompt);
+            return;
+        }
+        float* d = lora_out_buffer(i);
+        lora_outputs(lora, lora_buffer(i), N, p0 * kPanel, std::min<int64_t>(N, p1 * kPanel), d);
+        panel_products(L, x, K, weight, K, N, p0, p1, [&](int t, int64_t n, float v) {
+            const int slot = s.lora_slots[t];
+            const float y = v + bias_at(bias, n);
+            f(t, n, slot < 0 || lora->ranks[slot] == 0 ? y : rounded<T>(y) + d[t * N + n]);
+        }, prompt);
     }
 
     // q, k and v of every token into qkv, one product over their rows together; then per-head norms and rotary.
@@ -760,15 +877,14 @@ struct Forward {
         share_panels(firsts[3], p0, p1);
         const void* weights[3] = {layer.q, layer.k, layer.v};
         const void* biases[3] = {layer.q_bias, layer.k_bias, layer.v_bias};
+        for (int j = 0; j < 3; ++j) lora_inputs(lora_of(layer, j), xn.data(), H, lora_buffer(j));
+        lora_wait(lora_of(layer, 0) || lora_of(layer, 1) || lora_of(layer, 2));
         for (int j = 0; j < 3; ++j) {
             const int64_t a = std::max(p0, firsts[j]), b = std::min(p1, firsts[j + 1]);
             if (a >= b) continue;
-            const T* bias = static_cast<const T*>(biases[j]);
             T* out = qkv.data() + offsets[j];
-            panel_products(L, xn.data(), H, static_cast<const T*>(weights[j]), H, sizes[j], a - firsts[j],
-                           b - firsts[j],
-                           [&](int t, int64_t n, float v) { store(out + t * width + n, v + bias_at(bias, n)); },
-                           prompt);
+            linear_outputs(xn.data(), H, weights[j], biases[j], sizes[j], a - firsts[j], b - firsts[j],
+                           lora_of(layer, j), j, [&](int t, int64_t n, float y) { store(out + t * width + n, y); });
         }
 #pragma omp barrier
 #pragma omp for
@@ -817,36 +933,37 @@ struct Forward {
     }
 
     // hidden[t, n] += (x[t] . w[n] + bias[n]), rounded as residual + module output.
-    void add_product(const void* w, const void* b, const T* x, int64_t K, int64_t N) {
+    void add_product(const void* w, const void* b, const T* x, int64_t K, int64_t N, const LoraLinear* lora) {
+        lora_inputs(lora, x, K, lora_buffer(0));
+        lora_wait(lora);
         int64_t p0, p1;
         share_panels(panels(N), p0, p1);
-        const T* bias = static_cast<const T*>(b);
         T* h = hidden();
-        panel_products(L, x, K, static_cast<const T*>(w), K, N, p0, p1, [&](int t, int64_t n, float v) {
-            store(h + t * N + n, to_float(h[t * N + n]) + rounded<T>(v + bias_at(bias, n)));
-        }, prompt);
+        linear_outputs(x, K, w, b, N, p0, p1, lora, 0, [&](int t, int64_t n, float y) {
+            store(h + t * N + n, to_float(h[t * N + n]) + rounded<T>(y));
+        });
     }
 
     // After attention: the output projection into the residual stream, then the MLP.
     void finish_layer(const DecoderLayer& layer) {
-        add_product(layer.o, layer.o_bias, attn.data(), Hq * D, H);
+        add_product(layer.o, layer.o_bias, attn.data(), Hq * D, H, lora_of(layer, 3));
 #pragma omp barrier
         norm_rows(layer.post_norm);
+        const LoraLinear *gate_lora = lora_of(layer, 4), *up_lora = lora_of(layer, 5);
+        lora_inputs(gate_lora, xn.data(), H, lora_buffer(1));
+        lora_inputs(up_lora, xn.data(), H, lora_buffer(2));
+        lora_wait(gate_lora || up_lora);
         int64_t p0, p1;
         share_panels(panels(I), p0, p1);
-        const T* gate_bias = static_cast<const T*>(layer.gate_bias);
-        const T* up_bias = static_cast<const T*>(layer.up_bias);
         T* a = act.data();
-        const T *gate = static_cast<const T*>(layer.gate), *up = static_cast<const T*>(layer.up);
-        panel_products(L, xn.data(), H, gate, H, I, p0, p1, [&](int t, int64_t n, float v) {
-            store(a + t * I + n, v + bias_at(gate_bias, n));  // rounded to T, as the gate projection's output
-        }, prompt);
+        linear_outputs(xn.data(), H, layer.gate, layer.gate_bias, I, p0, p1, gate_lora, 1,
+                       [&](int t, int64_t n, float y) { store(a + t * I + n, y); });  // rounded, as the gate's output
         silu_rows(a, L, I, std::min<int64_t>(I, p0 * kPanel), std::min<int64_t>(I, p1 * kPanel));
-        panel_products(L, xn.data(), H, up, H, I, p0, p1, [&](int t, int64_t n, float v) {
-            store(a + t * I + n, to_float(a[t * I + n]) * rounded<T>(v + bias_at(up_bias, n)));
-        }, prompt);
+        linear_outputs(xn.data(), H, layer.up, layer.up_bias, I, p0, p1, up_lora, 2, [&](int t, int64_t n, float y) {
+            store(a + t * I + n, to_float(a[t * I + n]) * rounded<T>(y));
+        });
 #pragma omp barrier
-        add_product(layer.down, layer.down_bias, act.data(), I, H);
+        add_product(layer.down, layer.down_bias, act.data(), I, H, lora_of(layer, 6));
     }
 
     void logits() {
@@ -938,7 +1055,10 @@ extern "C" int hf_paged_decoder_forward(const DecoderModel* m, const DecoderStep
 }
 
 extern "C" int hf_paged_decoder_struct_sizes(int which) {
-    return which == 0 ? sizeof(DecoderLayer) : which == 1 ? sizeof(DecoderModel) : sizeof(DecoderStep);
+    return which == 0   ? sizeof(DecoderLayer)
+           : which == 1 ? sizeof(DecoderModel)
+           : which == 2 ? sizeof(DecoderStep)
+                        : sizeof(LoraLinear);
 }
 
 extern "C" int hf_paged_max_rows() { return kMaxRows; }

@@ -38,8 +38,16 @@ class _Step(ctypes.Structure):
     _fields_ = [
         ("hidden", _p), ("cos", _p), ("sin", _p), ("query_start_loc", _p), ("block_tables", _p), ("bt_stride", _i64),
         ("seq_lens", _p), ("slot_mapping", _p), ("sample_rows", _p), ("prompt_lens", _p), ("logits", _p),
+        ("lora", _p), ("lora_slots", _p),
         ("num_tokens", _i32), ("num_seqs", _i32), ("bt_width", _i32), ("num_samples", _i32), ("num_threads", _i32),
     ]
+
+
+class _LoraLinear(ctypes.Structure):
+    _fields_ = [("a", _p), ("bt", _p), ("offsets", _p), ("ranks", _p), ("scales", _p), ("rank", _i32)]
+
+
+LINEARS = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's linear layers, in the order `LoraLayers` takes them
 
 
 _library: ctypes.CDLL | None = None
@@ -49,9 +57,9 @@ _linear_rows = 0  # the rows `linear_fits` takes (hf_paged_linear_rows), once th
 def _bind(library: ctypes.CDLL) -> None:
     library.hf_paged_linear.argtypes = [_p, _i64, _i32, _i64, _p, _p, _p, _i64, _i64, _i32, _i32]
     library.hf_paged_decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
-    sizes = [library.hf_paged_decoder_struct_sizes(i) for i in range(3)]
+    sizes = [library.hf_paged_decoder_struct_sizes(i) for i in range(4)]
     limits = library.hf_paged_max_rows(), library.hf_paged_decoder_max_tokens()
-    if sizes != [ctypes.sizeof(s) for s in (_Layer, _Model, _Step)] or limits != (MAX_ROWS, MAX_TOKENS):
+    if sizes != [ctypes.sizeof(s) for s in (_Layer, _Model, _Step, _LoraLinear)] or limits != (MAX_ROWS, MAX_TOKENS):
         raise RuntimeError("cpu_decoder.cpp and cpu_decoder.py disagree on the structures' layout")
 
 
@@ -168,23 +176,53 @@ class DecoderWeights:
         return model, layers
 
 
+class LoraLayers:
+    """A set of LoRA adapters as `decoder_forward` reads them: for each layer's linear layers (`LINEARS`), the
+    adapters that change it side by side (``A [sum of ranks, in]``, ``B [out, sum of ranks]``, in the model's dtype)
+    and where each adapter's columns are. ``layers[i][name]`` is None, or ``(A, B, ranks, scales)`` with one rank and
+    scale per adapter of the set (rank 0: the adapter leaves the layer alone). Kept alive with the step's structure."""
+
+    def __init__(self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, list[int], list[float]] | None]]):
+        self.layers = layers
+        self.array = (_LoraLinear * (len(layers) * len(LINEARS)))()
+        self._kept = []
+        stacks = (layer[name] for layer in layers for name in LINEARS)
+        for index, stacked in enumerate(stacks):
+            if stacked is None:
+                continue
+            a, b, ranks, scales = stacked
+            offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+            tensors = (a, b.t().contiguous(), torch.tensor(offsets, dtype=torch.int32),
+                       torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
+            self._kept += tensors
+            self.array[index] = _LoraLinear(*(t.data_ptr() for t in tensors), a.shape[0])
+
+
 def decoder_forward(model: _Model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata,
-                    sample_rows: torch.Tensor, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
+                    sample_rows: torch.Tensor, prompt_lens: torch.Tensor | None = None,
+                    lora: tuple[LoraLayers, torch.Tensor] | None = None) -> torch.Tensor:
     """Run every layer on ``hidden`` ``[T, hidden_size]`` (the tokens' embeddings, overwritten) with the rotary
     ``cos``/``sin`` ``[T, head_dim]`` and the step's `PagedMetadata`, storing the new keys and values in the cache;
     returns the logits ``[len(sample_rows), vocab]`` of the rows ``sample_rows`` (int64). ``prompt_lens`` (int32, one
     per sequence) marks the tokens at lower positions as prompt tokens, which bf16 multiplies with AMX tiles where the
-    CPU has them (see `prompt_tiles`)."""
+    CPU has them (see `prompt_tiles`). ``lora``: the step's adapters and each token's (int32, its index among them,
+    -1 for none), whose products the layers add as PEFT's LoRA layers do."""
     num_seqs = metadata.seq_lens.shape[0]
     if prompt_lens is not None and (prompt_lens.dtype != torch.int32 or prompt_lens.shape != (num_seqs,)
                                     or not prompt_lens.is_contiguous()):
         raise ValueError(f"prompt_lens must be {num_seqs} contiguous int32 values, one per sequence")
+    layers, slots = lora if lora is not None else (None, None)
+    if lora is not None and (len(layers.layers) != model.num_layers or slots.dtype != torch.int32
+                             or slots.shape != (hidden.shape[0],) or not slots.is_contiguous()):
+        raise ValueError(f"lora must cover the model's {model.num_layers} layers with one contiguous int32 adapter "
+                         f"index per token")
     logits = torch.empty(sample_rows.shape[0], model.vocab_size, dtype=hidden.dtype)
     tables = metadata.block_tables
     step = _Step(
         hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(), metadata.query_start_loc.data_ptr(), tables.data_ptr(),
         tables.stride(0), metadata.seq_lens.data_ptr(), metadata.slot_mapping.data_ptr(), sample_rows.data_ptr(),
-        _ptr(prompt_lens), logits.data_ptr(), hidden.shape[0], num_seqs, tables.shape[1],
+        _ptr(prompt_lens), logits.data_ptr(), None if layers is None else ctypes.addressof(layers.array),
+        _ptr(slots), hidden.shape[0], num_seqs, tables.shape[1],
         sample_rows.shape[0], torch.get_num_threads(),
     )
     status = _library.hf_paged_decoder_forward(ctypes.byref(model), ctypes.byref(step))
