@@ -500,11 +500,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 if fmt.echo is not None and index not in text_offset:  # its first chunk: the prompt goes first
                     choice = fmt.echoed(index // n, output, choice)
                     text_offset[index] = 0
-                if index in waiting:
-                    waiting[index].add(choice)
-                    choice = waiting.pop(index)
-                if not choice.text and choice.finish_reason is None:
-                    waiting[index] = choice
+                if (choice := _after_waiting(waiting, index, choice)) is None:
                     continue
                 offset = text_offset.get(index, 0)
                 if sent := fmt.chunk_choice(index, choice.text, choice.token_ids, choice.logprobs, offset,
@@ -520,6 +516,19 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
         yield "data: [DONE]\n\n"
     finally:
         stream.close()
+
+
+def _after_waiting(waiting: dict[int, CompletionOutput], index: int,
+                   choice: CompletionOutput) -> CompletionOutput | None:
+    """Choice ``index``'s new output after the tokens waiting for their text; None while it still brings no text and
+    does not end the choice (it waits with them)."""
+    if index in waiting:
+        waiting[index].add(choice)
+        choice = waiting.pop(index)
+    if not choice.text and choice.finish_reason is None:
+        waiting[index] = choice
+        return None
+    return choice
 
 
 async def _response_events(stream: RequestStream, fmt: ChatFormat, events: ResponseEvents,
