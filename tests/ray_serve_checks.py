@@ -6,6 +6,7 @@ front of the same replicas, without prefix affinity, for its baseline.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -130,6 +131,32 @@ def test_affinity_table_prefers_the_longest_prefix_of_a_live_replica():
     assert table.best(hashes, {"a", "b"}) == ("b", 5) and table.matched(hashes, "c") == 0
     table.record(prefix_hashes(list(range(200, 300)), 16), "a")  # 6 more: the 2 least recent are dropped
     assert table.best(hashes, {"b"}) == ("b", 5) and table.best(hashes[:3], {"b"}) == (None, 0)
+
+
+def test_a_lora_adapters_requests_are_routed_apart_from_the_base_models(smollm2_path):
+    """An adapter's blocks are cached apart from the base model's: the router keys its requests' prefixes apart too,
+    by the adapter named (``--lora-modules``); the base model's keys are the engine's own."""
+    from transformers import AutoTokenizer
+
+    from hf_paged.serve_ray.ingress import route_hashes
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    text = " ".join(["a long shared system prompt"] * 20)
+
+    def hashes(model, path="/v1/completions", **fields):
+        body = json.dumps({"model": model, "prompt": text, **fields}).encode()
+        return route_hashes(path, body, tokenizer, "string", 16, adapters=(LORA,))
+
+    base = hashes("smollm2")
+    assert base == prefix_hashes(tokenizer(text).input_ids, 16) and len(base) > 2
+    assert hashes("another-name-of-the-base-model") == base
+    adapted = hashes(LORA)
+    assert len(adapted) == len(base) and not set(adapted) & set(base)
+    assert hashes(LORA, max_tokens=5) == adapted
+    chat = json.dumps({"model": LORA, "messages": [{"role": "user", "content": text}]}).encode()
+    chat_base = route_hashes("/v1/chat/completions", chat.replace(LORA.encode(), b"smollm2"), tokenizer, "string", 16)
+    assert not set(route_hashes("/v1/chat/completions", chat, tokenizer, "string", 16, (LORA,))) & set(chat_base)
+    assert hashes(LORA, prompt=12) is None  # malformed: the replica answers it
 
 
 @pytest.mark.parametrize("prefix", ["hf_paged", "vllm"])

@@ -14,10 +14,11 @@ from collections.abc import Collection, Hashable, Sequence
 from ..cache.kv_cache_manager import block_hash
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 256) -> list[bytes]:
+def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 256,
+                  salt: bytes | None = None) -> list[bytes]:
     """The chained hashes of the prompt's full blocks (at most ``max_blocks``), as the engine's prefix cache keys
-    them."""
-    hashes, parent = [], None
+    them; ``salt`` is the first block's parent (a LoRA adapter's requests are cached apart from the base model's)."""
+    hashes, parent = [], salt
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)

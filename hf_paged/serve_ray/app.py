@@ -87,7 +87,8 @@ def ingress(engine, config: ServeRayConfig):
         engine, config.replica.model, config.replica.engine.block_size, config.prefix_affinity,
         api_key=config.replica.api_key, limits=config.replica.limits, cors=bool(config.replica.allowed_origins),
         trust_remote_code=config.replica.trust_remote_code,
-        content_format=config.replica.options.chat_template_content_format)
+        content_format=config.replica.options.chat_template_content_format,
+        adapters=tuple(name for name, _, _ in config.replica.lora_modules))
 
 
 def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: int) -> None:

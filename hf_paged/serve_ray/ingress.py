@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Collection
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,15 +34,32 @@ api = FastAPI(title="hf_paged on Ray Serve")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
-def _prompt(path: str, body: bytes, content_format: str) -> Prompt | None:
+def _prompt(path: str, body: bytes, content_format: str) -> tuple[Prompt | None, str | None]:
+    """The request's (first) prompt and the model it names."""
     if path in ("/v1/chat/completions", "/v1/responses"):
         chat = ChatCompletionRequest.model_validate_json(body) if path == "/v1/chat/completions" else \
             ResponsesRequest.model_validate_json(body).to_chat()
-        return [m.to_template_dict(content_format) for m in chat.messages]
+        return [m.to_template_dict(content_format) for m in chat.messages], chat.model
     if path == "/v1/completions":
-        prompts = CompletionRequest.model_validate_json(body).prompts()
-        return prompts[0] if prompts else None
-    return None
+        request = CompletionRequest.model_validate_json(body)
+        prompts = request.prompts()
+        return (prompts[0] if prompts else None), request.model
+    return None, None
+
+
+def route_hashes(path: str, body: bytes, tokenizer, content_format: str, block_size: int,
+                 adapters: Collection[str] = ()) -> list[bytes] | None:
+    """The block hashes the router places a request by: its prompt's (`prefix_hashes`), salted by the LoRA adapter
+    it names among ``adapters`` (an adapter's blocks are cached apart from the base model's and other adapters'); None
+    when the request has no prompt, or a malformed one (the replica answers that with its 400)."""
+    try:
+        prompt, model = _prompt(path, body, content_format)
+        if prompt is None:
+            return None
+        token_ids = tokenize_prompt(tokenizer, prompt)[1]
+        return prefix_hashes(token_ids, block_size, salt=b"lora:" + model.encode() if model in adapters else None)
+    except Exception:
+        return None
 
 
 async def _rest(start: HTTPResponseStart, response):
@@ -83,7 +101,7 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
                  metrics_timeout_s: float = 5.0, api_key: str | tuple[str, ...] | None = None,
                  limits: ServerLimits | None = None, cors: bool = False, trust_remote_code: bool = False,
-                 content_format: str = "auto"):
+                 content_format: str = "auto", adapters: tuple[str, ...] = ()):
         from transformers import AutoTokenizer
 
         # Its checks only: the replicas' apps count the calls. With ``cors``, preflights pass without the key (the
@@ -97,6 +115,7 @@ class Ingress:
         self.content_format = resolved_content_format(content_format, self.tokenizer.chat_template)  # the replicas'
         self.block_size = block_size
         self.prefix_affinity = prefix_affinity
+        self.adapters = adapters  # the LoRA adapters' names (``--lora-modules``)
         self.metrics_timeout_s = metrics_timeout_s
         self.last_metrics: dict[str, str] = {}  # every replica's last /metrics text, kept when it goes
 
@@ -146,16 +165,8 @@ class Ingress:
         return StreamingResponse(_rest(start, response), status_code=start.status, headers=_headers(start))
 
     def _prefix(self, path: str, body: bytes) -> list[bytes] | None:
-        """The prompt's block hashes, or None when the request has no prompt (or a malformed one: the replica
-        answers that with its 400)."""
+        """The hashes the router places the request by (`route_hashes`), None without prefix affinity."""
         if not self.prefix_affinity:
             return None
-        try:
-            prompt = _prompt(path, body, self.content_format)
-            if prompt is None:
-                return None
-            with self.tokenizer_lock:
-                token_ids = tokenize_prompt(self.tokenizer, prompt)[1]
-            return prefix_hashes(token_ids, self.block_size)
-        except Exception:
-            return None
+        with self.tokenizer_lock:
+            return route_hashes(path, body, self.tokenizer, self.content_format, self.block_size, self.adapters)
