@@ -9,7 +9,8 @@ from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .loading import load_model, resolve_device
 from .lora import LoRARequest
-from .pooling import EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, check_dimensions, embed
+from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, ScoringOutput, ScoringRequestOutput,
+                      check_dimensions, cosine_scores, embed, score_pairs)
 
 
 class LLM:
@@ -103,6 +104,15 @@ class LLM:
         vectors = embed(model, token_ids, PoolingConfig.of_model(getattr(model, "name_or_path", None)), dimensions)
         return [EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(vector))
                 for i, (ids, vector) in enumerate(zip(token_ids, vectors))]
+
+    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` with an embedding model: the cosine similarity of the embeddings (`embed`) of each
+        pair, ``data_1`` (one prompt, or a list) against each of ``data_2``, or the two lists pair by pair."""
+        first, second = self.embed(data_1, truncate_prompt_tokens), self.embed(data_2, truncate_prompt_tokens)
+        pairs = score_pairs(len(first), len(second), ("data_1", "data_2"))
+        scores = cosine_scores([o.outputs.embedding for o in first], [o.outputs.embedding for o in second], pairs)
+        return [ScoringRequestOutput(str(k), first[i].prompt_token_ids + second[j].prompt_token_ids,
+                                     ScoringOutput(score)) for k, ((i, j), score) in enumerate(zip(pairs, scores))]
 
     def reset_prefix_cache(self) -> bool:
         return self.generator.reset_prefix_cache()

@@ -1,5 +1,6 @@
 """Embeddings of texts by a causal LM: its last hidden states pooled into one vector per input (vLLM's pooling runner,
-OpenAI's ``/v1/embeddings``).
+OpenAI's ``/v1/embeddings``), and scores of pairs of texts by their embeddings' cosine similarity (vLLM's bi-encoder
+scoring: ``LLM.score``, ``/score``, ``/rerank``).
 
 How they are pooled follows the model directory's sentence-transformers files where it has them (``modules.json``
 and its Pooling module's ``config.json``: the last token, the mean or the first token; a Normalize module), as
@@ -122,6 +123,26 @@ def embed(model, prompts: list[list[int]], config: PoolingConfig, dimensions: in
     return pooled
 
 
+def score_pairs(first: int, second: int, names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[int, int]]:
+    """Which of ``first`` and ``second`` inputs are scored together, as vLLM pairs them: one with each of the second,
+    or as many with as many, in turn; ``ValueError`` (naming them by ``names``) otherwise."""
+    if not first or not second:
+        raise ValueError(f"{names[1] if first else names[0]} is empty: scoring needs a text on each side")
+    if first == 1:
+        return [(0, j) for j in range(second)]
+    if first == second:
+        return [(i, i) for i in range(first)]
+    raise ValueError(f"{names[0]} has {first} texts and {names[1]} {second}: score one text against any number, or "
+                     "as many against as many (each with its counterpart)")
+
+
+def cosine_scores(first: list[list[float]], second: list[list[float]], pairs: list[tuple[int, int]]) -> list[float]:
+    """The cosine similarity of each pair of embeddings (``first[i]``, ``second[j]``), in float64."""
+    a = torch.tensor([first[i] for i, _ in pairs], dtype=torch.float64)
+    b = torch.tensor([second[j] for _, j in pairs], dtype=torch.float64)
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
+
+
 @dataclass
 class EmbeddingOutput:
     embedding: list[float]
@@ -134,4 +155,19 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score, as vLLM's ``LLM.score`` returns it (the pair's token ids, first then second)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
     finished: bool = True

@@ -208,3 +208,85 @@ def test_a_padded_batch_embeds_each_input_as_it_alone(arch):
         for prompt, vector in zip(prompts, batched):
             torch.testing.assert_close(torch.tensor(vector), torch.tensor(embed(model, [prompt], config)[0]),
                                        atol=1e-5, rtol=1e-5)
+
+
+def cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(torch.tensor(a, dtype=torch.float64),
+                                                 torch.tensor(b, dtype=torch.float64), dim=0).item()
+
+
+def test_llm_score_is_the_embeddings_cosine_similarity_as_vllms(smollm2_path):
+    from hf_paged import LLM
+
+    llm = LLM(smollm2_path, dtype="float32", num_blocks=16)
+    vectors = [o.outputs.embedding for o in llm.embed(TEXTS)]
+    one_to_many = llm.score(TEXTS[0], TEXTS[1:])
+    assert [o.outputs.score for o in one_to_many] == pytest.approx([cosine(vectors[0], v) for v in vectors[1:]],
+                                                                   abs=1e-6)
+    assert one_to_many[0].prompt_token_ids == (llm.embed(TEXTS[0])[0].prompt_token_ids
+                                               + llm.embed(TEXTS[1])[0].prompt_token_ids)
+    pairwise = llm.score(TEXTS[:2], TEXTS[2:])
+    assert [o.outputs.score for o in pairwise] == pytest.approx([cosine(vectors[0], vectors[2]),
+                                                                 cosine(vectors[1], vectors[3])], abs=1e-6)
+    assert llm.score(TEXTS[1], TEXTS[1])[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3"):
+        llm.score(TEXTS[:2], TEXTS[1:])
+    with pytest.raises(ValueError, match="data_2 is empty"):
+        llm.score(TEXTS[0], [])
+
+
+def test_score_and_rerank_endpoints_answer_as_vllms(server, smollm2):
+    """``/score`` and ``/rerank`` (every path vLLM serves them under) score by the cosine similarity of `embed`'s
+    vectors; the documents come back best first."""
+    model, tokenizer = smollm2
+    ids = [tokenizer(text).input_ids for text in TEXTS]
+    vectors = embed(model, ids, PoolingConfig())
+    for path in ("/score", "/v1/score"):
+        answer = httpx.post(f"{server.base}{path}", json={"model": MODEL, "text_1": TEXTS[0], "text_2": TEXTS[1:]},
+                            timeout=60).json()
+        assert answer["object"] == "list" and answer["model"] == MODEL and answer["id"].startswith("score-")
+        assert [(d["index"], d["object"]) for d in answer["data"]] == [(0, "score"), (1, "score"), (2, "score")]
+        assert [d["score"] for d in answer["data"]] == pytest.approx([cosine(vectors[0], v) for v in vectors[1:]],
+                                                                      abs=1e-6)
+        assert answer["usage"]["prompt_tokens"] == sum(map(len, ids)) and answer["usage"]["completion_tokens"] == 0
+    pairwise = httpx.post(f"{server.base}/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[2:]}, timeout=60).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([cosine(vectors[0], vectors[2]),
+                                                                    cosine(vectors[1], vectors[3])], abs=1e-6)
+    scores = [cosine(vectors[0], v) for v in vectors[1:]]
+    best = sorted(range(3), key=lambda i: -scores[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        answer = httpx.post(f"{server.base}{path}", json={"model": MODEL, "query": TEXTS[0], "documents": TEXTS[1:],
+                                                          "top_n": 2}, timeout=60).json()
+        assert [r["index"] for r in answer["results"]] == best[:2] and answer["id"].startswith("rerank-")
+        assert [r["document"]["text"] for r in answer["results"]] == [TEXTS[1 + i] for i in best[:2]]
+        assert [r["relevance_score"] for r in answer["results"]] == pytest.approx([scores[i] for i in best[:2]],
+                                                                                  abs=1e-6)
+        assert answer["usage"]["total_tokens"] == sum(map(len, ids))
+    every = httpx.post(f"{server.base}/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:]}, timeout=60).json()
+    assert [r["index"] for r in every["results"]] == best
+    for path, payload, param, words in (
+            ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS[1:]}, "text_2", "text_1 has 2 texts and text_2 3"),
+            ("/score", {"text_1": [], "text_2": TEXTS}, "text_1", "text_1 is empty"),
+            ("/score", {"text_1": "x", "text_2": ["y", ""]}, "text_2", "text_2[1] is empty"),
+            ("/rerank", {"query": "x", "documents": []}, "documents", "documents is empty"),
+            ("/rerank", {"query": "", "documents": ["y"]}, "query", "query[0] is empty"),
+            ("/rerank", {"query": "x", "documents": ["y"] * 41}, "documents", "at most 40 inputs in one call"),
+            ("/v2/rerank", {"query": "x", "documents": ["y"], "top_n": -1}, None, "top_n"),
+            ("/score", {"text_1": "x"}, None, "text_2"),
+            ("/v1/score", {"text_1": "x", "text_2": "y", "model": "other"}, "model", "does not exist")):
+        answer = httpx.post(f"{server.base}{path}", json=payload, timeout=60)
+        assert answer.status_code in (400, 404), payload
+        error = answer.json()["error"]
+        assert words in error["message"] and (param is None or error["param"] == param), (payload, error)
+    assert server.generator.stats().num_used_blocks == 0
+
+
+def test_score_and_rerank_want_the_api_key(smollm2):
+    from starlette.testclient import TestClient
+
+    app = create_app(ContinuousBatchGenerator(*smollm2, num_blocks=16), MODEL, api_key="secret")
+    body = {"text_1": "a", "text_2": "b", "query": "a", "documents": ["b"]}
+    with TestClient(app) as client:
+        for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
+            assert client.post(path, json=body).status_code == 401, path
+            assert client.post(path, json=body, headers={"Authorization": "Bearer secret"}).status_code == 200, path

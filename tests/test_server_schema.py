@@ -52,6 +52,8 @@ POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.Generati
     ("POST /v1/completions", POSITIVE, 60), ("POST /v1/completions", NEGATIVE, 60),
     ("POST /v1/chat/completions", POSITIVE, 60), ("POST /v1/chat/completions", NEGATIVE, 60),
     ("POST /v1/responses", POSITIVE, 60), ("POST /v1/responses", NEGATIVE, 60),
+    ("POST /v1/score", POSITIVE, 30), ("POST /v1/score", NEGATIVE, 30),
+    ("POST /v1/rerank", POSITIVE, 30), ("POST /v2/rerank", NEGATIVE, 30),
     ("GET /v1/models", POSITIVE, 5), ("GET /health", POSITIVE, 5), ("GET /metrics", POSITIVE, 5),
 ], ids=lambda value: getattr(value, "value", str(value)))
 def test_no_call_breaks_the_server(operations, label, mode, examples):

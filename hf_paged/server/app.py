@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `create_app` builds a FastAPI app over a `ContinuousBatchGenerator`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/embeddings``,
-``GET /v1/models`` (and ``/v1/models/{id}``),
+vLLM's ``POST /score`` and ``POST /rerank`` (also under ``/v1``; ``/v2/rerank``), ``GET /v1/models`` (and
+``/v1/models/{id}``),
 vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` (``/ping``), ``GET /version`` and ``GET /metrics``
 (Prometheus). Choices made
 where OpenAI leaves room:
@@ -30,8 +31,9 @@ where OpenAI leaves room:
 * ``response_format``, ``structured_outputs`` (and ``guided_*``) and ``tools`` with ``tool_choice`` are served by
   constrained decoding (see ``tool_calls.py`` for the tool-call format). The grammar is compiled before the request
   is queued, so an invalid schema, regex or grammar is a 400 naming the field that carried it.
-* With an API key, every ``/v1`` route, ``/tokenize`` and ``/detokenize`` want ``Authorization: Bearer KEY`` (vLLM
-  leaves the last two open; they spend the server's CPU); ``/health`` and ``/metrics`` stay open.
+* With an API key, every ``/v1`` route, ``/score``, ``/rerank``, ``/v2/rerank``, ``/tokenize`` and ``/detokenize``
+  want ``Authorization: Bearer KEY`` (vLLM leaves the last two open; they spend the server's CPU); ``/health`` and
+  ``/metrics`` stay open.
   Browsers may call from any origin unless ``allowed_origins`` says otherwise (CORS preflights need no key).
   The key and the body size are checked from the headers before the body is read (`middleware.Gatekeeper`).
 * What one call may ask is bounded by `ServerLimits` (prompts per call, ``n``, stop strings, ``logit_bias``,
@@ -70,6 +72,7 @@ from .. import __version__
 from ..generation import ContinuousBatchGenerator, InvalidParameter
 from ..engine_loop import EngineLoop
 from .embeddings import EmbeddingRequest
+from .scores import RerankRequest, ScoreRequest
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper, RequestIds
@@ -188,12 +191,28 @@ def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat_completions(body, request)
 
+    _install_pooling_routes(app, serving)
+    _install_responses_routes(app, serving)
+    _install_token_routes(app, serving)
+
+
+def _install_pooling_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """The calls answered from the model's embeddings: OpenAI's embeddings, vLLM's scores and reranking."""
+
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await serving.embeddings(body, request)
 
-    _install_responses_routes(app, serving)
-    _install_token_routes(app, serving)
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await serving.score(body, request)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await serving.rerank(body, request)
 
 
 def _install_lora_routes(app: FastAPI, models: ServedModels) -> None:

@@ -82,8 +82,8 @@ class ServerLimits:
     def check_prompt_count(self, num_prompts: int) -> None:
         _at_most("prompt", num_prompts, self.max_client_batch_size, "prompts in one call", "--max-client-batch-size")
 
-    def check_embedding_inputs(self, num_inputs: int) -> None:
-        _at_most("input", num_inputs, self.max_embedding_inputs, "inputs in one call", "--max-embedding-inputs")
+    def check_embedding_inputs(self, num_inputs: int, param: str = "input") -> None:
+        _at_most(param, num_inputs, self.max_embedding_inputs, "inputs in one call", "--max-embedding-inputs")
 
     def check_logprob_entries(self, body: GenerationRequest, n: int, new_tokens: list[int],
                               prompt_tokens: list[int]) -> None:

@@ -22,8 +22,9 @@ from .limits import ServerLimits
 from .protocol import APIError
 
 # The calls that run the model, which --max-concurrent-requests bounds.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"})
-KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # the routes an API key guards
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/score",
+                              "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+KEYED_PATHS = ("/v1", "/v2", "/score", "/rerank", "/tokenize", "/detokenize")  # the routes an API key guards
 RETRY_AFTER_S = 1
 _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII: what goes back into a header and a body
 logger = logging.getLogger(__name__)

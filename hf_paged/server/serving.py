@@ -21,7 +21,7 @@ from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
 from ..lora import LoRARequest
 from ..reasoning import ReasoningParser
-from ..pooling import PoolingConfig, check_dimensions, embed, padded_batches
+from ..pooling import PoolingConfig, check_dimensions, cosine_scores, embed, padded_batches, score_pairs
 from .embeddings import EmbeddingRequest, embedding_response
 from .limits import ServerLimits
 from .middleware import overloaded
@@ -41,6 +41,7 @@ from .protocol import (
     usage,
 )
 from .responses import ResponseEvents, ResponsesRequest, output_items, renamed, response_usage
+from .scores import RerankRequest, ScoreRequest, rerank_response, score_response
 from .tokenization import PromptEncoder, check_text
 
 logger = logging.getLogger(__name__)
@@ -133,50 +134,93 @@ class OpenAIServing:
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
         """OpenAI's ``/v1/embeddings``: each input's pooled last hidden state (`hf_paged.pooling`), computed on the
         engine thread, one padded batch of at most `pooling.BATCH_TOKENS` tokens between two generation steps."""
-        if self.check_model(body.model) is not None:
+        self.check_pooling(body.model)
+        try:
+            check_dimensions(self.generator.model, body.dimensions)
+        except ValueError as err:
+            raise APIError(400, str(err), param="dimensions") from None
+        token_ids = await self.embedding_inputs(body.inputs(), "input", body.truncate_prompt_tokens)
+        vectors = await self.embedded(token_ids, body.dimensions, request)
+        if vectors is None:
+            return Response(status_code=499)
+        answer = embedding_response(vectors, body.encoding_format, self.served_model_name, sum(map(len, token_ids)))
+        return JSONResponse(answer)
+
+    async def score(self, body: ScoreRequest, request: Request) -> Response:
+        """vLLM's ``/score`` (`scores`): the cosine similarity of each pair's embeddings."""
+        self.check_pooling(body.model)
+        first, second = body.texts()
+        scores, tokens = await self.scored(first, second, ("text_1", "text_2"), body.truncate_prompt_tokens, request)
+        if scores is None:
+            return Response(status_code=499)
+        return JSONResponse(score_response(scores, self.served_model_name, tokens))
+
+    async def rerank(self, body: RerankRequest, request: Request) -> Response:
+        """vLLM's ``/rerank`` (`scores`): the documents by their embeddings' cosine similarity to the query's."""
+        self.check_pooling(body.model)
+        scores, tokens = await self.scored([body.query], body.documents, ("query", "documents"),
+                                           body.truncate_prompt_tokens, request)
+        if scores is None:
+            return Response(status_code=499)
+        return JSONResponse(rerank_response(scores, body.documents, body.top_n, self.served_model_name, tokens))
+
+    def check_pooling(self, model: str | None) -> None:
+        """A 400 where this server embeds nothing for a request naming ``model``."""
+        if self.check_model(model) is not None:
             raise APIError(400, "embeddings are of the served model: LoRA adapters do not apply to them",
                            param="model")
         if self.generator.lockstep is not None:
-            raise APIError(400, "embeddings are not served under tensor parallelism", param="input")
+            raise APIError(400, "embeddings are not served under tensor parallelism", param="model")
         if isinstance(self.pooling, ValueError):
             raise APIError(400, f"embeddings of this model are not served: {self.pooling} (--pooler-config chooses "
                                 "a pooling)", param="model")
-        token_ids = await self.embedding_inputs(body)
+
+    async def scored(self, first: list[str], second: list[str], names: tuple[str, str], keep: int | None,
+                     request: Request) -> tuple[list[float] | None, int]:
+        """The scores of the pairs of ``first`` and ``second`` texts (`pooling.score_pairs`, the fields' ``names``
+        naming them in errors) and how many tokens were embedded; None for the scores if the client left."""
+        try:
+            pairs = score_pairs(len(first), len(second), names)
+        except ValueError as err:
+            raise APIError(400, str(err), param=names[1] if first else names[0]) from None
+        ids = await self.embedding_inputs(first, names[0], keep) + await self.embedding_inputs(second, names[1], keep)
+        vectors = await self.embedded(ids, None, request)
+        if vectors is None:
+            return None, 0
+        return cosine_scores(vectors[:len(first)], vectors[len(first):], pairs), sum(map(len, ids))
+
+    async def embedded(self, token_ids: list[list[int]], dimensions: int | None,
+                       request: Request) -> list[list[float]] | None:
+        """The embeddings of ``token_ids`` (None if the client left between two batches)."""
         vectors: list[list[float]] = [[]] * len(token_ids)
         for number, batch in enumerate(padded_batches([len(ids) for ids in token_ids])):
             if number and await request.is_disconnected():
-                return Response(status_code=499)
+                return None
             prompts = [token_ids[i] for i in batch]
             done = await self._on_engine(lambda prompts=prompts: embed(self.generator.model, prompts, self.pooling,
-                                                                       body.dimensions))
+                                                                       dimensions))
             for index, vector in zip(batch, done):
                 vectors[index] = vector
         broken = next((i for i, vector in enumerate(vectors) if not all(map(math.isfinite, vector))), None)
         if broken is not None:
             raise APIError(500, f"the embedding of input {broken} is not finite: the model's hidden states "
                                 f"overflowed in {self.generator.model.dtype}", "server_error", code=500)
-        answer = embedding_response(vectors, body.encoding_format, self.served_model_name, sum(map(len, token_ids)))
-        return JSONResponse(answer)
+        return vectors
 
-    async def embedding_inputs(self, body: EmbeddingRequest) -> list[list[int]]:
-        """The inputs' token ids, checked (a 400 naming the field at fault)."""
-        inputs = body.inputs()
+    async def embedding_inputs(self, inputs: list, param: str, keep: int | None) -> list[list[int]]:
+        """The token ids of the texts (or token ids) ``inputs`` of the field ``param``, checked (a 400 naming it)."""
         if not inputs:
-            raise APIError(400, "the input is empty", param="input")
-        self.limits.check_embedding_inputs(len(inputs))
-        try:
-            check_dimensions(self.generator.model, body.dimensions)
-        except ValueError as err:
-            raise APIError(400, str(err), param="dimensions") from None
-        keep = body.truncate_prompt_tokens
-        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, "input", keep) for prompt in inputs))
+            raise APIError(400, "the input is empty" if param == "input" else f"{param} is empty", param=param)
+        self.limits.check_embedding_inputs(len(inputs), param)
+        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, param, keep) for prompt in inputs))
         for index, ids in enumerate(token_ids):
+            where = f"input {index}" if param == "input" else f"{param}[{index}]"
             if not ids:
-                raise APIError(400, f"input {index} is empty", param="input")
+                raise APIError(400, f"{where} is empty", param=param)
             try:
                 self.generator.inputs.check_token_ids(ids)
             except ValueError as err:
-                raise APIError(400, str(err), param="input") from None
+                raise APIError(400, str(err), param=param) from None
         return list(token_ids)
 
     async def _on_engine(self, fn):
