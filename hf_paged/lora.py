@@ -114,6 +114,19 @@ class LoRAAdapter:
             digest.update(f"{target}:{layers[target].scale!r}".encode())
         return cls(request, layers, digest.digest())
 
+    def fits(self, model: nn.Module) -> bool:
+        """Whether it was read for ``model``: each of its layers is one of the model's, of the same sizes, its tensors
+        in the dtype and on the device that layer's input comes in."""
+        for name, layer in self.layers.items():
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                return False
+            sizes = getattr(module, "in_features", None), getattr(module, "out_features", None)
+            if (layer.a.shape[1], layer.b.shape[0]) != sizes or (layer.a.dtype, layer.a.device) != _home(module, model):
+                return False
+        return True
+
 
 def read_adapter_config(path: str, where: str) -> dict:
     """The adapter's ``adapter_config.json``; ``ValueError`` (its message led by ``where``) for a missing or
@@ -292,15 +305,15 @@ class LoRAStep:
         return self.stacks.of(tuple(adapter.digest for adapter, _ in self.groups))
 
     def stacked(self, name: str) -> tuple[torch.Tensor, torch.Tensor, list[int], list[float]] | None:
-        """Layer ``name``'s adapters in this step side by side, in `groups` order: ``A [sum of ranks, in]``, ``B [out,
-        sum of ranks]``, and each group's rank there (0: its adapter leaves the layer alone) and scale; None where no
-        adapter changes the layer."""
+        """Layer ``name``'s adapters in this step side by side, in `groups` order: ``A [sum of ranks, in]``, ``B``
+        transposed ``[sum of ranks, out]``, and each group's rank there (0: its adapter leaves the layer alone) and
+        scale; None where no adapter changes the layer."""
         built = self.built()
         if name not in built:
             layers = [adapter.layers.get(name) for adapter, _ in self.groups]
             changing = [layer for layer in layers if layer is not None]
             built[name] = None if not changing else (
-                torch.cat([layer.a for layer in changing]), torch.cat([layer.b for layer in changing], 1),
+                torch.cat([layer.a for layer in changing]), torch.cat([layer.b.T for layer in changing]).contiguous(),
                 [0 if layer is None else layer.a.shape[0] for layer in layers],
                 [0.0 if layer is None else layer.scale for layer in layers])
         return built[name]
@@ -375,6 +388,11 @@ class LoRAAdapters:
         with self._lock:
             return self._loaded.pop(lora_int_id, None) is not None
 
+    def holds(self, adapter: LoRAAdapter) -> bool:
+        """Whether ``adapter`` is one of those loaded here (read for this model)."""
+        with self._lock:
+            return any(loaded is adapter for loaded in self._loaded.values())
+
     def ids(self) -> set[int]:
         with self._lock:
             return set(self._loaded)
@@ -390,18 +408,18 @@ def _adds_one(layer: _Layer):
     return hook
 
 
-def _adds_mixed(name: str, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor):
+def _adds_mixed(name: str, a: torch.Tensor, bt: torch.Tensor, mask: torch.Tensor):
     """The forward hook that adds each adapter's product to its own tokens' rows: the adapters side by side (``a``,
-    ``b``), each token's product masked to its adapter's columns, scaled (``mask``)."""
+    and B transposed, ``bt``), each token's product masked to its adapter's columns, scaled (``mask``)."""
 
     def hook(module, args, output):
         x = args[0].reshape(-1, args[0].shape[-1])
         if x.shape[0] != mask.shape[0]:
             raise RuntimeError(f"LoRA: {name} ran on {x.shape[0]} rows of a {mask.shape[0]}-token step (a layer that "
                                "sees a subset of the tokens, such as an expert's), so its adapters' rows are unknown")
-        h = torch.mm(x.to(a.dtype), a.T).float().mul_(mask).to(b.dtype)  # the scale rounded once, as PEFT's
-        if output.dtype == b.dtype:
-            return torch.addmm(output.reshape(-1, output.shape[-1]), h, b.T).view(output.shape)
-        return output + torch.mm(h, b.T).view(output.shape).to(output.dtype)
+        h = torch.mm(x.to(a.dtype), a.T).float().mul_(mask).to(bt.dtype)  # the scale rounded once
+        if output.dtype == bt.dtype:
+            return torch.addmm(output.reshape(-1, output.shape[-1]), h, bt).view(output.shape)
+        return output + torch.mm(h, bt).view(output.shape).to(output.dtype)
 
     return hook

@@ -259,7 +259,7 @@ def test_smollm2_under_an_adapter_matches_peft(smollm2_path, chat_prompts, tmp_p
 
 
 def test_bf16_adapted_tokens_do_not_depend_on_the_batch(smollm2_path, chat_prompts, tmp_path):
-    """In the native decoder a token's adapter product is its own row's (PEFT's roundings, the same in any batch):
+    """In the native decoder a token's adapter product is its own row's, computed alike in any batch:
     SmolLM2 in bf16 under two adapters gives each request the tokens it gets alone, beside other adapters' requests
     and base ones. (Through the Transformers forward, a mixed step's stacked products round otherwise than a step of
     one adapter.)"""
@@ -433,3 +433,19 @@ def test_peft_over_a_paged_model_generates_as_over_sdpa(smollm2_path, adapters):
     model, _ = tiny_model(smollm2_path)
     adapted = peft.PeftModel.from_pretrained(model, paths["all"])
     assert [_greedy(adapted, p) for p in PROMPTS] == expected["all"]
+
+
+def test_an_adapter_read_for_another_model_is_refused_by_name(smollm2_path, adapters):
+    """An adapter `load_lora` returned is checked against the engine it is given to: one read for an fp32 model does
+    not run on a bf16 one (the native decoder would read its fp32 tensors as bf16); its own copy does."""
+    paths, _ = adapters
+    lora = requests_of(paths)["all"]
+    fp32 = engine(smollm2_path)
+    adapter = fp32.load_lora(lora)
+    model, tokenizer = tiny_model(smollm2_path)
+    bf16 = ContinuousBatchGenerator(model.to(torch.bfloat16), tokenizer, num_blocks=64, enable_lora=True)
+    with pytest.raises(ValueError, match="adapter 'all' was read for another model"):
+        bf16.add_request(PROMPTS[0], GREEDY, lora_request=adapter)
+    assert len(bf16.run([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=[lora])[0].outputs[0].token_ids) == 10
+    fp32.add_request(PROMPTS[0], GREEDY, lora_request=adapter)  # the engine that read it takes it
+    assert fp32.has_unfinished_requests()

@@ -262,6 +262,10 @@ class ContinuousBatchGenerator:
             raise InvalidParameter("lora_request", "a LoRA adapter was asked for, but the engine serves none: build it "
                                    "with enable_lora=True (hf-paged serve --enable-lora)")
         if isinstance(lora_request, LoRAAdapter):
+            if not (self.loras.holds(lora_request) or lora_request.fits(self.model)):
+                raise InvalidParameter("lora_request", f"LoRA adapter {lora_request.request.lora_name!r} was read for "
+                                       "another model (its layers' sizes, dtype or device are not this engine's): "
+                                       "pass its LoRARequest")
             return lora_request
         if not isinstance(lora_request, LoRARequest):
             raise InvalidParameter("lora_request", f"lora_request must be a LoRARequest, got "

@@ -154,11 +154,13 @@ class ModelRunner:
             return self._run(step)
 
     def _run(self, step: StepInputs) -> torch.Tensor:
-        if self.native is not None and step.num_tokens <= self.native.max_tokens and self.native.takes(step.lora):
-            if self.native.ready():
-                return self.native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,
-                                           step.prompt_lens, lora=step.lora)
-            if self.native.gone:
+        native = self.native
+        if native is not None and step.num_tokens <= native.max_tokens:
+            if native.ready():
+                if native.takes(step.lora):
+                    return native.forward(step.input_ids, step.position_ids, step.metadata, step.sample_rows,
+                                          step.prompt_lens, lora=step.lora)
+            elif native.gone:
                 self.native = None
         if step.lora is not None:  # only the model's own forward calls the hooks that add the adapters' products
             with step.lora.applied(self.model):

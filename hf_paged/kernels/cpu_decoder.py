@@ -178,9 +178,9 @@ class DecoderWeights:
 
 class LoraLayers:
     """A set of LoRA adapters as `decoder_forward` reads them: for each layer's linear layers (`LINEARS`), the
-    adapters that change it side by side (``A [sum of ranks, in]``, ``B [out, sum of ranks]``, in the model's dtype)
-    and where each adapter's columns are. ``layers[i][name]`` is None, or ``(A, B, ranks, scales)`` with one rank and
-    scale per adapter of the set (rank 0: the adapter leaves the layer alone). Kept alive with the step's structure."""
+    adapters that change it side by side (``A [sum of ranks, in]`` and B transposed, ``[sum of ranks, out]``, in the
+    model's dtype) and where each adapter's rows are. ``layers[i][name]`` is None, or ``(A, B^T, ranks, scales)`` with
+    one rank and scale per adapter of the set (rank 0: the adapter leaves the layer alone)."""
 
     def __init__(self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor, list[int], list[float]] | None]]):
         self.layers = layers
@@ -190,9 +190,9 @@ class LoraLayers:
         for index, stacked in enumerate(stacks):
             if stacked is None:
                 continue
-            a, b, ranks, scales = stacked
+            a, bt, ranks, scales = stacked
             offsets = [sum(ranks[:i]) for i in range(len(ranks))]
-            tensors = (a, b.t().contiguous(), torch.tensor(offsets, dtype=torch.int32),
+            tensors = (a, bt, torch.tensor(offsets, dtype=torch.int32),
                        torch.tensor(ranks, dtype=torch.int32), torch.tensor(scales, dtype=torch.float32))
             self._kept += tensors
             self.array[index] = _LoraLinear(*(t.data_ptr() for t in tensors), a.shape[0])
