@@ -11,6 +11,7 @@ downloaded.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -372,12 +373,12 @@ def allowed_origins(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hf-paged`` argument parser with its ``serve``, ``serve-ray`` and ``generate`` commands."""
+    """The ``hf-paged`` argument parser with its ``serve``, ``serve-ray``, ``generate`` and ``run-batch`` commands."""
     parser = argparse.ArgumentParser(
         prog="hf-paged", allow_abbrev=False,
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate,run-batch}")
     # No abbreviated options: llama.cpp's -t (its threads) would be taken for -tp (tensor parallelism).
     engine, http, parallel = _engine_options(), _http_options(), _parallel_options()
 
@@ -404,7 +405,75 @@ def build_parser() -> argparse.ArgumentParser:
                           help="apply the chat template (default: when the tokenizer has one)")
     serve.set_defaults(run=run_serve, check=_serve_settings, command_parser=serve)
     generate.set_defaults(run=run_generate, check=_generate_params, command_parser=generate)
+    _add_run_batch(commands, [engine, http, parallel])
     return parser
+
+
+def _add_run_batch(commands, parents: list[argparse.ArgumentParser]) -> None:
+    batch = commands.add_parser(
+        "run-batch", parents=parents, allow_abbrev=False, help="answer a file of requests in OpenAI's batch format",
+        description="Answer each request of a batch file (JSON lines of OpenAI's batch format: custom_id, method, "
+                    "url, body), as the server would, every one in flight at once up to --max-concurrent-requests "
+                    "(vLLM's run-batch). The answers keep the input's order. The HTTP options are the server's; "
+                    "--host, --port and the API key play no part.")
+    batch.add_argument("-i", "--input-file", required=True, metavar="FILE",
+                       help="the requests, one JSON object a line (-: standard input)")
+    batch.add_argument("-o", "--output-file", required=True, metavar="FILE",
+                       help="where the answers go, one JSON object a line (-: standard output)")
+    _limit_options(batch)
+    batch.set_defaults(run=run_batch_file, check=_batch_settings, command_parser=batch)
+
+
+def _batch_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """``run-batch``'s options that need no model: the limits and answer options (a bad value exits with code 2)."""
+    _check_vllm_flags(parser, args)
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        parser.error(f"--input-file: no such file: {args.input_file}")
+    folder = os.path.dirname(os.path.abspath(args.output_file))
+    if args.output_file != "-" and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        parser.error(f"--output-file: cannot write in {folder}")
+    return server_limits(parser, args), serving_options(parser, args)
+
+
+def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``hf-paged run-batch``: the answers to a batch file's requests, in the input's order."""
+    try:
+        from .batch import run_batch
+        from .server import create_app
+    except ImportError as err:
+        parser.error(f"run-batch needs the server extra: pip install 'hf-paged[server]' ({err})")
+    from .default_model import DEFAULT_MODEL_NAME
+
+    limits, options = _batch_settings(parser, args)
+    loras = _lora_modules(parser, args)
+    if args.input_file == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        with open(args.input_file, encoding="utf-8") as given:
+            lines = given.read().splitlines()
+    generator = load_generator(parser, args)
+    if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 runs the batch
+        generator.run_worker()
+        return 0
+    try:
+        try:
+            app = create_app(generator, args.served_model_name or args.model or DEFAULT_MODEL_NAME, limits=limits,
+                             options=options, lora_modules=loras)
+        except ValueError as err:  # an adapter that does not fit the model
+            parser.error(f"--lora-modules: {err}")
+        records = asyncio.run(run_batch(app, lines, limits.max_concurrent_requests))
+    finally:
+        generator.stop_workers()
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    if args.output_file == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output_file, "w", encoding="utf-8") as out:
+            out.write(text)
+    answered = sum(record["response"] is not None and record["response"]["status_code"] == 200 for record in records)
+    print(f"hf-paged run-batch: {len(records)} requests, {answered} answered, {len(records) - answered} refused or "
+          f"failed", file=sys.stderr)
+    return 0
 
 
 def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,

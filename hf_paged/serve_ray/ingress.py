@@ -25,7 +25,7 @@ from ..server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from ..server.options import content_format as resolved_content_format
 from ..server.responses import ResponsesRequest
 from .affinity import prefix_hashes
-from .asgi import HTTPRequest, HTTPResponseStart
+from ..server.asgi import HTTPRequest, HTTPResponseStart
 from .metrics import merged_metrics
 from .registry import router_of
 

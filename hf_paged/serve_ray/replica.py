@@ -15,7 +15,7 @@ from ray import serve
 from ..generation import EngineConfig
 from ..server.limits import ServerLimits
 from ..server.options import ServingOptions
-from .asgi import HTTPRequest, HTTPResponseStart, call_app
+from ..server.asgi import HTTPRequest, HTTPResponseStart, call_app
 
 REPLICA_HEADER = b"x-hf-paged-replica"
 

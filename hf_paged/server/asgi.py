@@ -1,9 +1,9 @@
 """Run one HTTP request through an ASGI app in-process, and hand its response on in pieces that pickle.
 
-The ingress sends an `HTTPRequest` to an engine replica, which runs it through its `create_app` app with
+On Ray Serve the ingress sends an `HTTPRequest` to an engine replica, which runs it through its `create_app` app with
 `call_app`: the first piece is an `HTTPResponseStart` (status, headers and the body so far), then body bytes.
 Whatever body the app has sent by the time a piece goes out joins that piece, so a busy stream costs one Ray message
-per engine step rather than one per event.
+per engine step rather than one per event. ``hf-paged run-batch`` (`hf_paged.batch`) runs its requests the same way.
 """
 
 from __future__ import annotations

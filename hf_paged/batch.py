@@ -1,0 +1,83 @@
+"""`hf-paged run-batch`: a file of requests in OpenAI's batch format (vLLM's ``run-batch``), answered by the server's
+own app in-process, every request in flight at once up to the server's limit, so the engine batches them.
+
+Each input line is ``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}``; the URL is
+one of the server's model calls (`URLS`). Each output line, in the input's order, is ``{"id", "custom_id",
+"response": {"status_code", "request_id", "body"}, "error": null}``, the body the server's answer (an error's included,
+with its 4xx status); a line that is no such request (not JSON, another method or URL, a streamed body) gets
+``"response": null`` and an ``error`` that says why, and the others run on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterable
+
+from .server.asgi import HTTPRequest, HTTPResponseStart, call_app
+
+URLS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/score",
+                  "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+
+
+async def run_batch(app, lines: Iterable[str], concurrency: int) -> list[dict]:
+    """The output records of the batch file's ``lines`` (blank lines skipped), run through ``app`` (a `create_app`
+    app, whose engine runs for the batch) at most ``concurrency`` at a time."""
+    requests = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    gate = asyncio.Semaphore(concurrency)
+    async with app.router.lifespan_context(app):
+        return list(await asyncio.gather(*(_answer(app, number, line, gate) for number, line in requests)))
+
+
+async def _answer(app, number: int, line: str, gate: asyncio.Semaphore) -> dict:
+    try:
+        custom_id, url, body = _request(line)
+    except ValueError as err:
+        return _record(_custom_id(line), None, {"code": "invalid_request", "message": f"line {number}: {err}"})
+    async with gate:
+        request = HTTPRequest("POST", url, b"", [(b"content-type", b"application/json")], json.dumps(body).encode())
+        parts = [piece async for piece in call_app(app, request)]
+    start: HTTPResponseStart = parts[0]
+    text = start.body + b"".join(parts[1:])
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = {"error": {"message": text.decode("utf-8", "replace"), "type": "server_error", "param": None,
+                            "code": start.status}}
+    request_id = (start.header(b"x-request-id") or b"").decode() or None
+    return _record(custom_id, {"status_code": start.status, "request_id": request_id, "body": answer}, None)
+
+
+def _request(line: str) -> tuple[str, str, dict]:
+    """``(custom_id, url, body)`` of an input line; ``ValueError`` says what is wrong with it."""
+    try:
+        item = json.loads(line)
+    except ValueError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    if not isinstance(item, dict):
+        raise ValueError("a request is a JSON object with custom_id, method, url and body")
+    custom_id, method, url, body = (item.get(key) for key in ("custom_id", "method", "url", "body"))
+    if not isinstance(custom_id, str) or not custom_id:
+        raise ValueError("custom_id must be a non-empty string")
+    if method != "POST":
+        raise ValueError(f"method must be POST, got {method!r}")
+    if url not in URLS:
+        raise ValueError(f"url must be one of {', '.join(sorted(URLS))}, got {url!r}")
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object (the request's body)")
+    if body.get("stream"):
+        raise ValueError("a batch request is answered whole: remove stream")
+    return custom_id, url, body
+
+
+def _custom_id(line: str):
+    try:
+        item = json.loads(line)
+    except ValueError:
+        return None
+    return item.get("custom_id") if isinstance(item, dict) else None
+
+
+def _record(custom_id, response: dict | None, error: dict | None) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}

@@ -1,0 +1,96 @@
+"""`hf-paged run-batch` (`hf_paged.batch`): OpenAI's batch file format answered by the server's own app in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from live_server import MODEL, tiny_generator  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from hf_paged.batch import run_batch  # noqa: E402
+from hf_paged.cli import main  # noqa: E402
+from hf_paged.server import ServerLimits, create_app  # noqa: E402
+
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def line(custom_id, url, body, method="POST") -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+def test_a_batch_file_is_answered_in_order_as_the_server_answers(smollm2_path):
+    """Every request in flight at once (up to the limit given), each answered as the server answers it, its error
+    included; lines that are no request get an error of their own and the others run on."""
+    requests = {
+        "chat": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **GREEDY}),
+        "text": ("/v1/completions", {"prompt": "Once upon a time", **GREEDY}),
+        "embed": ("/v1/embeddings", {"input": "a text"}),
+        "score": ("/score", {"text_1": "a", "text_2": ["b", "c"]}),
+        "bad": ("/v1/completions", {"prompt": "x", "temperature": -1}),
+        **{f"many-{i}": ("/v1/completions", {"prompt": f"story number {i}", **GREEDY}) for i in range(10)},
+    }
+    lines = [line(name, url, body) for name, (url, body) in requests.items()]
+    lines[3:3] = ["", "{not json", line("streamed", "/v1/completions", {"prompt": "x", "stream": True}),
+                  line("models", "/v1/models", {}, method="GET"), line("nowhere", "/v1/files", {})]
+    generator = tiny_generator(smollm2_path)
+    app = create_app(generator, MODEL, limits=ServerLimits(max_concurrent_requests=4))
+    schedule, running = generator.scheduler.schedule, []
+
+    def watched():
+        out = schedule()
+        running.append(len(generator.scheduler.running))
+        return out
+
+    generator.scheduler.schedule = watched
+    records = asyncio.run(run_batch(app, lines, concurrency=4))
+    assert 2 <= max(running) <= 4  # batched, never more in flight than asked
+    by_id = {record["custom_id"]: record for record in records}
+    assert [record["custom_id"] for record in records] == [*list(requests)[:3], None, "streamed", "models", "nowhere",
+                                                           *list(requests)[3:]]
+    assert len({record["id"] for record in records}) == len(records)
+    for name, words in ((None, "line 5: not JSON"), ("streamed", "line 6: a batch request is answered whole"),
+                        ("models", "method must be POST, got 'GET'"), ("nowhere", "url must be one of")):
+        record = next(r for r in records if r["custom_id"] == name)
+        assert record["response"] is None and words in record["error"]["message"], record
+    refused = by_id["bad"]["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
+    assert by_id["bad"]["error"] is None
+    answered = [r for r in records if r["response"] is not None and r["custom_id"] != "bad"]
+    assert len(answered) == 14 and all(r["response"]["status_code"] == 200 for r in answered)
+    assert all(r["response"]["request_id"] for r in answered)
+    assert len(by_id["score"]["response"]["body"]["data"]) == 2
+    with TestClient(create_app(tiny_generator(smollm2_path), MODEL)) as client:  # the same calls, one at a time
+        for name in ("chat", "text", "embed", "many-7"):
+            url, body = requests[name]
+            alone = client.post(url, json=body).json()
+            batched = by_id[name]["response"]["body"]
+            if name == "embed":
+                assert batched["data"][0]["embedding"] == pytest.approx(alone["data"][0]["embedding"], abs=1e-6)
+            else:
+                assert batched["choices"] == alone["choices"] and batched["usage"] == alone["usage"], name
+    assert generator.stats().num_used_blocks == 0
+
+
+def test_the_run_batch_command_writes_the_answers(smollm2_path, tmp_path, capsys):
+    given, answers = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    given.write_text("\n".join([line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}),
+                                line("b", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                   "max_completion_tokens": 4}),
+                                line("c", "/v1/completions", {"prompt": "x", "n": 0})]) + "\n")
+    assert main(["run-batch", smollm2_path, "-i", str(given), "-o", str(answers), "--num-blocks", "64",
+                 "--served-model-name", "smol"]) == 0
+    records = [json.loads(text) for text in answers.read_text().splitlines()]
+    assert [(r["custom_id"], r["response"]["status_code"]) for r in records] == [("a", 200), ("b", 200), ("c", 400)]
+    assert records[0]["response"]["body"]["usage"]["completion_tokens"] == 8
+    assert records[1]["response"]["body"]["model"] == "smol"
+    assert "3 requests, 2 answered, 1 refused or failed" in capsys.readouterr().err
+    for argv, words in ((["-i", str(tmp_path / "none.jsonl"), "-o", str(answers)], "--input-file: no such file"),
+                        (["-i", str(given), "-o", str(tmp_path / "no" / "dir.jsonl")], "--output-file: cannot write")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run-batch", smollm2_path, *argv])
+        assert exit_info.value.code == 2 and words in capsys.readouterr().err
