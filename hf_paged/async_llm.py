@@ -51,13 +51,14 @@ class AsyncLLM:
         self.engine.start()
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
-                       request_id: str | None = None, lora_request: LoRARequest | None = None,
+                       request_id: str | None = None, lora_request: LoRARequest | None = None, priority: int = 0,
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as ``sampling_params.output_kind`` asks (by default each time it grows, with
         everything generated so far); the last has ``finished`` set. A generator closed early (left by ``break``
         and released, or ``aclose()``d) aborts its request, as vLLM's. Raises ``ValueError`` for a prompt or
         parameters the engine refuses, before anything is yielded. ``lora_request`` runs it under that LoRA adapter
-        (an engine with ``enable_lora``; `add_lora` loads one ahead of its first request)."""
+        (an engine with ``enable_lora``; `add_lora` loads one ahead of its first request); ``priority`` as in
+        `ContinuousBatchGenerator.add_request`."""
         params = self.generator.inputs.sampling_params(sampling_params)
         kind = params.output_kind
         deltas = params.replace(output_kind=RequestOutputKind.DELTA)
@@ -67,7 +68,7 @@ class AsyncLLM:
         if lora_request is not None:  # read off the event loop, not under the engine loop's lock
             lora_request = await asyncio.to_thread(self.generator.load_lora, lora_request)
         stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,
-                                    [request_id or uuid.uuid4().hex], lora_request)
+                                    [request_id or uuid.uuid4().hex], lora_request, priority)
         so_far: RequestOutput | None = None
         try:
             async for delta in stream:

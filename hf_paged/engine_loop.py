@@ -213,9 +213,9 @@ class EngineLoop:
         self._fail_calls(EngineStopping("the server is shutting down"))
 
     def submit(self, prompts: list[Prompt], params: SamplingParams, request_ids: list[str],
-               lora_request: LoRARequest | LoRAAdapter | None = None) -> RequestStream:
-        """Queue one request per prompt, under the LoRA adapter ``lora_request`` if given (call from the event
-        loop); raises ``ValueError`` for bad input,
+               lora_request: LoRARequest | LoRAAdapter | None = None, priority: int = 0) -> RequestStream:
+        """Queue one request per prompt, under the LoRA adapter ``lora_request`` if given, at ``priority`` (call from
+        the event loop); raises ``ValueError`` for bad input,
         `EngineOverloaded` when the queue is full and `EngineDead` once the engine has stopped for good.
 
         Give token ids: a text prompt would be tokenized here, on the caller's thread, under the engine's lock."""
@@ -237,7 +237,7 @@ class EngineLoop:
                 self._route(request_id, stream, params.n)
             try:
                 for prompt, request_id in zip(prompts, request_ids):
-                    self.generator.add_request(prompt, params, request_id, lora_request)
+                    self.generator.add_request(prompt, params, request_id, lora_request, priority)
             except BaseException:
                 self._unroute(request_ids)  # queues aborts for the prompts already added
                 raise

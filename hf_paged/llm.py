@@ -32,11 +32,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                 ) -> list[RequestOutput]:
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """`ContinuousBatchGenerator.run`: strings, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
         None takes the sampling settings of the model's generation config. ``lora_request`` (with
-        ``LLM(..., enable_lora=True)``): the LoRA adapter of every prompt, or one (or None) per prompt."""
-        return self.generator.run(prompts, sampling_params, use_tqdm, lora_request)
+        ``LLM(..., enable_lora=True)``): the LoRA adapter of every prompt, or one (or None) per prompt; ``priority``
+        (with ``LLM(..., scheduling_policy="priority")``): one per prompt, lower first."""
+        return self.generator.run(prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                     lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:

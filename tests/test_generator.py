@@ -449,11 +449,11 @@ def test_a_prompt_that_raises_withdraws_the_prompts_before_it(smollm2, chat_prom
     add = gen.add_request
     calls = []
 
-    def failing_second(prompt, params=None, request_id=None, lora_request=None):
+    def failing_second(prompt, params=None, request_id=None, lora_request=None, priority=0):
         calls.append(prompt)
         if len(calls) == 2:
             raise RuntimeError("tokenizer crashed")
-        return add(prompt, params, request_id, lora_request)
+        return add(prompt, params, request_id, lora_request, priority)
 
     monkeypatch.setattr(gen, "add_request", failing_second)
     with pytest.raises(RuntimeError, match="tokenizer crashed"):

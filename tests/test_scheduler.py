@@ -449,3 +449,60 @@ def test_a_search_alone_that_cannot_grow_fails_at_once_rather_than_preempt_itsel
     run_beams(scheduler, [beam])
     assert "need more KV cache" in beam.error and scheduler.num_preemptions == 0
     assert_no_leak(scheduler)
+
+
+def test_the_priority_policy_admits_by_priority_then_arrival():
+    """vLLM's priority scheduling: lower values first, equal ones in arrival order; fcfs keeps arrival order."""
+    admitted = {}
+    for policy in ("fcfs", "priority"):
+        scheduler = make_scheduler(scheduling_policy=policy, max_num_seqs=1)
+        requests = [make_request(name, range(3, 7), max_tokens=2) for name in "abcd"]
+        for request, priority in zip(requests, (5, 0, 5, -1)):
+            request.priority = priority if policy == "priority" else 0
+            scheduler.add(request)
+        admitted[policy] = []
+        while scheduler.has_work():
+            out, _ = step(scheduler)
+            admitted[policy] += [seq.request.request_id for seq in out.admitted]
+        assert_no_leak(scheduler)
+    assert admitted == {"fcfs": list("abcd"), "priority": list("dbac")}
+
+
+@pytest.mark.parametrize("policy, preempted", [("fcfs", "high"), ("priority", "low")])
+def test_the_priority_policy_preempts_the_lowest_priority_first(policy, preempted):
+    """Two running requests outgrow the cache: fcfs preempts the newest, the priority policy the one of the highest
+    priority value (lowest priority), however old. Both finish with the tokens they get alone."""
+    scheduler = make_scheduler(num_blocks=5, scheduling_policy=policy)
+    low, high = make_request("low", range(3, 11), max_tokens=8), make_request("high", range(20, 28), max_tokens=8)
+    low.priority, high.priority = (9, 0) if policy == "priority" else (0, 0)
+    scheduler.add(low)
+    step(scheduler)
+    scheduler.add(high)
+    victims = []
+    preempt = scheduler._preempt
+
+    def watched(seq):
+        victims.append(seq.request.request_id)
+        preempt(seq)
+
+    scheduler._preempt = watched
+    run_to_end(scheduler, [])
+    assert victims and set(victims) == {preempted}
+    assert low.seqs[0].output_token_ids == high.seqs[0].output_token_ids == list(range(10, 18))
+    assert_no_leak(scheduler)
+
+
+def test_a_priority_needs_the_priority_policy(smollm2_path):
+    from live_server import tiny_generator
+
+    fcfs = tiny_generator(smollm2_path, num_blocks=16)
+    with pytest.raises(ValueError, match="priority 3 needs the priority scheduling policy"):
+        fcfs.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority=3)
+    prioritized = tiny_generator(smollm2_path, num_blocks=16, scheduling_policy="priority")
+    with pytest.raises(ValueError, match="priority must be an integer, got 1.5"):
+        prioritized.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority=1.5)
+    outputs = prioritized.run([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False,
+                              priority=[1, -2])
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2]
+    with pytest.raises(ValueError, match="scheduling_policy is one of fcfs, priority, got 'lifo'"):
+        EngineConfig(scheduling_policy="lifo")

@@ -574,7 +574,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
 
 @pytest.mark.parametrize("extra", [
     {"functions": [{"name": "f"}]}, {"best_of": 3}, {"chat_template": "{{ messages }}"},
-    {"cache_salt": "tenant-1"}, {"priority": 1}, {"generation_config": '{"max_new_tokens": 3}'},
+    {"cache_salt": "tenant-1"}, {"generation_config": '{"max_new_tokens": 3}'},
 ], ids=lambda extra: next(iter(extra)))
 def test_unsupported_fields_are_refused_by_name(server, extra):
     name = next(iter(extra))
@@ -1229,3 +1229,26 @@ def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smol
             text = templated.decode(tokens)
             assert text.startswith("system:[Be terse.][\n\nYou can call these functions") and "'type'" not in text
             assert 'assistant:[<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>]assistant:' in text
+
+
+def test_request_priority_as_vllms(smollm2):
+    """vLLM's ``priority``: taken under ``--scheduling-policy priority`` (lower first), otherwise a 400 naming it."""
+    from starlette.testclient import TestClient
+
+    from hf_paged.cli import build_parser
+
+    model, tokenizer = smollm2
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority"])
+    assert args.scheduling_policy == "priority"
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "priority": -3}
+    prioritized = ContinuousBatchGenerator(model, tokenizer, num_blocks=16, scheduling_policy="priority")
+    with TestClient(create_app(prioritized, MODEL)) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "priority": 4}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        wrong = client.post("/v1/completions", json={**body, "priority": "high"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "priority"
+    with TestClient(create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL)) as client:
+        refused = client.post("/v1/completions", json=body).json()["error"]
+        assert refused["param"] == "priority" and "needs the priority scheduling policy" in refused["message"]
+        assert client.post("/v1/completions", json={**body, "priority": 0}).status_code == 200

@@ -47,6 +47,7 @@ def cpu_kv_space() -> int | None:
     return int(gib * 2**30) or None
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATION_SCHEDULES = ("constant", "heuristic")
 
@@ -198,6 +199,10 @@ class EngineConfig:
     seed: int | None = _option(
         "seed of the draws of requests that give no seed of their own (vLLM's): sampled outputs then repeat when "
         "the same requests come in the same order (default: none, different every run)")
+    scheduling_policy: str = _option(
+        "fcfs: requests are admitted in arrival order and the newest running one is preempted first; priority: by "
+        "each request's priority (lower first, vLLM's), then arrival, and the running one last in that order is "
+        "preempted first (default: fcfs)", "fcfs", type_=str)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):  # "2GiB", as on the command line
@@ -228,6 +233,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be an integer >= 2 (a prompt token and an output "
                              f"token), got {self.max_model_len!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy is one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"EngineConfig.reasoning_parser is one of {', '.join(PARSERS)}, got "
                              f"{self.reasoning_parser!r}")

@@ -229,13 +229,14 @@ class ContinuousBatchGenerator:
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
-        request_id: str | None = None, lora_request: LoRARequest | LoRAAdapter | None = None,
+        request_id: str | None = None, lora_request: LoRARequest | LoRAAdapter | None = None, priority: int = 0,
     ) -> str:
         """Queue a request, under the LoRA adapter ``lora_request`` if given (loaded on first use, as by `load_lora`,
-        or the adapter `load_lora` returned); it joins the batch at the next step. Raises ``ValueError`` for bad
-        input."""
+        or the adapter `load_lora` returned); it joins the batch at the next step. ``priority`` (vLLM's; with
+        ``scheduling_policy="priority"``): lower runs first. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params)
+        request.priority = self._priority(priority)
         if self.runner.long_rope is not None:
             request.cache_salt = self.runner.long_rope.cache_salt(request.num_prompt_tokens)
         if lora_request is not None:
@@ -253,6 +254,14 @@ class ContinuousBatchGenerator:
             self._live_ids.add(request_id)
         self._inbox.put(("add", request))
         return request_id
+
+    def _priority(self, priority) -> int:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidParameter("priority", f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise InvalidParameter("priority", f"priority {priority} needs the priority scheduling policy "
+                                   "(scheduling_policy='priority', hf-paged serve --scheduling-policy priority)")
+        return priority
 
     def load_lora(self, lora_request: LoRARequest | LoRAAdapter) -> LoRAAdapter:
         """The loaded adapter of ``lora_request``, read now if need be; ``ValueError`` names what in it does not fit
@@ -463,19 +472,18 @@ class ContinuousBatchGenerator:
             self._live_ids -= request_ids
 
     # ------------------------------------------------------------------------------------- batch interfaces
-    def _submit(self, prompts, sampling_params, lora_request=None) -> list[tuple[str | None, RequestOutput | None]]:
+    def _submit(self, prompts, sampling_params, lora_request=None,
+                priority=None) -> list[tuple[str | None, RequestOutput | None]]:
         """Add every prompt; one refused (a ``ValueError``) gets a failed output. Any other error withdraws the
         prompts added before it and is raised."""
         prompts, per_prompt = one_params_per_prompt(prompts, sampling_params)
-        if not isinstance(lora_request, (list, tuple)):
-            lora_request = [lora_request] * len(prompts)
-        if len(lora_request) != len(prompts):
-            raise ValueError(f"{len(lora_request)} LoRA requests for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, prompts, "LoRA requests")
+        priorities = _per_prompt(priority or 0, prompts, "priorities")
         submitted = []
         try:
-            for prompt, params, lora in zip(prompts, per_prompt, lora_request):
+            for prompt, params, lora, level in zip(prompts, per_prompt, loras, priorities):
                 try:
-                    submitted.append((self.add_request(prompt, params, lora_request=lora), None))
+                    submitted.append((self.add_request(prompt, params, lora_request=lora, priority=level), None))
                 except ValueError as err:
                     failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [],
                                            True, RequestMetrics(time.monotonic()), error=str(err),
@@ -486,26 +494,28 @@ class ContinuousBatchGenerator:
             raise
         return submitted
 
-    def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, lora_request=None, priority=None) -> Iterator[RequestOutput]:
         """Yield each request's outputs as its ``output_kind`` asks (by default cumulative, every time it grows);
-        refused prompts come first with ``error`` set."""
-        submitted = self._submit(prompts, sampling_params, lora_request)
+        refused prompts come first with ``error`` set. The arguments are `run`'s."""
+        submitted = self._submit(prompts, sampling_params, lora_request, priority)
         yield from self._until_finished({rid for rid, _ in submitted if rid is not None}, finished_only=False,
                                         first=[failed for _, failed in submitted if failed is not None])
 
-    def run(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+    def run(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None,
+            priority=None) -> list[RequestOutput]:
         """Generate for all ``prompts`` together; outputs come back complete, in input order.
 
         ``sampling_params`` is one `SamplingParams` (or `GenerationConfig`) for all, a list with one per prompt, or
         None for the sampling settings of the model's generation config; ``lora_request`` likewise one `LoRARequest`
-        for all, a list of one (or None) per prompt, or None. A prompt that cannot be served (empty, too long, an
+        for all, a list of one (or None) per prompt, or None; ``priority`` one for all or one per prompt (see
+        `add_request`). A prompt that cannot be served (empty, too long, an
         adapter that does not fit) gets an output with ``error`` set.
         """
         if isinstance(sampling_params, (list, tuple)):
             sampling_params = [self.inputs.final_only(p) for p in sampling_params]
         else:
             sampling_params = self.inputs.final_only(sampling_params)
-        submitted = self._submit(prompts, sampling_params, lora_request)
+        submitted = self._submit(prompts, sampling_params, lora_request, priority)
         results = {rid: None for rid, _ in submitted if rid is not None}
         with tqdm(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:
             bar.update(len(submitted) - len(results))
@@ -609,3 +619,12 @@ def _signals_ignored():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _per_prompt(value, prompts: list, what: str) -> list:
+    """``value`` for each prompt: a list of one per prompt as it is, anything else repeated."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(f"{len(value)} {what} for {len(prompts)} prompts")
+    return list(value)

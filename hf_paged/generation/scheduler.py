@@ -3,6 +3,7 @@ forks, stops, preemption, freeing, and the rollback of a failed step)."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import time
@@ -61,7 +62,9 @@ class Scheduler:
     A sequence never has phases: it has ``token_ids`` and ``num_computed_tokens``, and each step computes some of the
     difference. Running sequences go first (a decode is one token; a prompt being prefilled in chunks takes what
     the budget leaves), then waiting ones in arrival order. When blocks run out the newest running sequence is
-    preempted: its blocks are freed and it waits to be recomputed (prefix caching usually makes that cheap).
+    preempted: its blocks are freed and it waits to be recomputed (prefix caching usually makes that cheap). Under
+    the ``priority`` policy both queues are kept in order of the requests' priority (lower first), then arrival: the
+    waiting are admitted, and the running scheduled, in that order, and the last running is preempted first.
     ``config.max_num_batched_tokens`` is each step's budget, set (the engine sets it when the caller did not).
     """
 
@@ -84,7 +87,23 @@ class Scheduler:
         if request.grammar is not None:
             self.compiling[request.request_id] = request
         else:
-            self.waiting.append(request.seqs[0])
+            self._wait(request.seqs[0])
+
+    def _wait(self, seq: Sequence, first: bool = False) -> None:
+        """Queue ``seq`` last (``first``: first) among the waiting of its priority, under the priority policy."""
+        if self.config.scheduling_policy == "priority":
+            (bisect.insort_left if first else bisect.insort_right)(self.waiting, seq, key=_priority)
+        elif first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Add ``seq`` to the running, last among those of its priority under the priority policy."""
+        if self.config.scheduling_policy == "priority":
+            bisect.insort_right(self.running, seq, key=_priority)
+        else:
+            self.running.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.compiling)
@@ -118,7 +137,7 @@ class Scheduler:
             seq.matcher = GrammarMatcher.of(seq.request.grammar.result())
         if start == "may_open":
             seq.reasoning_opener = self.reasoning_end.open_id
-        self.waiting.append(seq)
+        self._wait(seq)
 
     def _start_grammar(self, seq: Sequence) -> None:
         """The reasoning block of ``seq`` has ended: its grammar starts, from the text after the tag."""
@@ -284,7 +303,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, seq: Sequence, num_cached: int, n: int, copies: list[BlockCopy]) -> None:
         seq.num_computed_tokens = num_cached
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self._run(seq)
         out.prefix_matches.append((seq.num_tokens, num_cached))
         if seq.index == 0 and seq.request.num_cached_tokens == 0:
             seq.request.num_cached_tokens = num_cached
@@ -337,7 +356,7 @@ class Scheduler:
         self.kv_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._wait(seq, first=True)
 
     # --------------------------------------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[Request]:
@@ -481,7 +500,7 @@ class Scheduler:
     def _fork(self, parent: Sequence, k: int) -> Sequence:
         child = parent.fork(k)
         self.kv_manager.fork(parent.seq_id, child.seq_id)
-        self.running.append(child)
+        self._run(child)
         return child
 
     @staticmethod
@@ -583,6 +602,10 @@ class Scheduler:
                 self._requeue(seq)
                 if seq.index == 0:
                     seq.request.num_cached_tokens = 0
+
+
+def _priority(seq: Sequence) -> tuple[int, float]:
+    return seq.request.priority, seq.request.arrival_time
 
 
 def _nothing_allowed(params, position: int) -> tuple[str, str]:

@@ -159,6 +159,7 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # ``params.bad_words``, tokenized
     lora: LoRAAdapter | None = None  # the adapter the request runs under (None: the base model)
     beams: BeamState | None = None  # the search of a ``use_beam_search`` request
+    priority: int = 0  # under the priority scheduling policy, lower runs first
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
@@ -175,7 +176,7 @@ class Request:
         """What another rank rebuilds this request from (``Request(**fields)``), before any step touched it."""
         return dict(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                     params=self.params, seed=self.seed, eos_token_ids=self.eos_token_ids, cache_salt=self.cache_salt,
-                    bad_words_token_ids=self.bad_words_token_ids)
+                    bad_words_token_ids=self.bad_words_token_ids, priority=self.priority)
 
     @property
     def scores_prompt(self) -> bool:

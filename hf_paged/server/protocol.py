@@ -52,7 +52,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "chat_template": lambda value: value is None,
     "documents": lambda value: not value,
     "cache_salt": lambda value: value is None,
-    "priority": lambda value: value in (None, 0),
     "generation_config": lambda value: value is None,  # transformers serve's
 }
 
@@ -137,6 +136,7 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     n: int | None = None
+    priority: StrictInt = 0  # vLLM's: lower runs first, under --scheduling-policy priority
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

@@ -351,7 +351,7 @@ class OpenAIServing:
                 raise APIError(500, f"the adapter {lora.lora_name!r} cannot be loaded again: {err}",
                                "server_error", code=500) from err
         try:
-            stream = self.engine.submit(list(token_ids), params, request_ids, lora)
+            stream = self.engine.submit(list(token_ids), params, request_ids, lora, body.priority)
         except ValueError as err:
             raise _bad_request(err, prompt_param) from err
         except EngineOverloaded as err:
