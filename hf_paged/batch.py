@@ -1,11 +1,13 @@
 """`hf-paged run-batch`: a file of requests in OpenAI's batch format (vLLM's ``run-batch``), answered by the server's
-own app in-process, every request in flight at once up to the server's limit, so the engine batches them.
+own app in-process, every request in flight at once up to the server's limit, so the engine batches them; a request
+the server is too busy for (a 503 with ``Retry-After``: more sequences in flight than it queues) waits and goes again.
 
 Each input line is ``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}``; the URL is
 one of the server's model calls (`URLS`). Each output line, in the input's order, is ``{"id", "custom_id",
 "response": {"status_code", "request_id", "body"}, "error": null}``, the body the server's answer (an error's included,
-with its 4xx status); a line that is no such request (not JSON, another method or URL, a streamed body) gets
-``"response": null`` and an ``error`` that says why, and the others run on.
+with its 4xx status, as OpenAI's batches answer); a line that is no such request (not JSON, another method or URL, a
+streamed body) gets ``"response": null`` and an ``error`` that says why, and the others run on. Lines end at ``\n``
+only (JSON strings may hold U+2028 and the like).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterable
 
 from .server.asgi import HTTPRequest, HTTPResponseStart, call_app
 
+RETRY_WAIT_S = (0.05, 1.0)  # the first and the longest wait before a busy server is asked again
 URLS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/score",
                   "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
 
@@ -35,10 +38,16 @@ async def _answer(app, number: int, line: str, gate: asyncio.Semaphore) -> dict:
         custom_id, url, body = _request(line)
     except ValueError as err:
         return _record(_custom_id(line), None, {"code": "invalid_request", "message": f"line {number}: {err}"})
-    async with gate:
-        request = HTTPRequest("POST", url, b"", [(b"content-type", b"application/json")], json.dumps(body).encode())
-        parts = [piece async for piece in call_app(app, request)]
-    start: HTTPResponseStart = parts[0]
+    request = HTTPRequest("POST", url, b"", [(b"content-type", b"application/json")], json.dumps(body).encode())
+    wait = RETRY_WAIT_S[0]
+    while True:
+        async with gate:
+            parts = [piece async for piece in call_app(app, request)]
+        start: HTTPResponseStart = parts[0]
+        if start.status != 503 or start.header(b"retry-after") is None:
+            break
+        await asyncio.sleep(wait)
+        wait = min(2 * wait, RETRY_WAIT_S[1])
     text = start.body + b"".join(parts[1:])
     try:
         answer = json.loads(text)

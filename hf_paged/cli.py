@@ -430,8 +430,9 @@ def _batch_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if args.input_file != "-" and not os.path.isfile(args.input_file):
         parser.error(f"--input-file: no such file: {args.input_file}")
     folder = os.path.dirname(os.path.abspath(args.output_file))
-    if args.output_file != "-" and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-        parser.error(f"--output-file: cannot write in {folder}")
+    if args.output_file != "-" and (os.path.isdir(args.output_file) or not os.access(folder, os.W_OK) or (
+            os.path.exists(args.output_file) and not os.access(args.output_file, os.W_OK))):
+        parser.error(f"--output-file: cannot write {args.output_file}")
     return server_limits(parser, args), serving_options(parser, args)
 
 
@@ -446,11 +447,7 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
     limits, options = _batch_settings(parser, args)
     loras = _lora_modules(parser, args)
-    if args.input_file == "-":
-        lines = sys.stdin.read().splitlines()
-    else:
-        with open(args.input_file, encoding="utf-8") as given:
-            lines = given.read().splitlines()
+    lines = _batch_lines(parser, args.input_file)
     generator = load_generator(parser, args)
     if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 runs the batch
         generator.run_worker()
@@ -473,7 +470,23 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     answered = sum(record["response"] is not None and record["response"]["status_code"] == 200 for record in records)
     print(f"hf-paged run-batch: {len(records)} requests, {answered} answered, {len(records) - answered} refused or "
           f"failed", file=sys.stderr)
+    if not app.state.engine.healthy:
+        print("hf-paged run-batch: error: the engine stopped after an unrecoverable error", file=sys.stderr)
+        return 1
     return 0
+
+
+def _batch_lines(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The batch file's lines, split at ``\n`` only (JSON strings may hold U+2028 and the like), a BOM dropped."""
+    try:
+        if path == "-":
+            text = sys.stdin.buffer.read().decode("utf-8-sig")
+        else:
+            with open(path, encoding="utf-8-sig") as given:
+                text = given.read()
+    except (UnicodeDecodeError, OSError) as err:
+        parser.error(f"--input-file: cannot read {path}: {err}")
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,

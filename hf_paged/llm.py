@@ -92,8 +92,7 @@ class LLM:
         """vLLM's ``LLM.embed``: each prompt's (a string, token ids, or a ``{"prompt": ...}`` dict; or a list of
         them) pooled last hidden state (`hf_paged.pooling`: as the model's sentence-transformers files say, else its
         last token's, normalized), cut to its first ``dimensions`` if given."""
-        single = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
-        prompts = [prompts] if single else list(prompts)
+        prompts = _prompt_list(prompts)
         inputs, model = self.generator.inputs, self.generator.model
         check_dimensions(model, dimensions)
         token_ids = [inputs.tokenize(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
@@ -109,11 +108,18 @@ class LLM:
     def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score`` with an embedding model: the cosine similarity of the embeddings (`embed`) of each
         pair, ``data_1`` (one prompt, or a list) against each of ``data_2``, or the two lists pair by pair."""
+        data_1, data_2 = _prompt_list(data_1), _prompt_list(data_2)
+        pairs = score_pairs(len(data_1), len(data_2), ("data_1", "data_2"))
         first, second = self.embed(data_1, truncate_prompt_tokens), self.embed(data_2, truncate_prompt_tokens)
-        pairs = score_pairs(len(first), len(second), ("data_1", "data_2"))
         scores = cosine_scores([o.outputs.embedding for o in first], [o.outputs.embedding for o in second], pairs)
         return [ScoringRequestOutput(str(k), first[i].prompt_token_ids + second[j].prompt_token_ids,
                                      ScoringOutput(score)) for k, ((i, j), score) in enumerate(zip(pairs, scores))]
 
     def reset_prefix_cache(self) -> bool:
         return self.generator.reset_prefix_cache()
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (a string, token ids or a prompt dict) as a list of it; a list of prompts as it is."""
+    single = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
+    return [prompts] if single else list(prompts)

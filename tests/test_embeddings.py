@@ -262,8 +262,10 @@ def test_score_and_rerank_endpoints_answer_as_vllms(server, smollm2):
         assert [r["relevance_score"] for r in answer["results"]] == pytest.approx([scores[i] for i in best[:2]],
                                                                                   abs=1e-6)
         assert answer["usage"]["total_tokens"] == sum(map(len, ids))
-    every = httpx.post(f"{server.base}/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:]}, timeout=60).json()
-    assert [r["index"] for r in every["results"]] == best
+    for top_n in (0, -1, 10):  # all of them, as vLLM reads these
+        every = httpx.post(f"{server.base}/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": top_n},
+                           timeout=60).json()
+        assert [r["index"] for r in every["results"]] == best
     for path, payload, param, words in (
             ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS[1:]}, "text_2", "text_1 has 2 texts and text_2 3"),
             ("/score", {"text_1": [], "text_2": TEXTS}, "text_1", "text_1 is empty"),
@@ -271,7 +273,7 @@ def test_score_and_rerank_endpoints_answer_as_vllms(server, smollm2):
             ("/rerank", {"query": "x", "documents": []}, "documents", "documents is empty"),
             ("/rerank", {"query": "", "documents": ["y"]}, "query", "query[0] is empty"),
             ("/rerank", {"query": "x", "documents": ["y"] * 41}, "documents", "at most 40 inputs in one call"),
-            ("/v2/rerank", {"query": "x", "documents": ["y"], "top_n": -1}, None, "top_n"),
+            ("/v2/rerank", {"query": "x", "documents": ["y"], "top_n": "all"}, None, "top_n"),
             ("/score", {"text_1": "x"}, None, "text_2"),
             ("/v1/score", {"text_1": "x", "text_2": "y", "model": "other"}, "model", "does not exist")):
         answer = httpx.post(f"{server.base}{path}", json=payload, timeout=60)

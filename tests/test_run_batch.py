@@ -76,6 +76,21 @@ def test_a_batch_file_is_answered_in_order_as_the_server_answers(smollm2_path):
     assert generator.stats().num_used_blocks == 0
 
 
+def test_a_busy_server_is_asked_again_and_lines_end_at_newlines_only(smollm2_path):
+    """More sequences than the engine queues are in flight at once: those refused with 503 and Retry-After wait and
+    go again, so every request is answered. A prompt holding U+2028 (valid in a JSON string) stays one line."""
+    generator = tiny_generator(smollm2_path, max_num_seqs=4)
+    app = create_app(generator, MODEL, limits=ServerLimits(max_num_waiting=1))
+    lines = [line(f"r{i}", "/v1/completions", {"prompt": f"story {i}", "n": 2, **GREEDY}) for i in range(8)]
+    text = "\n".join(lines) + "\n" + json.dumps({"custom_id": "sep", "method": "POST", "url": "/v1/completions",
+                                                 "body": {"prompt": "a\u2028b", **GREEDY}}, ensure_ascii=False)
+    assert "\u2028" in text and len(text.splitlines()) == 10  # what str.splitlines would make of it
+    records = asyncio.run(run_batch(app, text.split("\n"), concurrency=8))
+    assert [r["custom_id"] for r in records] == [*(f"r{i}" for i in range(8)), "sep"]
+    assert all(r["response"]["status_code"] == 200 for r in records), [r["response"]["body"] for r in records]
+    assert all(len(r["response"]["body"]["choices"]) == 2 for r in records[:8])
+
+
 def test_the_run_batch_command_writes_the_answers(smollm2_path, tmp_path, capsys):
     given, answers = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
     given.write_text("\n".join([line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}),
@@ -84,13 +99,39 @@ def test_the_run_batch_command_writes_the_answers(smollm2_path, tmp_path, capsys
                                 line("c", "/v1/completions", {"prompt": "x", "n": 0})]) + "\n")
     assert main(["run-batch", smollm2_path, "-i", str(given), "-o", str(answers), "--num-blocks", "64",
                  "--served-model-name", "smol"]) == 0
-    records = [json.loads(text) for text in answers.read_text().splitlines()]
+    records = [json.loads(text) for text in answers.read_text().split("\n") if text]
     assert [(r["custom_id"], r["response"]["status_code"]) for r in records] == [("a", 200), ("b", 200), ("c", 400)]
     assert records[0]["response"]["body"]["usage"]["completion_tokens"] == 8
     assert records[1]["response"]["body"]["model"] == "smol"
     assert "3 requests, 2 answered, 1 refused or failed" in capsys.readouterr().err
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                  "body": {"prompt": "caf\u00e9"}}, ensure_ascii=False).encode("latin-1"))
     for argv, words in ((["-i", str(tmp_path / "none.jsonl"), "-o", str(answers)], "--input-file: no such file"),
-                        (["-i", str(given), "-o", str(tmp_path / "no" / "dir.jsonl")], "--output-file: cannot write")):
+                        (["-i", str(given), "-o", str(tmp_path / "no" / "dir.jsonl")], "--output-file: cannot write"),
+                        (["-i", str(given), "-o", str(tmp_path)], "--output-file: cannot write"),
+                        (["-i", str(latin), "-o", str(answers)], "--input-file: cannot read")):
         with pytest.raises(SystemExit) as exit_info:
-            main(["run-batch", smollm2_path, *argv])
+            main(["run-batch", smollm2_path, *argv, "--num-blocks", "64"])
         assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_run_batch_fails_when_the_engine_dies(smollm2_path, tmp_path, capsys, monkeypatch):
+    import hf_paged.cli
+
+    load = hf_paged.cli.load_generator
+
+    def broken():
+        raise RuntimeError("the model crashed")
+
+    def loaded(*args):
+        generator = load(*args)
+        generator.step = broken
+        return generator
+
+    monkeypatch.setattr(hf_paged.cli, "load_generator", loaded)
+    given, answers = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    given.write_text(line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}) + "\n")
+    assert main(["run-batch", smollm2_path, "-i", str(given), "-o", str(answers), "--num-blocks", "64"]) == 1
+    assert "the engine stopped after an unrecoverable error" in capsys.readouterr().err
+    assert json.loads(answers.read_text())["response"]["status_code"] >= 500

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class ScoreRequest(BaseModel):
@@ -27,13 +27,14 @@ class ScoreRequest(BaseModel):
 
 
 class RerankRequest(BaseModel):
-    """Body of ``POST /rerank``: the ``documents`` by their score against ``query``, the best ``top_n`` (0: all)."""
+    """Body of ``POST /rerank``: the ``documents`` by their score against ``query``, the best ``top_n`` (0 or less:
+    all, as vLLM reads it)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     query: str
     documents: list[str]
-    top_n: StrictInt = Field(default=0, ge=0)
+    top_n: int = 0
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     user: str | None = None
 
@@ -46,8 +47,8 @@ def score_response(scores: list[float], model: str, prompt_tokens: int) -> dict:
 
 
 def rerank_response(scores: list[float], documents: list[str], top_n: int, model: str, total_tokens: int) -> dict:
-    """The documents from the best score down (ties in their order), the first ``top_n`` of them (0: all)."""
-    order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n or None]
+    """The documents from the best score down (ties in their order), the first ``top_n`` of them (0 or less: all)."""
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n if top_n > 0 else None]
     results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]} for i in order]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {"total_tokens": total_tokens},
             "results": results}
