@@ -28,14 +28,18 @@ async def run_batch(app, lines: Iterable[str], concurrency: int) -> list[dict]:
     """The output records of the batch file's ``lines`` (blank lines skipped), run through ``app`` (a `create_app`
     app, whose engine runs for the batch) at most ``concurrency`` at a time."""
     requests = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
-    gate = asyncio.Semaphore(concurrency)
+    gate, first_line = asyncio.Semaphore(concurrency), {}
+    for number, line in requests:
+        first_line.setdefault(_custom_id(line), number)
     async with app.router.lifespan_context(app):
-        return list(await asyncio.gather(*(_answer(app, number, line, gate) for number, line in requests)))
+        return list(await asyncio.gather(*(_answer(app, number, line, gate, first_line) for number, line in requests)))
 
 
-async def _answer(app, number: int, line: str, gate: asyncio.Semaphore) -> dict:
+async def _answer(app, number: int, line: str, gate: asyncio.Semaphore, first_line: dict) -> dict:
     try:
         custom_id, url, body = _request(line)
+        if first_line[custom_id] != number:
+            raise ValueError(f"custom_id {custom_id!r} is line {first_line[custom_id]}'s already: each must be unique")
     except ValueError as err:
         return _record(_custom_id(line), None, {"code": "invalid_request", "message": f"line {number}: {err}"})
     request = HTTPRequest("POST", url, b"", [(b"content-type", b"application/json")], json.dumps(body).encode())

@@ -37,6 +37,7 @@ def test_a_batch_file_is_answered_in_order_as_the_server_answers(smollm2_path):
     lines = [line(name, url, body) for name, (url, body) in requests.items()]
     lines[3:3] = ["", "{not json", line("streamed", "/v1/completions", {"prompt": "x", "stream": True}),
                   line("models", "/v1/models", {}, method="GET"), line("nowhere", "/v1/files", {})]
+    lines.append(line("chat", "/v1/completions", {"prompt": "again"}))
     generator = tiny_generator(smollm2_path)
     app = create_app(generator, MODEL, limits=ServerLimits(max_concurrent_requests=4))
     schedule, running = generator.scheduler.schedule, []
@@ -49,14 +50,17 @@ def test_a_batch_file_is_answered_in_order_as_the_server_answers(smollm2_path):
     generator.scheduler.schedule = watched
     records = asyncio.run(run_batch(app, lines, concurrency=4))
     assert 2 <= max(running) <= 4  # batched, never more in flight than asked
-    by_id = {record["custom_id"]: record for record in records}
+    by_id = {record["custom_id"]: record for record in reversed(records)}  # each id's first record
     assert [record["custom_id"] for record in records] == [*list(requests)[:3], None, "streamed", "models", "nowhere",
-                                                           *list(requests)[3:]]
+                                                           *list(requests)[3:], "chat"]
     assert len({record["id"] for record in records}) == len(records)
     for name, words in ((None, "line 5: not JSON"), ("streamed", "line 6: a batch request is answered whole"),
                         ("models", "method must be POST, got 'GET'"), ("nowhere", "url must be one of")):
         record = next(r for r in records if r["custom_id"] == name)
         assert record["response"] is None and words in record["error"]["message"], record
+    assert records[-1]["response"] is None and "line 21: custom_id 'chat' is line 1's already" in \
+        records[-1]["error"]["message"]
+    assert by_id["chat"]["response"]["status_code"] == 200  # the first line of that id
     refused = by_id["bad"]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
     assert by_id["bad"]["error"] is None
