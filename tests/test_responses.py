@@ -126,13 +126,14 @@ def test_ray_routes_a_response_by_the_prefix_of_its_chat_prompt():
     pytest.importorskip("ray")
     from hf_paged.serve_ray.ingress import _prompt
 
-    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
-    response = {"instructions": "Be brief.", "input": [{"role": "user", "content": [{"type": "input_text",
-                                                                                     "text": "Hi"}]}]}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = {"model": "smol", "messages": messages}
+    response = {"model": "smol", "instructions": "Be brief.",
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}
     assert _prompt("/v1/responses", json.dumps(response).encode(), "string") == \
-        _prompt("/v1/chat/completions", json.dumps(chat).encode(), "string") == chat["messages"]
+        _prompt("/v1/chat/completions", json.dumps(chat).encode(), "string") == (chat["messages"], "smol")
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in chat["messages"]]
-    assert _prompt("/v1/chat/completions", json.dumps(chat).encode(), "openai") == parts  # as the replicas render
+    assert _prompt("/v1/chat/completions", json.dumps(chat).encode(), "openai") == (parts, "smol")  # as replicas render
 
 
 @pytest.mark.parametrize("body, param", [
