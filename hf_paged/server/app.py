@@ -60,7 +60,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -76,7 +76,7 @@ from .scores import RerankRequest, ScoreRequest
 from .limits import ServerLimits
 from .metrics import ServerMetrics
 from .middleware import Gatekeeper, RequestIds
-from .models import LoadLoRAAdapterRequest, ServedModels, UnloadLoRAAdapterRequest, runtime_lora_updating
+from .models import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, runtime_lora_updating
 from .options import ServingOptions
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .responses import ResponsesRequest
@@ -100,7 +100,8 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     built with ``enable_lora``); each is loaded now (``ValueError`` names one that does not fit).
 
     The engine thread starts with the app (or at the first request, if the app runs without its lifespan) and
-    stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics.
+    stops when the app shuts down. ``app.state.engine`` is the `EngineLoop`; ``app.state.metrics`` its metrics;
+    ``app.state.serving`` the `OpenAIServing` that the routes answer with.
     """
     limits, options = limits or ServerLimits(), options or ServingOptions()
     metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len,
@@ -122,16 +123,16 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
             encoder.close()
 
     app = FastAPI(title="hf_paged", lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
+    app.state.engine, app.state.metrics, app.state.limits, app.state.serving = engine, metrics, limits, serving
     app.add_middleware(Gatekeeper, limits=limits, api_key=api_key)
     if allowed_origins:  # outside the gatekeeper: preflights are answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["X-Request-Id"])
     app.add_middleware(RequestIds)  # outermost: refusals carry the id too
     _install_error_handlers(app)
-    _install_routes(app, serving)
+    app.include_router(routes)
     if runtime_lora_updating():
-        _install_lora_routes(app, serving.models)
+        app.include_router(lora_routes)
     return app
 
 
@@ -153,111 +154,121 @@ class GracefulServer(uvicorn.Server):
                 cut.cancel()
 
 
-def _install_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    engine, metrics, max_model_len = serving.engine, app.state.metrics, serving.generator.max_model_len
-
-    @app.get("/health")
-    @app.head("/health")
-    @app.get("/ping")  # vLLM's (SageMaker's) name for it
-    @app.post("/ping")
-    async def health() -> Response:
-        if not engine.healthy:
-            body = error_body("the engine has stopped after an unrecoverable error", "server_error", code=503)
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": serving.models.cards(max_model_len)}
-
-    @app.get("/v1/models/{model:path}")
-    async def model_card(model: str) -> dict:
-        name = serving.models.name(model)  # a 404 for a name not served
-        return next(card for card in serving.models.cards(max_model_len) if card["id"] == name)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completions(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat_completions(body, request)
-
-    _install_pooling_routes(app, serving)
-    _install_responses_routes(app, serving)
-    _install_token_routes(app, serving)
+# The routes are declared once, at module level, and find the app's serving through the request: FastAPI caches
+# facts about each endpoint function for the life of the process, so an endpoint closing over an app's engine would
+# keep every engine a process ever served alive (its weights, its KV cache) after its app was dropped.
+routes = APIRouter()
+lora_routes = APIRouter()  # vLLM's runtime adapter updates (where ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true)
 
 
-def _install_pooling_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    """The calls answered from the model's embeddings: OpenAI's embeddings, vLLM's scores and reranking."""
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await serving.embeddings(body, request)
-
-    @app.post("/score")
-    @app.post("/v1/score")
-    async def score(body: ScoreRequest, request: Request) -> Response:
-        return await serving.score(body, request)
-
-    @app.post("/rerank")
-    @app.post("/v1/rerank")
-    @app.post("/v2/rerank")
-    async def rerank(body: RerankRequest, request: Request) -> Response:
-        return await serving.rerank(body, request)
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
 
 
-def _install_lora_routes(app: FastAPI, models: ServedModels) -> None:
-    """vLLM's runtime adapter updates (where ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true)."""
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-        try:  # reading the adapter's files is kept off the event loop
-            await asyncio.to_thread(models.add, body.lora_name, body.lora_path, None, body.load_inplace)
-        except InvalidParameter as err:
-            raise APIError(400, str(err), param=err.param) from err
-        return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} added successfully.")
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        models.remove(body.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
+@routes.get("/health")
+@routes.head("/health")
+@routes.get("/ping")  # vLLM's (SageMaker's) name for it
+@routes.post("/ping")
+async def health(request: Request) -> Response:
+    if not request.app.state.engine.healthy:
+        body = error_body("the engine has stopped after an unrecoverable error", "server_error", code=503)
+        return JSONResponse(body, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
-def _install_responses_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await serving.responses(body, request)
-
-    @app.get("/v1/responses/{response_id}")
-    @app.delete("/v1/responses/{response_id}")
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def stored_response(response_id: str) -> Response:
-        raise APIError(404, f"no response {response_id[:100]!r} is stored: this server keeps no responses (they are "
-                            "answered, streamed or not, and forgotten)", param="response_id", code="not_found")
+@routes.get("/version")
+async def version() -> dict:
+    return {"version": __version__}
 
 
-def _install_token_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    @app.post("/tokenize")
-    async def tokenize(body: dict[str, Any]) -> dict:
-        model = ChatCompletionRequest if "messages" in body else TokenizeRequest
-        try:
-            request = model.model_validate(body)
-        except ValidationError as err:
-            raise RequestValidationError(err.errors()) from err
-        return await serving.tokenize(request)
+@routes.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        return await serving.detokenize(body)
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict:
+    serving = _serving(request)
+    return {"object": "list", "data": serving.models.cards(serving.generator.max_model_len)}
+
+
+@routes.get("/v1/models/{model:path}")
+async def model_card(model: str, request: Request) -> dict:
+    serving = _serving(request)
+    name = serving.models.name(model)  # a 404 for a name not served
+    return next(card for card in serving.models.cards(serving.generator.max_model_len) if card["id"] == name)
+
+
+@routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _serving(request).completions(body, request)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _serving(request).chat_completions(body, request)
+
+
+# The calls answered from the model's embeddings: OpenAI's embeddings, vLLM's scores and reranking.
+@routes.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    return await _serving(request).embeddings(body, request)
+
+
+@routes.post("/score")
+@routes.post("/v1/score")
+async def score(body: ScoreRequest, request: Request) -> Response:
+    return await _serving(request).score(body, request)
+
+
+@routes.post("/rerank")
+@routes.post("/v1/rerank")
+@routes.post("/v2/rerank")
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    return await _serving(request).rerank(body, request)
+
+
+@routes.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    return await _serving(request).responses(body, request)
+
+
+@routes.get("/v1/responses/{response_id}")
+@routes.delete("/v1/responses/{response_id}")
+@routes.post("/v1/responses/{response_id}/cancel")
+async def stored_response(response_id: str) -> Response:
+    raise APIError(404, f"no response {response_id[:100]!r} is stored: this server keeps no responses (they are "
+                        "answered, streamed or not, and forgotten)", param="response_id", code="not_found")
+
+
+@routes.post("/tokenize")
+async def tokenize(body: dict[str, Any], request: Request) -> dict:
+    model = ChatCompletionRequest if "messages" in body else TokenizeRequest
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors()) from err
+    return await _serving(request).tokenize(parsed)
+
+
+@routes.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    return await _serving(request).detokenize(body)
+
+
+@lora_routes.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+    try:  # reading the adapter's files is kept off the event loop
+        await asyncio.to_thread(_serving(request).models.add, body.lora_name, body.lora_path, None, body.load_inplace)
+    except InvalidParameter as err:
+        raise APIError(400, str(err), param=err.param) from err
+    return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} added successfully.")
+
+
+@lora_routes.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+    _serving(request).models.remove(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
 
 
 def _install_error_handlers(app: FastAPI) -> None:
