@@ -87,11 +87,13 @@ class LLM:
                    for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def embed(self, prompts, truncate_prompt_tokens: int | None = None,
-              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts, /, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params=None, lora_request=None, dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's ``LLM.embed``: each prompt's (a string, token ids, or a ``{"prompt": ...}`` dict; or a list of
         them) pooled last hidden state (`hf_paged.pooling`: as the model's sentence-transformers files say, else its
-        last token's, normalized), cut to its first ``dimensions`` if given."""
+        last token's, normalized), cut to its first ``dimensions`` if given (vLLM's ``PoolingParams.dimensions``).
+        ``use_tqdm`` is taken and shows nothing; ``pooling_params`` and ``lora_request`` must be None."""
+        _check_pooling_options(pooling_params, lora_request)
         prompts = _prompt_list(prompts)
         inputs, model = self.generator.inputs, self.generator.model
         check_dimensions(model, dimensions)
@@ -105,18 +107,29 @@ class LLM:
         return [EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(vector))
                 for i, (ids, vector) in enumerate(zip(token_ids, vectors))]
 
-    def score(self, data_1, data_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+    def score(self, data_1, data_2, /, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params=None, lora_request=None) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score`` with an embedding model: the cosine similarity of the embeddings (`embed`) of each
         pair, ``data_1`` (one prompt, or a list) against each of ``data_2``, or the two lists pair by pair."""
+        _check_pooling_options(pooling_params, lora_request)
         data_1, data_2 = _prompt_list(data_1), _prompt_list(data_2)
         pairs = score_pairs(len(data_1), len(data_2), ("data_1", "data_2"))
-        first, second = self.embed(data_1, truncate_prompt_tokens), self.embed(data_2, truncate_prompt_tokens)
+        first = self.embed(data_1, truncate_prompt_tokens=truncate_prompt_tokens)
+        second = self.embed(data_2, truncate_prompt_tokens=truncate_prompt_tokens)
         scores = cosine_scores([o.outputs.embedding for o in first], [o.outputs.embedding for o in second], pairs)
         return [ScoringRequestOutput(str(k), first[i].prompt_token_ids + second[j].prompt_token_ids,
                                      ScoringOutput(score)) for k, ((i, j), score) in enumerate(zip(pairs, scores))]
 
     def reset_prefix_cache(self) -> bool:
         return self.generator.reset_prefix_cache()
+
+
+def _check_pooling_options(pooling_params, lora_request) -> None:
+    if pooling_params is not None:
+        raise ValueError("pooling_params are not taken here: the pooling is the model's (embed's dimensions= cuts "
+                         "an embedding)")
+    if lora_request is not None:
+        raise ValueError("embeddings are of the served model: LoRA adapters do not apply to them")
 
 
 def _prompt_list(prompts) -> list:

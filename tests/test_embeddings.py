@@ -233,6 +233,15 @@ def test_llm_score_is_the_embeddings_cosine_similarity_as_vllms(smollm2_path):
         llm.score(TEXTS[:2], TEXTS[1:])
     with pytest.raises(ValueError, match="data_2 is empty"):
         llm.score(TEXTS[0], [])
+    # vLLM's keywords: use_tqdm is taken, the others are refused by name
+    assert llm.score(TEXTS[1], TEXTS[1], use_tqdm=False, truncate_prompt_tokens=2)[0].outputs.score == pytest.approx(1)
+    assert len(llm.embed(TEXTS[1], use_tqdm=False, truncate_prompt_tokens=2)[0].prompt_token_ids) == 2
+    for options, words in (({"lora_request": object()}, "LoRA adapters do not apply"),
+                           ({"pooling_params": object()}, "pooling_params are not taken")):
+        with pytest.raises(ValueError, match=words):
+            llm.score(TEXTS[0], TEXTS[1], **options)
+        with pytest.raises(ValueError, match=words):
+            llm.embed(TEXTS[0], **options)
 
 
 def test_score_and_rerank_endpoints_answer_as_vllms(server, smollm2):
@@ -271,8 +280,15 @@ def test_score_and_rerank_endpoints_answer_as_vllms(server, smollm2):
             ("/score", {"text_1": [], "text_2": TEXTS}, "text_1", "text_1 is empty"),
             ("/score", {"text_1": "x", "text_2": ["y", ""]}, "text_2", "text_2[1] is empty"),
             ("/rerank", {"query": "x", "documents": []}, "documents", "documents is empty"),
-            ("/rerank", {"query": "", "documents": ["y"]}, "query", "query[0] is empty"),
+            ("/rerank", {"query": "", "documents": ["y"]}, "query", "query is empty"),
             ("/rerank", {"query": "x", "documents": ["y"] * 41}, "documents", "at most 40 inputs in one call"),
+            ("/score", {"text_1": ["x"] * 21, "text_2": ["y"] * 21}, "text_2", "in one call are allowed on this "
+             "server (--max-embedding-inputs), got 42"),  # the two sides together
+            ("/rerank", {"query": "x", "documents": ["y", "z" * 270000]}, "documents",
+             "documents[1]: the prompt is 270000 characters long"),
+            ("/v1/embeddings", {"input": [[1, 2], [10 ** 7]]}, "input", "input 1: prompt token ids [10000000] are"),
+            ("/score", {"text_1": "x", "text_2": "y", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+             ">= 1, or -1"),
             ("/v2/rerank", {"query": "x", "documents": ["y"], "top_n": "all"}, None, "top_n"),
             ("/score", {"text_1": "x"}, None, "text_2"),
             ("/v1/score", {"text_1": "x", "text_2": "y", "model": "other"}, "model", "does not exist")):

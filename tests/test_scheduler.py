@@ -504,5 +504,8 @@ def test_a_priority_needs_the_priority_policy(smollm2_path):
     outputs = prioritized.run([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False,
                               priority=[1, -2])
     assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 2]
+    for wrong in (False, 0.0, ""):  # falsy, but no integer: refused as run's other prompts' priorities are
+        (failed,) = prioritized.run([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False, priority=wrong)
+        assert f"priority must be an integer, got {wrong!r}" in failed.error
     with pytest.raises(ValueError, match="scheduling_policy is one of fcfs, priority, got 'lifo'"):
         EngineConfig(scheduling_policy="lifo")

@@ -289,7 +289,7 @@ def test_cpu_shares_and_head_layouts(monkeypatch):
 def test_the_other_ranks_rebuild_each_request_whole(tokenizer_path):
     """Ranks rebuild each request from the fields rank 0 sends (`Request.wire_fields`). LongRoPE's cache salt was
     not among them: on the other ranks a long prompt matched a short one's cached blocks, on rank 0 not, and the
-    schedules parted."""
+    schedules parted. Nor was the arrival time, which breaks ties of priority."""
     from dataclasses import fields
 
     from transformers import AutoModelForCausalLM
@@ -307,6 +307,6 @@ def test_the_other_ranks_rebuild_each_request_whole(tokenizer_path):
     action, sent = gen._inbox.get_nowait()  # what rank 0 would send
     rebuilt = Request(**sent.wire_fields())
     assert action == "add" and sent.cache_salt is not None
-    kept = {"seqs", "metrics", "arrival_time"}  # a rank's own, made when the request is built
+    kept = {"seqs", "metrics"}  # a rank's own, made when the request is built
     assert all(getattr(rebuilt, f.name) == getattr(sent, f.name) for f in fields(Request) if f.name not in kept)
     assert rebuilt.stop_ids == sent.stop_ids and rebuilt.stop_holdback == sent.stop_holdback

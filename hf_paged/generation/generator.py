@@ -478,7 +478,7 @@ class ContinuousBatchGenerator:
         prompts added before it and is raised."""
         prompts, per_prompt = one_params_per_prompt(prompts, sampling_params)
         loras = _per_prompt(lora_request, prompts, "LoRA requests")
-        priorities = _per_prompt(priority or 0, prompts, "priorities")
+        priorities = _per_prompt(0 if priority is None else priority, prompts, "priorities")
         submitted = []
         try:
             for prompt, params, lora, level in zip(prompts, per_prompt, loras, priorities):

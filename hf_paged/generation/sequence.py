@@ -176,7 +176,8 @@ class Request:
         """What another rank rebuilds this request from (``Request(**fields)``), before any step touched it."""
         return dict(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                     params=self.params, seed=self.seed, eos_token_ids=self.eos_token_ids, cache_salt=self.cache_salt,
-                    bad_words_token_ids=self.bad_words_token_ids, priority=self.priority)
+                    bad_words_token_ids=self.bad_words_token_ids, priority=self.priority,
+                    arrival_time=self.arrival_time)  # ties of priority are broken alike on every rank
 
     @property
     def scores_prompt(self) -> bool:

@@ -8,9 +8,19 @@ from __future__ import annotations
 
 import base64
 import struct
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+
+
+def _truncation(keep: int | None) -> int | None:
+    if keep is not None and keep != -1 and keep < 1:
+        raise ValueError("must be >= 1, or -1 (what the context holds)")
+    return keep
+
+
+# vLLM's: each input's last N tokens (-1: all that the context holds), as `SamplingParams` checks it.
+TruncatePromptTokens = Annotated[int | None, Field(ge=-1), AfterValidator(_truncation)]
 
 
 class EmbeddingRequest(BaseModel):
@@ -22,7 +32,7 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: the last N tokens (-1: all that fit)
+    truncate_prompt_tokens: TruncatePromptTokens = None
 
     def inputs(self) -> list[str | list[int]]:
         given = self.input

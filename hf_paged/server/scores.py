@@ -8,7 +8,9 @@ from __future__ import annotations
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
+
+from .embeddings import TruncatePromptTokens
 
 
 class ScoreRequest(BaseModel):
@@ -18,12 +20,8 @@ class ScoreRequest(BaseModel):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: TruncatePromptTokens = None
     user: str | None = None
-
-    def texts(self) -> tuple[list[str], list[str]]:
-        return [self.text_1] if isinstance(self.text_1, str) else self.text_1, \
-            [self.text_2] if isinstance(self.text_2, str) else self.text_2
 
 
 class RerankRequest(BaseModel):
@@ -35,7 +33,7 @@ class RerankRequest(BaseModel):
     query: str
     documents: list[str]
     top_n: int = 0
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: TruncatePromptTokens = None
     user: str | None = None
 
 

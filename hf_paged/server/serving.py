@@ -67,7 +67,7 @@ class OpenAIServing:
         try:  # how embeddings are pooled, or why they cannot be (generation is served all the same)
             self.pooling: PoolingConfig | ValueError = options.pooling_of(generator.model)
         except ValueError as err:
-            self.pooling = err
+            self.pooling = err.with_traceback(None)  # its frames would hold this object in a cycle
         self.decode = encoder.decoder()
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -149,8 +149,8 @@ class OpenAIServing:
     async def score(self, body: ScoreRequest, request: Request) -> Response:
         """vLLM's ``/score`` (`scores`): the cosine similarity of each pair's embeddings."""
         self.check_pooling(body.model)
-        first, second = body.texts()
-        scores, tokens = await self.scored(first, second, ("text_1", "text_2"), body.truncate_prompt_tokens, request)
+        scores, tokens = await self.scored(body.text_1, body.text_2, ("text_1", "text_2"), body.truncate_prompt_tokens,
+                                           request)
         if scores is None:
             return Response(status_code=499)
         return JSONResponse(score_response(scores, self.served_model_name, tokens))
@@ -158,7 +158,7 @@ class OpenAIServing:
     async def rerank(self, body: RerankRequest, request: Request) -> Response:
         """vLLM's ``/rerank`` (`scores`): the documents by their embeddings' cosine similarity to the query's."""
         self.check_pooling(body.model)
-        scores, tokens = await self.scored([body.query], body.documents, ("query", "documents"),
+        scores, tokens = await self.scored(body.query, body.documents, ("query", "documents"),
                                            body.truncate_prompt_tokens, request)
         if scores is None:
             return Response(status_code=499)
@@ -175,19 +175,22 @@ class OpenAIServing:
             raise APIError(400, f"embeddings of this model are not served: {self.pooling} (--pooler-config chooses "
                                 "a pooling)", param="model")
 
-    async def scored(self, first: list[str], second: list[str], names: tuple[str, str], keep: int | None,
+    async def scored(self, first: str | list[str], second: str | list[str], names: tuple[str, str], keep: int | None,
                      request: Request) -> tuple[list[float] | None, int]:
-        """The scores of the pairs of ``first`` and ``second`` texts (`pooling.score_pairs`, the fields' ``names``
-        naming them in errors) and how many tokens were embedded; None for the scores if the client left."""
+        """The scores of the pairs of ``first`` and ``second`` (a text or a list of them; `pooling.score_pairs`, the
+        fields' ``names`` naming them in errors) and how many tokens were embedded; None for the scores if the client
+        left. The two sides together are bounded by ``--max-embedding-inputs``."""
+        sides = [[texts] if isinstance(texts, str) else texts for texts in (first, second)]
         try:
-            pairs = score_pairs(len(first), len(second), names)
+            pairs = score_pairs(len(sides[0]), len(sides[1]), names)
         except ValueError as err:
-            raise APIError(400, str(err), param=names[1] if first else names[0]) from None
+            raise APIError(400, str(err), param=names[1] if sides[0] else names[0]) from None
+        self.limits.check_embedding_inputs(len(sides[0]) + len(sides[1]), names[1])
         ids = await self.embedding_inputs(first, names[0], keep) + await self.embedding_inputs(second, names[1], keep)
         vectors = await self.embedded(ids, None, request)
         if vectors is None:
             return None, 0
-        return cosine_scores(vectors[:len(first)], vectors[len(first):], pairs), sum(map(len, ids))
+        return cosine_scores(vectors[:len(sides[0])], vectors[len(sides[0]):], pairs), sum(map(len, ids))
 
     async def embedded(self, token_ids: list[list[int]], dimensions: int | None,
                        request: Request) -> list[list[float]] | None:
@@ -207,21 +210,29 @@ class OpenAIServing:
                                 f"overflowed in {self.generator.model.dtype}", "server_error", code=500)
         return vectors
 
-    async def embedding_inputs(self, inputs: list, param: str, keep: int | None) -> list[list[int]]:
-        """The token ids of the texts (or token ids) ``inputs`` of the field ``param``, checked (a 400 naming it)."""
-        if not inputs:
+    async def embedding_inputs(self, inputs: str | list, param: str, keep: int | None) -> list[list[int]]:
+        """The token ids of the text or the list of texts (or of token ids) ``inputs`` of the field ``param``, checked
+        (a 400 naming the field, and which of its inputs)."""
+        listed = [inputs] if isinstance(inputs, str) else inputs
+        if not listed:
             raise APIError(400, "the input is empty" if param == "input" else f"{param} is empty", param=param)
-        self.limits.check_embedding_inputs(len(inputs), param)
-        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, param, keep) for prompt in inputs))
-        for index, ids in enumerate(token_ids):
-            where = f"input {index}" if param == "input" else f"{param}[{index}]"
-            if not ids:
-                raise APIError(400, f"{where} is empty", param=param)
-            try:
-                self.generator.inputs.check_token_ids(ids)
-            except ValueError as err:
-                raise APIError(400, str(err), param=param) from None
-        return list(token_ids)
+        self.limits.check_embedding_inputs(len(listed), param)
+        wheres = [param if listed is not inputs else f"input {i}" if param == "input" else f"{param}[{i}]"
+                  for i in range(len(listed))]
+        return list(await asyncio.gather(*(self._embedding_input(text, param, where, keep)
+                                           for text, where in zip(listed, wheres))))
+
+    async def _embedding_input(self, text: str | list[int], param: str, where: str, keep: int | None) -> list[int]:
+        try:
+            ids = await self.encoder.encode(text, param, keep)
+            self.generator.inputs.check_token_ids(ids)
+        except APIError as err:
+            raise APIError(err.status, f"{where}: {err.message}", param=param) from None
+        except ValueError as err:
+            raise APIError(400, f"{where}: {err}", param=param) from None
+        if not ids:
+            raise APIError(400, f"{where} is empty", param=param)
+        return ids
 
     async def _on_engine(self, fn):
         """``fn()`` run on the engine thread (`EngineLoop.call`); a failure is a 503 (the engine stopping) or a 500."""
