@@ -373,12 +373,13 @@ def allowed_origins(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hf-paged`` argument parser with its ``serve``, ``serve-ray``, ``generate`` and ``run-batch`` commands."""
+    """The ``hf-paged`` argument parser with its ``serve``, ``serve-ray``, ``generate``, ``chat`` and ``run-batch``
+    commands."""
     parser = argparse.ArgumentParser(
         prog="hf-paged", allow_abbrev=False,
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate,run-batch}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate,chat,run-batch}")
     # No abbreviated options: llama.cpp's -t (its threads) would be taken for -tp (tensor parallelism).
     engine, http, parallel = _engine_options(), _http_options(), _parallel_options()
 
@@ -405,8 +406,39 @@ def build_parser() -> argparse.ArgumentParser:
                           help="apply the chat template (default: when the tokenizer has one)")
     serve.set_defaults(run=run_serve, check=_serve_settings, command_parser=serve)
     generate.set_defaults(run=run_generate, check=_generate_params, command_parser=generate)
+    _add_chat(commands, [engine])
     _add_run_batch(commands, [engine, http, parallel])
     return parser
+
+
+def _add_chat(commands, parents: list[argparse.ArgumentParser]) -> None:
+    chat = commands.add_parser("chat", parents=parents, allow_abbrev=False, help="chat with the model on the terminal",
+                               description="Chat with MODEL: each line read is a turn, each reply streamed as it is "
+                                           "generated. /clear forgets the conversation, /exit (or Ctrl+D) ends it, "
+                                           "Ctrl+C stops a reply.")
+    chat.add_argument("--system", help="the conversation's system message")
+    chat.add_argument("--max-tokens", type=int, help="most tokens of a reply (default: the rest of the context)")
+    chat.add_argument("--temperature", type=float,
+                      help="sampling temperature, 0 = greedy (default: the model's generation config's, else 1)")
+    chat.add_argument("--top-p", type=float, help="nucleus sampling threshold (default: the model's, else 1)")
+    chat.set_defaults(run=run_chat, command_parser=chat)  # one process (no ranks left waiting for the user)
+
+
+def run_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``hf-paged chat``: a conversation on the terminal (`terminal.converse`)."""
+    from . import SamplingParams
+    from .terminal import chat_params, converse
+
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    try:  # the options' own errors, before the model loads
+        SamplingParams(**{name: value for name, value in given.items() if value is not None})
+    except ValueError as err:
+        parser.error(str(err))
+    generator = load_generator(parser, args)
+    if generator.tokenizer.chat_template is None:
+        parser.error(f"{args.model or 'the model'} has no chat template (--chat-template gives one; hf-paged "
+                     "generate continues plain text)")
+    return converse(generator, chat_params(generator, **given), args.system)
 
 
 def _add_run_batch(commands, parents: list[argparse.ArgumentParser]) -> None:
@@ -516,7 +548,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
     _check_quantization(parser, path, getattr(args, "quantization", None), args.trust_remote_code)
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
-                                      tensor_parallel_size=args.tensor_parallel_size or 1,
+                                      tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1,
                                       trust_remote_code=args.trust_remote_code, tokenizer=args.tokenizer,
                                       load_format=getattr(args, "load_format", "auto"))
     except Exception as err:  # any reason a model cannot be loaded is the user's to read, not a traceback
@@ -789,6 +821,8 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged generate``: stream one completion to stdout."""
+    from .terminal import interrupts_deferred
+
     params = _generate_params(parser, args)
     generator = load_generator(parser, args)
     if not generator.is_driver:
@@ -797,7 +831,7 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     try:
         if generator.lockstep is None:
             return _stream_one(generator, args, params)
-        with _interrupts_deferred() as interrupted:  # never inside a step: the other ranks are in its collectives
+        with interrupts_deferred() as interrupted:  # never inside a step: the other ranks are in its collectives
             return _stream_one(generator, args, params, interrupted)
     except BrokenPipeError:  # the reader went away (`hf-paged generate ... | head`): nothing is left to write
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
@@ -838,19 +872,6 @@ def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, p
                 raise KeyboardInterrupt
     sys.stdout.write("\n")
     return 0
-
-
-@contextlib.contextmanager
-def _interrupts_deferred():
-    """Ctrl+C and SIGTERM set the event yielded, for the caller to act on between steps (on the main thread)."""
-    interrupted = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: interrupted.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield interrupted
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int | None:

@@ -95,3 +95,69 @@ def test_a_tokenizer_other_than_the_models(tmp_path, smollm2_path):
     llm = LLM(smollm2_path, device="cpu", tokenizer=str(tmp_path / "tokenizer"), num_blocks=16)
     [output] = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2), use_tqdm=False)
     assert output.prompt == "Hi =>"
+
+
+def test_chat_on_the_terminal_keeps_the_conversation(smollm2_path, monkeypatch, capsys):
+    """``hf-paged chat``: each line a turn, each reply the engine's greedy answer to the whole conversation so far;
+    /clear forgets it; a turn the engine refuses is named and left out, and the chat goes on."""
+    import io
+
+    from hf_paged.cli import main
+
+    llm = LLM(smollm2_path, device="cpu", num_blocks=64, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+
+    def answer(*turns: str) -> str:
+        messages = [{"role": "system", "content": "Be brief."}]
+        for i, turn in enumerate(turns):
+            messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": turn})
+        return llm.chat(messages, greedy, use_tqdm=False)[0].outputs[0].text
+
+    lines = ["What is the capital of France?", "/clear", "Name a fruit.", "word " * 300, "And a vegetable?", "/exit",
+             "never read"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(["chat", smollm2_path, "--system", "Be brief.", "--temperature", "0", "--max-tokens", "8",
+                 "--num-blocks", "64", "--max-model-len", "256"]) == 0
+    out, err = capsys.readouterr()
+    first, fruit = answer(lines[0]), answer(lines[2])
+    assert out.splitlines() == [first, fruit, answer(lines[2], fruit, lines[4])]
+    assert "(the conversation is forgotten)" in err
+    assert "hf-paged: error: the prompt is" in err and "(/clear starts the conversation over)" in err
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_path, monkeypatch):
+    import io
+    import signal
+
+    from hf_paged.terminal import chat_params, converse
+
+    llm = LLM(smollm2_path, device="cpu", num_blocks=64)
+    written = io.StringIO()
+
+    class Terminal:  # Ctrl+C as the first words of the first reply appear
+        def write(self, text: str) -> None:
+            if text and not written.getvalue():
+                signal.raise_signal(signal.SIGINT)
+            written.write(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr("sys.stdout", Terminal())
+    turns = ["Tell me a long story about a dragon.", "Thanks!"]
+
+    def read(prompt: str) -> str:
+        if not turns:
+            raise EOFError  # the input ends
+        return turns.pop(0)
+
+    assert converse(llm.generator, chat_params(llm.generator, temperature=0, max_tokens=40), read=read) == 0
+    stopped, thanks = written.getvalue().splitlines()
+    story = llm.chat([{"role": "user", "content": "Tell me a long story about a dragon."}],
+                     SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text
+    assert stopped and story.startswith(stopped) and len(stopped) < len(story)
+    after = llm.chat([{"role": "user", "content": "Tell me a long story about a dragon."},
+                      {"role": "assistant", "content": stopped}, {"role": "user", "content": "Thanks!"}],
+                     SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text
+    assert thanks == after
+    assert llm.generator.stats().num_running == 0
