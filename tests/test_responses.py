@@ -107,6 +107,9 @@ def test_function_calls_are_output_items_and_come_back_as_input(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "Hi", "conversation": "conv_1"}, "conversation"),
+    ({"input": "Hi", "conversation": {"id": "conv_1"}}, "conversation"),
+    ({"input": "Hi", "prompt": {"id": "pmpt_1", "version": "2"}}, "prompt"),
     ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
@@ -149,6 +152,36 @@ def test_ray_routes_a_response_by_the_prefix_of_its_chat_prompt():
 def test_input_that_makes_no_chat_request_is_a_400_naming_its_field(server, body, param):
     answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"input": [{"role": "user", "content": "Hi"}, {"role": 5, "content": "x"}], "instructions": "Be brief."},
+     "input: 1.role:"),  # the input item, not the chat message (instructions take the first)
+    ({"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "d", "name": "f", "arguments": "{}"},
+                {"role": 5, "content": "x"}]}, "input: 4.role:"),  # reasoning skipped, two calls one message
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "image"}]}]},
+     "input[0].output: only text parts"),
+])
+def test_an_error_names_the_input_item_as_the_client_sent_it(server, body, words):
+    answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and words in error["message"], answer.text
+
+
+def test_an_answer_cut_short_marks_its_last_item_incomplete_streamed_or_not(client, server):
+    """Whatever the last item is (a call here, under tool_choice=required), a cut answer marks it incomplete, and
+    the usage says which input tokens were computed (written to the cache) and which were read from it."""
+    asked = dict(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required", max_output_tokens=6,
+                 temperature=0)
+    whole = client.responses.create(**asked)
+    streamed = [event for event in client.responses.create(**asked, stream=True)][-1].response
+    for response in (whole, streamed):
+        assert response.status == "incomplete" and response.output[-1].status == "incomplete"
+        assert [item.type for item in response.output] == [item.type for item in whole.output]
+        details = response.usage.input_tokens_details
+        assert details.cached_tokens + details.cache_write_tokens == response.usage.input_tokens
 
 
 @pytest.mark.parametrize("body, param, words", [

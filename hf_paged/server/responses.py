@@ -50,6 +50,8 @@ class ResponsesRequest(BaseModel):
     stream: bool | None = False
     store: bool | None = None  # nothing is stored here: the answer says false
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None  # a stored prompt template
     metadata: dict[str, str] | None = None
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -68,6 +70,10 @@ class ResponsesRequest(BaseModel):
         if self.previous_response_id is not None:
             raise InvalidParameter("previous_response_id", "previous_response_id needs stored responses, which this "
                                    "server does not keep: send the whole conversation in input")
+        for stored in ("conversation", "prompt"):
+            if getattr(self, stored) is not None:
+                raise InvalidParameter(stored, f"{stored} names what is stored on OpenAI's side, which this server "
+                                       "does not keep: send the whole conversation in input (and instructions)")
         if self.background:
             raise InvalidParameter("background", "background responses are fetched later from a store, which this "
                                    "server does not keep: ask without background (or stream)")
@@ -80,7 +86,8 @@ class ResponsesRequest(BaseModel):
         if (self.model_extra or {}).get("n") not in (None, 1):
             raise InvalidParameter("n", "a response has one answer: n must be 1")
         instructions = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        fields = {**(self.model_extra or {}), "model": self.model, "messages": instructions + _messages(self.input),
+        messages, origins = _messages(self.input)
+        fields = {**(self.model_extra or {}), "model": self.model, "messages": instructions + messages,
                   "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "stream": self.stream, "user": self.user,
                   "tools": None if self.tools is None else [_chat_tool(i, t) for i, t in enumerate(self.tools)],
@@ -91,6 +98,9 @@ class ResponsesRequest(BaseModel):
         except ValidationError as err:
             problem = err.errors()[0]
             where = [str(part) for part in problem.get("loc", ())] or ["input"]
+            if where[0] == "messages" and len(where) > 1 and where[1].isdigit():  # the input item it came from
+                index = int(where[1]) - len(instructions)
+                where = ["instructions"] if index < 0 else ["input", str(origins[index]), *where[2:]]
             param = _FIELDS_OF_CHAT.get(where[0], where[0])
             raise InvalidParameter(param, f"{param}: {'.'.join(where[1:]) or 'value'}: "
                                           f"{problem.get('msg', 'invalid')}") from None
@@ -109,17 +119,17 @@ class ResponsesRequest(BaseModel):
                 "tools": self.tools or [], "truncation": "disabled", "usage": usage, "user": self.user}
 
 
-def _messages(given: str | list[dict]) -> list[dict]:
-    """The ``input`` as chat messages."""
+def _messages(given: str | list[dict]) -> tuple[list[dict], list[int]]:
+    """The ``input`` as chat messages, and the index of the input item each came from."""
     if isinstance(given, str):
-        return [{"role": "user", "content": given}]
-    messages = []
+        return [{"role": "user", "content": given}], [0]
+    messages, origins = [], []
     for i, item in enumerate(given):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text(item.get("content"), i)})
+                             "content": _text(item.get("content"), f"input[{i}].content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -130,20 +140,20 @@ def _messages(given: str | list[dict]) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _text(output, i)})
+                             "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
         elif kind != "reasoning":  # earlier reasoning is not part of a chat prompt (templates drop it)
             raise InvalidParameter("input", f"input[{i}] is of type {kind!r}; this server takes {_ITEMS} items")
-    return messages
+        origins += [i] * (len(messages) - len(origins))
+    return messages, origins
 
 
-def _text(content, index: int) -> str | None:
-    """A message's content as text: a string, or its text parts joined."""
+def _text(content, where: str) -> str | None:
+    """A message's content as text: a string, or its text parts joined (``where`` names it in errors)."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list) or not all(isinstance(p, dict) and p.get("type") in _TEXT_PARTS
                                                  and isinstance(p.get("text", ""), str) for p in content):
-        raise InvalidParameter("input", f"input[{index}].content: only text parts ({', '.join(_TEXT_PARTS[:2])}) "
-                                        "are supported")
+        raise InvalidParameter("input", f"{where}: only text parts ({', '.join(_TEXT_PARTS[:2])}) are supported")
     return "\n".join(part.get("text", "") for part in content)
 
 
@@ -184,15 +194,16 @@ def _item_id(prefix: str) -> str:
 
 def output_items(message: dict, status: str) -> list[dict]:
     """A finished chat message as output items: its reasoning, its text, its calls (the last of them has the
-    response's ``status``: ``incomplete`` when cut)."""
+    response's ``status``: ``incomplete`` when cut, as a stream ends it)."""
     items = []
     if message.get("reasoning"):
-        cut = not (message.get("content") or message.get("tool_calls"))
-        items.append(_text_item("reasoning", message["reasoning"], status if cut else "completed"))
+        items.append(_text_item("reasoning", message["reasoning"], "completed"))
     if message.get("content"):
-        items.append(_text_item("message", message["content"], status))
+        items.append(_text_item("message", message["content"], "completed"))
     for call in message.get("tool_calls") or []:
         items.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], "completed"))
+    if items:
+        items[-1]["status"] = status
     return items
 
 
@@ -211,7 +222,9 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
 
 
 def response_usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    # Written to the cache: the prompt tokens computed (the rest were read from the prefix cache).
+    details = {"cached_tokens": cached_tokens, "cache_write_tokens": input_tokens - cached_tokens}
+    return {"input_tokens": input_tokens, "input_tokens_details": details,
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
