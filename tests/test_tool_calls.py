@@ -369,3 +369,37 @@ def test_pythonic_calls_are_read_as_llama_3_2_and_4_write_them(step):
 def test_with_tools_xml_and_pythonic_text_streams_as_its_whole_answer_reads(pieces, step):
     parser = ToolCallParser("auto", tools=[WEATHER, TIME, TYPED])
     assert_streams_as_whole(parser, "".join(pieces), step)
+
+
+def split_everywhere(parser: ToolCallParser, text: str) -> None:
+    """``text`` streams as it reads whole however it is cut in two, and fed a character at a time."""
+    assert_streams_as_whole(parser, text, 1)
+    for cut in range(1, len(text)):
+        stream = parser.stream()
+        first, second = stream.feed(text[:cut]), stream.feed(text[cut:])
+        rest, last, called = stream.finish()
+        whole_content, whole_calls = parser.parse(text)
+        assert [(c["name"], as_json(c["arguments"])) for c in accumulate(first[1] + second[1] + last)] == \
+            [(c.name, as_json(c.arguments)) for c in whole_calls], (text, cut)
+        assert first[0] + second[0] + rest == (whole_content or ""), (text, cut)
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "get_weather", "arguments": 1.5}</tool_call>',  # a number the tokenizer splits: "1", ".", "5"
+    '<tool_call>{"name": "get_weather", "arguments": 1.}</tool_call>',  # not JSON: as written
+    '<tool_call>{"name": "get_weather", "arguments": 1.5x}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": 12',  # cut short
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}, "name": "get_time"}</tool_call>',  # twice
+    '[TOOL_CALLS]' + '\n' * 60 + '[{"name": "get_time", "arguments": {}}]',  # far after the prefix
+    '{' + ' ' * 60 + '"name": "get_time", "parameters": {}}',
+    '{"\\u006eame": "get_time", "parameters": {}}',  # a key no stream would take for a call's: content
+    '<tool_call>{"name": "get_time</tool_call> ok <tool_call>", "arguments": {}}',  # no call spans blocks
+])
+def test_answers_streamed_in_any_two_pieces_read_as_whole(text):
+    split_everywhere(ToolCallParser("auto", tools=[WEATHER, TIME]), text)
+
+
+@pytest.mark.parametrize("text", ['[{"name": "get_weather", "arguments": 2e3}]',
+                                  '[{"name": "get_time", "arguments": -0.5}'])
+def test_a_constrained_number_streams_whole(text):
+    split_everywhere(ToolCallParser("json", tools=[WEATHER, TIME]), text)

@@ -269,8 +269,8 @@ class ToolCallStream:
             value, end = _DECODER.raw_decode(self.text[:limit], self.args_start)
         except NOT_JSON:
             value, end = None, None
-        if end == len(self.text) and not final and self.text[self.args_start] not in '{["':
-            value, end = None, None  # a number or literal that ends the text so far may go on
+        if end is not None and not _scalar_ends(self.text[:limit], self.args_start, end, close >= 0 or final):
+            value, end = None, None  # a number or literal may go on ("1" then ".5"), or is not one ("1.5x")
         if end is None and (close >= 0 or final):
             return None, max(self.args_sent, len(self.text[:limit].rstrip())), True
         return value, end, False
@@ -296,9 +296,10 @@ class ToolCallStream:
 
 
 _DECODER = json.JSONDecoder()
+_AFTER_VALUE = frozenset(" \t\r\n,}]<")  # what may follow a whole number or literal
 # Ends where the arguments' value starts (so not until it has begun: whitespace may still be coming); a value that
 # starts with "<" (where a tag may be) is none.
-_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
+_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\<]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 _HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
 
@@ -322,7 +323,7 @@ def _calls_start(text: str, starts: tuple[str, ...]) -> bool | None:
             start = start[len(prefix):]
         elif start and prefix.startswith(start):
             return None
-    compact = "".join(start[:40 + max(map(len, starts))].split())
+    compact = "".join(start.split())[:max(map(len, starts))]  # undecided only while this is short: cheap
     if compact.startswith(starts):
         return True
     return None if any(call.startswith(compact) for call in starts) else False
@@ -337,7 +338,10 @@ def _without_prefix(text: str) -> str:
 
 def _json_object_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
     """The calls of an answer that is nothing but JSON objects ``{"name": <one of functions>, "parameters" (or
-    "arguments"): {...}}``, separated by ``;`` (Llama 3's) or in JSON arrays (Mistral's), or none."""
+    "arguments"): {...}}``, separated by ``;`` (Llama 3's) or in JSON arrays (Mistral's), or none. As a stream
+    decides it (`_calls_start`), the first key is written as it reads (no escapes)."""
+    if not _calls_start(text, _CALL_STARTS):
+        return []
     text = _without_prefix(text)
     calls, at = [], len(text) - len(text.lstrip())
     while at < len(text) and functions:
@@ -403,20 +407,23 @@ def _hermes_block_calls(block: str, functions: dict[str, dict]) -> list[ToolCall
     "arguments": ...}``, or read as a stream follows it (see `ToolCallStream`), a name and then arguments that read as
     JSON; or Qwen3-Coder's XML functions (`_xml_calls`)."""
     block = block.strip()
-    try:
-        call = json.loads(block)
-    except NOT_JSON:
-        call = None
-    if isinstance(call, dict) and isinstance(call.get("name"), str):
-        return [ToolCall.of(call["name"], call.get("arguments", {}))]
     header = _JSON_HEADER.match(block)
     name = _json_string(header.group(1)) if header else None
     if name is None:
+        try:
+            call = json.loads(block)
+        except NOT_JSON:
+            call = None
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            return [ToolCall.of(call["name"], call.get("arguments", {}))]
         return _xml_calls(block, functions)
     try:
-        return [ToolCall.of(name, _DECODER.raw_decode(block, header.end())[0])]
-    except NOT_JSON:  # cut short or malformed: passed on as written, as OpenAI passes on what its model wrote
-        return [ToolCall.of(name, block[header.end():])]
+        value, end = _DECODER.raw_decode(block, header.end())
+    except NOT_JSON:
+        end = None
+    if end is None or not _scalar_ends(block, header.end(), end, True):
+        return [ToolCall.of(name, block[header.end():])]  # cut short or malformed: as written, as OpenAI passes it on
+    return [ToolCall.of(name, value)]
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^<>\s]+)>")
@@ -486,6 +493,14 @@ def _block_end(text: str, start: int) -> int:
     """Where the hermes block around ``start`` ends (its closing tag, or the next block's opening), or -1."""
     ends = [i for i in (text.find(CLOSE_TAG, start), text.find(OPEN_TAG, start)) if i >= 0]
     return min(ends, default=-1)
+
+
+def _scalar_ends(text: str, start: int, end: int, whole: bool) -> bool:
+    """Whether a value read from ``start`` to ``end`` is all of it: anything but a number or literal is; one of those
+    is where what follows cannot go on with it (the end of the text only if the text is ``whole``)."""
+    if text[start] in '{["':
+        return True
+    return whole if end == len(text) else text[end] in _AFTER_VALUE
 
 
 def _json_string(body: str) -> str | None:
