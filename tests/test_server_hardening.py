@@ -698,3 +698,40 @@ def test_a_dropped_app_frees_its_engine(smollm2_path, monkeypatch):
     del client, generator
     gc.collect()
     assert freed() is None
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 900}),
+])
+def test_a_stream_whose_client_left_before_its_first_event_is_aborted(smollm2_path, path, body):
+    """A client gone before the response's headers went out (the first send fails): the events' generator never
+    started, so its own cleanup never ran, and the request ran on unread to its last token."""
+    generator = tiny_generator(smollm2_path, num_blocks=128, max_model_len=1024)
+    app = create_app(generator, MODEL)
+    payload = json.dumps({"model": MODEL, "stream": True, "max_tokens": 900, "ignore_eos": True, **body}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "root_path": ""}
+
+    async def client_gone() -> None:
+        messages = [{"type": "http.request", "body": payload, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                raise OSError("connection reset by peer")
+
+        async with app.router.lifespan_context(app):
+            with pytest.raises(Exception):  # noqa: B017 - Starlette's ClientDisconnect, or the OSError itself
+                await app(scope, receive, send)
+            await asyncio.to_thread(wait_until_idle, generator)
+
+    asyncio.run(client_gone())
+    assert generator.stats().generation_tokens < 900

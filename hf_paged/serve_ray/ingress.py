@@ -13,7 +13,7 @@ import threading
 from collections.abc import Collection
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -24,6 +24,7 @@ from ..server.middleware import Gatekeeper
 from ..server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from ..server.options import content_format as resolved_content_format
 from ..server.responses import ResponsesRequest
+from ..server.serving import EventStream
 from .affinity import prefix_hashes
 from ..server.asgi import HTTPRequest, HTTPResponseStart
 from .metrics import merged_metrics
@@ -73,8 +74,6 @@ async def _rest(start: HTTPResponseStart, response):
         if (start.header(b"content-type") or b"").startswith(b"text/event-stream"):
             error = error_body(f"the engine replica serving this request failed: {err!r}", "server_error", code=503)
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        response.cancel()  # the client left early: the replica's app then aborts the request
 
 
 def _is_preflight(request: Request) -> bool:
@@ -162,7 +161,8 @@ class Ingress:
             return _replica_failed(err)
         if start.complete:
             return Response(start.body, status_code=start.status, headers=_headers(start))
-        return StreamingResponse(_rest(start, response), status_code=start.status, headers=_headers(start))
+        # The replica's app aborts the request once cancelled: when the client leaves, whenever that is.
+        return EventStream(_rest(start, response), response.cancel, status_code=start.status, headers=_headers(start))
 
     def _prefix(self, path: str, body: bytes) -> list[bytes] | None:
         """The hashes the router places the request by (`route_hashes`), None without prefix affinity."""

@@ -115,8 +115,8 @@ class OpenAIServing:
             prompt, fmt, params = await self.chat_call(chat, "input")
             stream = await self.submit(chat, [prompt], params, [events.id], "input")
             if body.stream:
-                return StreamingResponse(_response_events(stream, fmt, events, self.count_tokens),
-                                         media_type="text/event-stream")
+                return EventStream(_response_events(stream, fmt, events, self.count_tokens), stream.close,
+                                   media_type="text/event-stream")
             outputs = await _finished_outputs(stream, [events.id], request)
         except APIError as err:
             raise renamed(err) from None
@@ -396,7 +396,7 @@ class OpenAIServing:
             else body.return_tokens_as_token_ids
         if body.stream:
             events = _sse(stream, fmt, header, params.n, body.include_usage, body.continuous_usage)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return EventStream(events, stream.close, media_type="text/event-stream")
         outputs = await _finished_outputs(stream, request_ids, request)
         if outputs is None:
             return Response(status_code=499)  # the client has gone: nobody reads this
@@ -406,6 +406,22 @@ class OpenAIServing:
         if entries < LARGE_RESPONSE_ENTRIES:
             return _response(header, fmt, outputs, params.n)
         return await asyncio.to_thread(_response, header, fmt, outputs, params.n)
+
+
+class EventStream(StreamingResponse):
+    """A streamed response that calls ``on_close`` however it ends: also when the client left before the first piece
+    went out, where the pieces' generator never started (so never ran its own ``finally``) and the requests behind
+    it would run on, unread, to their last token."""
+
+    def __init__(self, pieces: AsyncIterator, on_close: Callable[[], None], **kwargs):
+        super().__init__(pieces, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def _bad_request(err: Exception, param: str | None) -> APIError:
