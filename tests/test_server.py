@@ -1045,18 +1045,26 @@ def test_chat_template_kwargs_are_the_templates_variables(smollm2):
 
     model, tokenizer = smollm2
     tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = ("{% if persona %}{{ persona }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: "
+    tokenizer.chat_template = ("{% if persona %}{{ persona }}\n{% endif %}{% if reasoning_effort %}Reasoning: "
+                               "{{ reasoning_effort }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: "
                                "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
     app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL)
     messages = [{"role": "user", "content": "Hi"}]
     with TestClient(app) as test_client:
-        for variables, text in [(None, "user: Hi\nassistant:"),
-                                ({"persona": "You are a pirate."}, "You are a pirate.\nuser: Hi\nassistant:")]:
-            answer = test_client.post("/v1/chat/completions", json={
-                "messages": messages, "max_tokens": 1, "chat_template_kwargs": variables})
+        for fields, text in [({}, "user: Hi\nassistant:"),
+                             ({"chat_template_kwargs": {"persona": "You are a pirate."}},
+                              "You are a pirate.\nuser: Hi\nassistant:"),
+                             ({"reasoning_effort": "low"}, "Reasoning: low\nuser: Hi\nassistant:"),  # vLLM's way
+                             ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+                              "Reasoning: high\nuser: Hi\nassistant:")]:
+            answer = test_client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **fields})
             assert answer.status_code == 200, answer.text
             expected = len(tokenizer(text, add_special_tokens=False).input_ids)
             assert answer.json()["usage"]["prompt_tokens"] == expected
+        response = test_client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 1,
+                                                           "reasoning": {"effort": "medium"}})
+        expected = len(tokenizer("Reasoning: medium\nuser: Hi\nassistant:", add_special_tokens=False).input_ids)
+        assert response.json()["usage"]["input_tokens"] == expected
 
 
 def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):

@@ -384,6 +384,7 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out of the reply
+    reasoning_effort: str | None = None  # OpenAI's; as vLLM, the chat template's variable of that name
 
     def tool_choice_mode(self) -> tuple[str, str | None]:
         """``("none" | "auto" | "required", None)``, or ``("named", the function's name)``; raises
@@ -436,6 +437,8 @@ class ChatCompletionRequest(GenerationRequest):
             raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs are the template's variables; "
                                                             f"{', '.join(reserved)} cannot be set through them")
         options = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:  # chat_template_kwargs' own reasoning_effort wins
+            options.setdefault("reasoning_effort", self.reasoning_effort)
         if not self.add_generation_prompt:
             options["add_generation_prompt"] = False
         if self.continue_final_message:

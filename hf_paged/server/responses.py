@@ -57,7 +57,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning: dict[str, Any] | None = None  # effort and summary: the chat template decides how a model reasons
+    reasoning: dict[str, Any] | None = None  # effort: the chat template's reasoning_effort (summary: none here)
     include: list[str] | None = None
     truncation: str | None = None
     user: str | None = None
@@ -92,7 +92,8 @@ class ResponsesRequest(BaseModel):
                   "top_p": self.top_p, "stream": self.stream, "user": self.user,
                   "tools": None if self.tools is None else [_chat_tool(i, t) for i, t in enumerate(self.tools)],
                   "tool_choice": _chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
-                  "response_format": _response_format(self.text)}
+                  "response_format": _response_format(self.text),
+                  "reasoning_effort": (self.reasoning or {}).get("effort")}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as err:
