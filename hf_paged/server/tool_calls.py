@@ -178,6 +178,8 @@ class ToolCallStream:
         self.scan = 0  # where the next call may start
         self.args_start: int | None = None  # where the arguments of the last announced call start, while unfinished
         self.args_sent = 0
+        self.ends = _BlockEnds()  # where the block being read ends, searched once per character
+        self.value = _ValueScan()  # whether the arguments being written may be whole yet, read once per character
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         """The content and the ``delta.tool_calls`` entries that can be sent now."""
@@ -195,7 +197,7 @@ class ToolCallStream:
             start = self.text.find(OPEN_TAG, self.sent)
             self.holding = start >= 0
             end = start if self.holding else len(self.text) - partial_tag(self.text, OPEN_TAG)
-            end = max(self.sent, len(self.text[:end].rstrip()))
+            end = max(self.sent, _rstripped(self.text, end))
             content, self.sent = self.text[self.sent:end], end
             self.scan = max(self.scan, self.sent)
         return content, self._call_deltas() if self.holding and self.follow else []
@@ -215,7 +217,7 @@ class ToolCallStream:
             upto = end
             if end is None:  # what may yet begin the block's end, or whitespace before it, waits
                 held = max(partial_tag(self.text, CLOSE_TAG), partial_tag(self.text, OPEN_TAG))
-                upto = len(self.text[:len(self.text) - held].rstrip())
+                upto = _rstripped(self.text, len(self.text) - held)
             if upto > self.args_sent and (end is not None or not quoted):
                 entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
                                                                  "function": {"arguments": ""}})
@@ -243,11 +245,12 @@ class ToolCallStream:
             return self._read_block(start, entries, final)
         self._announce(ToolCall.of(name, ""), entries)
         self.args_start = self.args_sent = match.end()
+        self.value = _ValueScan(match.end())
         return True
 
     def _read_block(self, start: int, entries: dict[int, dict], final: bool) -> bool:
         """Read the hermes block at ``start`` whole, once it has ended (it is a call or content)."""
-        if _block_end(self.text, start + len(OPEN_TAG)) < 0 and not final:
+        if self.ends.find(self.text, start + len(OPEN_TAG)) < 0 and not final:
             return False  # it may yet turn out to be a call to follow
         block = _HERMES_CALL.match(self.text, start)
         for call in _hermes_block_calls(block.group(1), self.parser.functions):
@@ -263,16 +266,18 @@ class ToolCallStream:
         """The last announced call's arguments: ``(value, end, written)``. ``end`` is None while they are still being
         written; arguments that do not read as JSON by the end of their block (or of the text, when ``final``) are
         the text written there (``written``), as a whole answer reads them."""
-        close = _block_end(self.text, self.args_start) if self.parser.mode == "auto" else -1
-        limit = close if close >= 0 else len(self.text)
+        close = self.ends.find(self.text, self.args_start) if self.parser.mode == "auto" else -1
+        if close < 0 and not final and not self.value.may_end(self.text):
+            return None, None, False  # an object, array or string still open: it cannot read as JSON yet
+        text = self.text[:close] if close >= 0 else self.text
         try:
-            value, end = _DECODER.raw_decode(self.text[:limit], self.args_start)
+            value, end = _DECODER.raw_decode(text, self.args_start)
         except NOT_JSON:
             value, end = None, None
-        if end is not None and not _scalar_ends(self.text[:limit], self.args_start, end, close >= 0 or final):
+        if end is not None and not _scalar_ends(text, self.args_start, end, close >= 0 or final):
             value, end = None, None  # a number or literal may go on ("1" then ".5"), or is not one ("1.5x")
         if end is None and (close >= 0 or final):
-            return None, max(self.args_sent, len(self.text[:limit].rstrip())), True
+            return None, max(self.args_sent, _rstripped(text, len(text))), True
         return value, end, False
 
     def finish(self) -> tuple[str, list[dict], bool]:
@@ -493,6 +498,54 @@ def _block_end(text: str, start: int) -> int:
     """Where the hermes block around ``start`` ends (its closing tag, or the next block's opening), or -1."""
     ends = [i for i in (text.find(CLOSE_TAG, start), text.find(OPEN_TAG, start)) if i >= 0]
     return min(ends, default=-1)
+
+
+class _BlockEnds:
+    """`_block_end` of a growing text from one start, each character searched once (the tags may straddle two
+    feeds)."""
+
+    def __init__(self):
+        self.start, self.searched = -1, 0
+
+    def find(self, text: str, start: int) -> int:
+        if start != self.start:
+            self.start, self.searched = start, start
+        end = _block_end(text, self.searched)
+        if end < 0:
+            self.searched = max(start, len(text) - max(len(OPEN_TAG), len(CLOSE_TAG)) + 1)
+        return end
+
+
+class _ValueScan:
+    """Follows a JSON value written from ``start`` (brackets, strings, escapes), each character once: an object, an
+    array or a string may read as JSON only once closed, a number or literal at any point."""
+
+    def __init__(self, start: int = 0):
+        self.at, self.depth, self.quoted, self.escaped, self.closed = start, 0, False, False, False
+
+    def may_end(self, text: str) -> bool:
+        while not self.closed and self.at < len(text):
+            char, self.at = text[self.at], self.at + 1
+            if self.escaped:
+                self.escaped = False
+            elif self.quoted:
+                self.escaped, self.quoted = char == "\\", char != '"'
+                self.closed = not self.quoted and not self.depth
+            elif char == '"':
+                self.quoted = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]" or not char.isspace():  # a closing bracket, or a number or literal's first character
+                self.depth -= char in "}]"
+                self.closed = self.depth <= 0
+        return self.closed
+
+
+def _rstripped(text: str, end: int) -> int:
+    """Where ``text[:end].rstrip()`` ends, without copying it."""
+    while end > 0 and text[end - 1].isspace():
+        end -= 1
+    return end
 
 
 def _scalar_ends(text: str, start: int, end: int, whole: bool) -> bool:
