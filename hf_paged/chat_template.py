@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,6 +19,39 @@ OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
     "self", "kwargs"} | {"messages"}  # the template's own name for the conversation
 NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format
+# A template that loops over a message's content takes it as OpenAI's list of parts.
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def content_format(asked: str, chat_template) -> str:
+    """``"string"`` or ``"openai"``, as ``asked``; ``"auto"`` means ``"openai"`` for a ``chat_template`` (a template,
+    or a dict of named ones) that loops over a message's content."""
+    if asked != "auto":
+        return asked
+    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
+    return "openai" if any(_LOOPS_OVER_CONTENT.search(t or "") for t in templates) else "string"
+
+
+def template_content(content, content_format: str = "string"):
+    """A message's content (a string or OpenAI's list of parts) as the template takes it: its text parts joined
+    into one string (``"string"``), or as a list of text parts (``"openai"``, for templates that loop over them);
+    ``ValueError`` for a part that is not text."""
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+            raise ValueError("only text content parts are supported")
+        texts = [part.get("text") or "" for part in content]
+    elif isinstance(content, str):
+        texts = [content]
+    else:
+        return content
+    return [{"type": "text", "text": text} for text in texts] if content_format == "openai" else "\n".join(texts)
+
+
+def template_messages(messages: list[dict], content_format: str = "string") -> list[dict]:
+    """The messages with their content as `template_content` gives it."""
+    return [{**message, "content": template_content(message["content"], content_format)} if "content" in message
+            else message for message in messages]
 
 
 def template_takes_tools(tokenizer, template: str | None = None) -> bool:

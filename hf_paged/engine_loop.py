@@ -347,15 +347,15 @@ class EngineLoop:
                 self.metrics.step_failures.inc()
             self._fail_in_flight(EngineError("the engine failed while serving this request (see the log)"))
             return failures + 1
-        try:
-            self._dispatch(outputs)
-        except Exception:
-            logger.exception("could not deliver the outputs of a step")
-        if self.metrics is not None:
+        if self.metrics is not None:  # first: a client that has its answer finds it counted in /metrics
             try:
                 self.metrics.observe_step(generator.stats(), outputs)
             except Exception:
                 logger.exception("could not record the metrics of a step")
+        try:
+            self._dispatch(outputs)
+        except Exception:
+            logger.exception("could not deliver the outputs of a step")
         return 0 if generator.scheduler.num_generated_tokens > generated else failures
 
     def _die(self, err: BaseException) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .chat_template import TEMPLATE_PARAMETERS, render_prompt
+from .chat_template import CONTENT_FORMATS, TEMPLATE_PARAMETERS, content_format, render_prompt, template_messages
 from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .loading import load_model, resolve_device
@@ -60,16 +60,21 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to each of a list of them, rendered by the
-        tokenizer's chat template with vLLM's options: ``continue_final_message`` (with
-        ``add_generation_prompt=False``) continues the last message, ``tools`` (OpenAI's) go into the prompt,
-        ``chat_template`` (a Jinja template) replaces the tokenizer's and ``chat_template_kwargs`` are the template's
-        own variables; ``lora_request`` as `generate`'s. Tool calls are not parsed (the server does)."""
+        tokenizer's chat template with vLLM's options, in vLLM's order: ``lora_request`` as `generate`'s,
+        ``chat_template`` (a Jinja template) replaces the tokenizer's, a message's content (a string or OpenAI's text
+        parts) goes to the template as a string or as parts (``chat_template_content_format``: ``"auto"`` picks
+        parts for a template that loops over them), ``continue_final_message`` (with ``add_generation_prompt=False``)
+        continues the last message, ``tools`` (OpenAI's) go into the prompt, and ``chat_template_kwargs`` are the
+        template's own variables. Tool calls are not parsed (the server does)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format is one of {', '.join(CONTENT_FORMATS)}, got "
+                             f"{chat_template_content_format!r}")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message continues the last message instead of opening a new one: set "
                              "add_generation_prompt=False with it")
@@ -82,7 +87,9 @@ class LLM:
         if chat_template is not None:
             options["chat_template"] = chat_template
         tokenizer = self.get_tokenizer()
-        texts = [render_prompt(tokenizer, list(conversation), tools, options) for conversation in conversations]
+        fmt = content_format(chat_template_content_format, chat_template or tokenizer.chat_template)
+        texts = [render_prompt(tokenizer, template_messages(conversation, fmt), tools, options, fmt == "openai")
+                 for conversation in conversations]
         prompts = [{"prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids, "prompt": text}
                    for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)

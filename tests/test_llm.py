@@ -42,6 +42,32 @@ def test_chat_renders_one_or_many_conversations_with_vllms_options(llm):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     [called] = llm.chat(question, greedy, use_tqdm=False, tools=tools)
     assert "get_weather" in called.prompt
+    # OpenAI's content parts, as vLLM takes them: joined for a template of strings, as parts for one that loops over
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    assert llm.chat(parts, greedy, use_tqdm=False)[0].prompt == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital\nof France?"}], tokenize=False, add_generation_prompt=True)
+    looping = "{% for m in messages %}{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}"
+    assert llm.chat(parts, greedy, False, None, looping)[0].prompt == "[What is the capital][of France?]"
+    assert llm.chat(question, greedy, False, None, looping, "openai")[0].prompt == "[What is the capital of France?]"
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+    with pytest.raises(ValueError, match="chat_template_content_format is one of"):
+        llm.chat(question, greedy, chat_template_content_format="xml")
+
+
+def test_sampling_params_take_numpy_numbers_and_clone():
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(16), temperature=np.float32(0.5), stop_token_ids=[np.int32(7)],
+                            logit_bias={np.int64(3): np.float64(1.5)})
+    assert (params.max_tokens, params.temperature, params.stop_token_ids, params.logit_bias) == (16, 0.5, [7], {3: 1.5})
+    assert type(params.max_tokens) is int and type(params.temperature) is float
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float32(3.5))
+    copied = params.clone()
+    copied.stop_token_ids.append(8)
+    assert params.stop_token_ids == [7] and copied.max_tokens == 16
 
 
 def _model_with_its_own_code(root, smollm2_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import numbers
 from dataclasses import dataclass, field, fields
 
 from transformers import GenerationConfig
@@ -28,6 +30,13 @@ def json_too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
                 return True
             stack.extend((child, depth + 1) for child in children)
     return False
+
+
+def _plain(value):
+    """A number of another kind (numpy's, say) as Python's ``int`` or ``float``; anything else as it is."""
+    if isinstance(value, bool) or type(value) in (int, float) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _is_int(value) -> bool:
@@ -266,7 +275,20 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's), to change without changing this one."""
+        return copy.deepcopy(self)
+
     def _check_types(self) -> None:
+        numeric = ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed",
+                   "truncate_prompt_tokens", "temperature", "top_p", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "length_penalty")
+        for name in numeric:
+            setattr(self, name, _plain(getattr(self, name)))
+        self.stop_token_ids = [_plain(t) for t in self.stop_token_ids]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [_plain(t) for t in self.allowed_token_ids]
+        self.logit_bias = {_plain(t): _plain(v) for t, v in self.logit_bias.items()}
         for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed",
                      "truncate_prompt_tokens"):
             value = getattr(self, name)

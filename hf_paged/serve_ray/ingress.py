@@ -22,7 +22,7 @@ from ..generation.inputs import Prompt, tokenize_prompt
 from ..server.limits import ServerLimits
 from ..server.middleware import Gatekeeper
 from ..server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from ..server.options import content_format as resolved_content_format
+from ..chat_template import content_format as resolved_content_format
 from ..server.responses import ResponsesRequest
 from ..server.serving import EventStream
 from .affinity import prefix_hashes

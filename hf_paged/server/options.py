@@ -5,17 +5,13 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from ..chat_template import CONTENT_FORMATS, content_format
 from ..generation import SamplingParams
 from ..generation.sampling_params import GENERATION_CONFIG_DEFAULTS
 from ..pooling import PoolingConfig
 from .metrics import METRICS_PREFIXES
-
-CONTENT_FORMATS = ("auto", "string", "openai")
-# A template that loops over a message's content takes it as OpenAI's list of parts.
-_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
 
 @dataclass(frozen=True)
@@ -66,12 +62,3 @@ class ServingOptions:
         """How embeddings are pooled: as asked, else as the model directory's sentence-transformers files say."""
         return self.pooling or PoolingConfig.of_model(getattr(model, "name_or_path", None))
 
-
-
-def content_format(asked: str, chat_template) -> str:
-    """``"string"`` or ``"openai"``, as ``asked``; ``"auto"`` means ``"openai"`` for a ``chat_template`` (a template,
-    or a dict of named ones) that loops over a message's content."""
-    if asked != "auto":
-        return asked
-    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template or ""]
-    return "openai" if any(_LOOPS_OVER_CONTENT.search(t or "") for t in templates) else "string"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from ..chat_template import TEMPLATE_PARAMETERS
+from ..chat_template import TEMPLATE_PARAMETERS, template_content
 from ..generation import (
     CompletionOutput, InvalidParameter, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams,
 )
@@ -360,13 +360,8 @@ class ChatMessage(BaseModel):
         """The message as the chat template expects it: its text parts joined into one string (``"string"``), or
         its content as OpenAI's list of text parts (``"openai"``, for templates that loop over them)."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            if any(part.type != "text" for part in self.content):
-                raise ValueError("only text content parts are supported")
-            message["content"] = "\n".join(part.text or "" for part in self.content)
-        if content_format == "openai" and isinstance(self.content, (str, list)):
-            parts = self.content if isinstance(self.content, list) else [ContentPart(type="text", text=self.content)]
-            message["content"] = [{"type": "text", "text": part.text or ""} for part in parts]
+        if self.content is not None:
+            message["content"] = template_content(message["content"], content_format)
         return message
 
 
