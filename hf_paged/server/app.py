@@ -293,7 +293,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code, headers=exc.headers)
+        message = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
+            message = "the request body is JSON nested too deeply to read (nearly a thousand levels)"
+        return JSONResponse(error_body(message, type_), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
