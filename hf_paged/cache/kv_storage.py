@@ -3,8 +3,6 @@ and `generate`; `KVCacheSpec`: their shape, read from a model config."""
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass, replace
 
 import torch
@@ -160,8 +158,8 @@ class PagedKVStorage:
         shape = (self.num_blocks, self.spec.num_kv_heads, self.block_size, self.spec.head_dim)
         for _ in range(self.spec.num_cached_layers):
             # Zeros, not empty: attention reads whole blocks and masks the unused rows, which must stay finite.
-            self.key_cache.append(_zeros(shape, self.dtype, self.device))
-            self.value_cache.append(_zeros(shape, self.dtype, self.device))
+            self.key_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.value_cache.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def grow(self, num_blocks: int) -> None:
         """Add ``num_blocks`` blocks, copying the KV tensors into larger ones."""
@@ -195,15 +193,3 @@ class PagedKVStorage:
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         for cache in (*self.key_cache, *self.value_cache):
             cache.index_copy_(0, dst, cache.index_select(0, src))
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on CPU in an anonymous memory mapping, whose pages the OS hands out (zeroed) only when first written:
-    a cache sized for the whole budget (2 GiB by default) takes memory as requests fill it, not all at start."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    if not count:
-        return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
-    return torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # the tensor keeps the mapping
