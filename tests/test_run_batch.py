@@ -134,6 +134,8 @@ def test_run_batch_fails_when_the_engine_dies(smollm2_path, tmp_path, capsys, mo
         return generator
 
     monkeypatch.setattr(hf_paged.cli, "load_generator", loaded)
+    # The first failing step kills the engine: with more, whether it died before the batch ended would be a race
+    monkeypatch.setattr("hf_paged.engine_loop.FATAL_CONSECUTIVE_FAILURES", 1)
     given, answers = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
     given.write_text(line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}) + "\n")
     assert main(["run-batch", smollm2_path, "-i", str(given), "-o", str(answers), "--num-blocks", "64"]) == 1
