@@ -37,7 +37,7 @@ HEARTBEAT_S = 1.0  # an idle rank 0 still steps this often, so waiting ranks do 
 CHECK_EVERY = 16  # steps between two comparisons of the tokens every rank sampled
 CPU_BIND_ENV = "HF_PAGED_CPU_BIND"
 KV_PROJECTIONS = ("k_proj", "v_proj")
-_timeout_s = DEFAULT_TIMEOUT_S  # of the collectives hf_paged starts; set by init_process_group
+_timeout_s = DEFAULT_TIMEOUT_S  # of the lockstep's collectives (waits for rank 0's next step); see init_process_group
 
 
 class DistributedError(RuntimeError):
@@ -57,8 +57,10 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
-def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the group that torchrun (or `launch`) described in the environment: NCCL on GPU, gloo on CPU."""
+def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S, step_wait_s: float | None = None) -> None:
+    """Join the group that torchrun (or `launch`) described in the environment: NCCL on GPU, gloo on CPU. Its
+    collectives give up after ``timeout_s``; those of the lockstep (the ranks waiting for rank 0's next step) after
+    ``step_wait_s`` (default: the same)."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -69,7 +71,7 @@ def init_process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     global _timeout_s
-    _timeout_s = timeout_s
+    _timeout_s = timeout_s if step_wait_s is None else step_wait_s
 
 
 def destroy_process_group() -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import weakref
 
 from .chat_template import CONTENT_FORMATS, TEMPLATE_PARAMETERS, content_format, render_prompt, template_messages
 from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .loading import load_model, resolve_device
+from .local_ranks import LocalRanks, check_tensor_parallel
 from .lora import LoRARequest
 from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, ScoringOutput, ScoringRequestOutput,
                       check_dimensions, cosine_scores, embed, score_pairs)
@@ -19,13 +22,32 @@ class LLM:
     (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
     ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; ``trust_remote_code`` and ``tokenizer`` are
     `loading.load_model`'s; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
-    ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded."""
+    ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded.
+
+    ``tensor_parallel_size=N`` shards the model over N ranks: this process is rank 0, and the others are local
+    processes started here (`local_ranks.LocalRanks`; as with vLLM, a script doing this needs an
+    ``if __name__ == "__main__":`` guard), ended by `shutdown` or when the LLM is collected."""
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-                 trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None, **engine_options):
-        hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device),
-                                            trust_remote_code=trust_remote_code, tokenizer=tokenizer)
-        self.generator = ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options)
+                 trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
+                 tensor_parallel_size: int = 1, **engine_options):
+        load = functools.partial(_load_engine, None if model is None else os.fspath(model), dtype, device,
+                                 trust_remote_code, tokenizer, engine_options)
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        if tensor_parallel_size == 1:
+            self.generator = load(1)
+            self._ranks = None
+            return
+        check_tensor_parallel(model, tensor_parallel_size, trust_remote_code, engine_options)
+        ranks = LocalRanks(tensor_parallel_size, load)
+        self.generator = ranks.generator
+        self._ranks = weakref.finalize(self, ranks.stop)
+
+    def shutdown(self) -> None:
+        """End the other ranks of a tensor-parallel LLM (no call may follow); nothing to do on one process."""
+        if self._ranks is not None:
+            self._ranks()
 
     def get_tokenizer(self):
         return self.generator.tokenizer
@@ -143,3 +165,11 @@ def _prompt_list(prompts) -> list:
     """One prompt (a string, token ids or a prompt dict) as a list of it; a list of prompts as it is."""
     single = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
     return [prompts] if single else list(prompts)
+
+
+def _load_engine(model, dtype: str, device: str, trust_remote_code: bool, tokenizer, engine_options: dict,
+                 tensor_parallel_size: int) -> ContinuousBatchGenerator:
+    """One rank's engine (every rank of a tensor-parallel LLM runs this)."""
+    hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code,
+                                        tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size)
+    return ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options)

@@ -310,3 +310,43 @@ def test_the_other_ranks_rebuild_each_request_whole(tokenizer_path):
     kept = {"seqs", "metrics"}  # a rank's own, made when the request is built
     assert all(getattr(rebuilt, f.name) == getattr(sent, f.name) for f in fields(Request) if f.name not in kept)
     assert rebuilt.stop_ids == sent.stop_ids and rebuilt.stop_holdback == sent.stop_holdback
+
+
+def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
+    """``LLM(model, tensor_parallel_size=2)`` from one process: this process is rank 0 and the other rank is a local
+    process. It answers as one process does; a rank that dies makes the next call raise at once (not at a timeout),
+    and shutting down gives the process its environment back."""
+    import multiprocessing
+
+    from hf_paged import LLM, SamplingParams
+    from hf_paged.distributed import DistributedError
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, n=2)
+    prompts = [PROMPT, "Hello", [1, 504, 3458]]
+    answers = lambda llm: [[c.token_ids for c in o.outputs] for p in (greedy, sampled)  # noqa: E731
+                           for o in llm.generate(prompts, p, use_tqdm=False)]
+    expected = answers(LLM(text_model, num_blocks=64))
+    for size, words in ((3, "the 4 query heads to split evenly"), (0, "must be a positive integer")):
+        with pytest.raises(ValueError, match=words):
+            LLM(text_model, tensor_parallel_size=size)
+    assert not multiprocessing.active_children()  # refused before any rank started
+
+    llm = LLM(text_model, tensor_parallel_size=2, num_blocks=64)
+    try:
+        assert llm.generator.lockstep is not None and os.environ["WORLD_SIZE"] == "2"
+        assert answers(llm) == expected
+        with pytest.raises(ValueError, match="already a rank of a tensor-parallel group"):
+            LLM(text_model, tensor_parallel_size=2)
+        [rank1] = multiprocessing.active_children()
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(10)
+        started = time.monotonic()
+        with pytest.raises(DistributedError, match="another rank died"):
+            llm.generate(prompts, greedy, use_tqdm=False)
+        assert time.monotonic() - started < 10
+    finally:
+        llm.shutdown()
+    assert "WORLD_SIZE" not in os.environ and not multiprocessing.active_children()
+    assert not torch.distributed.is_initialized()

@@ -1,0 +1,113 @@
+"""Tensor parallelism from one Python process, as vLLM's ``LLM(model, tensor_parallel_size=N)`` gives it: this
+process is rank 0 and takes the requests; ranks 1..N-1 are local processes started here (vLLM's "mp" executor),
+each loading its shard and stepping in lockstep (`ContinuousBatchGenerator.run_worker`) until `LocalRanks.stop`."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+
+import torch
+
+from . import distributed
+
+# The ranks wait for rank 0's next step, and an offline LLM may sit idle between two calls for as long as its user
+# likes: the lockstep's collectives wait that long. A rank that dies closes its connections, which ends the others'
+# waits; starting, loading and a step's own collectives keep the usual timeout.
+IDLE_WAIT_S = 365 * 24 * 3600.0
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_env(rank: int, size: int, port: int) -> dict[str, str]:
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size)}
+
+
+def check_tensor_parallel(model, size: int, trust_remote_code: bool, engine_options: dict) -> None:
+    """Refuse (``ValueError``), before any rank starts, what every rank would refuse alike: the engine options
+    tensor parallelism does not serve, a quantized checkpoint, heads that ``size`` ranks cannot split."""
+    from transformers import AutoConfig
+
+    from .default_model import resolve_model
+    from .generation.config import EngineConfig
+
+    path = resolve_model(model)
+    distributed.check_engine_config(EngineConfig().replace(**engine_options))
+    distributed.check_checkpoint(path)
+    distributed.load_tensor_parallel_kwargs(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                                            size)
+
+
+class LocalRanks:
+    """Start ranks 1..``size``-1 of a tensor-parallel engine and join them as rank 0 (this process's environment
+    then says so, until `stop`). Each rank calls ``load(size)``, which returns its `ContinuousBatchGenerator`
+    (``load`` must pickle: a module-level function or a `functools.partial` of one)."""
+
+    def __init__(self, size: int, load):
+        if torch.distributed.is_initialized() or "WORLD_SIZE" in os.environ:
+            raise ValueError("this process is already a rank of a tensor-parallel group (torchrun, or another LLM "
+                             "with tensor_parallel_size): under torchrun, use load_model and the generator on every "
+                             "rank (see the README); else shut the other LLM down first")
+        port = _free_port()
+        self.saved_env = {name: os.environ.get(name) for name in _RENDEZVOUS}
+        self.saved_threads = torch.get_num_threads()
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
+        self.processes = [context.Process(target=_serve_rank, args=(_rank_env(rank, size, port), load, size),
+                                          name=f"hf-paged-rank{rank}", daemon=True) for rank in range(1, size)]
+        for process in self.processes:
+            process.start()
+        os.environ.update(_rank_env(0, size, port))
+        try:
+            distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
+            self.generator = load(size)
+        except BaseException:
+            self._end(terminate=True)
+            raise
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the other ranks (after the step in flight) and leave the group; idempotent."""
+        if not self.processes:
+            return
+        stopped = False
+        try:
+            self.generator.stop_workers()
+            stopped = True
+        except distributed.DistributedError:  # a rank died: the others cannot be told, they are ended instead
+            pass
+        finally:
+            self._end(terminate=not stopped, timeout=timeout)
+
+    def _end(self, terminate: bool, timeout: float = 30.0) -> None:
+        for process in self.processes:
+            if terminate:
+                process.terminate()
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+        self.processes = []
+        distributed.destroy_process_group()
+        for name, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        torch.set_num_threads(self.saved_threads)
+
+
+def _serve_rank(env: dict[str, str], load, size: int) -> None:
+    """A started rank: Ctrl+C reaches the whole terminal, and rank 0 alone acts on it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env)
+    distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
+    try:
+        load(size).run_worker()
+    finally:
+        distributed.destroy_process_group()
