@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterable
 
 from transformers import GenerationConfig
@@ -14,7 +15,7 @@ from transformers import GenerationConfig
 from .engine_loop import EngineLoop
 from .generation import ContinuousBatchGenerator, RequestOutput, RequestOutputKind, SamplingParams
 from .generation.inputs import Prompt, tokenize_prompt
-from .loading import load_model, resolve_device
+from .local_ranks import start_engine
 from .lora import LoRARequest
 
 
@@ -22,16 +23,19 @@ class AsyncLLM:
     """Serves requests from asyncio code, as vLLM's ``AsyncLLM``: each `generate` call is one request, batched with
     all others in flight by one engine thread that steps a `ContinuousBatchGenerator` while there is work.
 
-    ``AsyncLLM(model, dtype, device, **engine_options)`` loads a model as `LLM` does; `from_generator` serves a
-    generator already built. Requests that fail while running yield an output with ``error`` set, as the generator's;
+    ``AsyncLLM(model, dtype, device, **engine_options)`` loads a model as `LLM` does (``tensor_parallel_size`` too:
+    `shutdown` then ends the other ranks for good); `from_generator` serves a generator already built. Requests that fail while running yield an output with ``error`` set, as the generator's;
     `hf_paged.engine_loop.EngineError` is raised when the engine itself failed or was shut down under them.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
-                 trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None, **engine_options):
-        hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device),
-                                            trust_remote_code=trust_remote_code, tokenizer=tokenizer)
-        self._serve(ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options))
+                 trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
+                 tensor_parallel_size: int = 1, **engine_options):
+        generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
+                                        tensor_parallel_size)
+        self._serve(generator)
+        if ranks is not None:  # the engine thread's heartbeats stop before the ranks do
+            self._ranks = weakref.finalize(self, _stop_ranks, self.engine, ranks)
 
     @classmethod
     def from_generator(cls, generator: ContinuousBatchGenerator) -> "AsyncLLM":
@@ -39,6 +43,8 @@ class AsyncLLM:
         engine = cls.__new__(cls)
         engine._serve(generator)
         return engine
+
+    _ranks: weakref.finalize | None = None
 
     def _serve(self, generator: ContinuousBatchGenerator) -> None:
         if not generator.is_driver:
@@ -116,8 +122,15 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread after its current step; requests still in flight raise `EngineError`. A later
-        `generate` starts it again."""
+        `generate` starts it again, except under tensor parallelism, whose other ranks end here."""
         self.engine.stop(timeout, reason="AsyncLLM.shutdown() was called")
+        if self._ranks is not None:
+            self._ranks()
+
+
+def _stop_ranks(engine: EngineLoop, ranks) -> None:
+    engine.stop()
+    ranks.stop()
 
 
 def _copy(output: RequestOutput) -> RequestOutput:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 
 from .chat_template import CONTENT_FORMATS, TEMPLATE_PARAMETERS, content_format, render_prompt, template_messages
-from .generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
+from .generation import RequestOutput, SamplingParams
 from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .loading import load_model, resolve_device
-from .local_ranks import LocalRanks, check_tensor_parallel
+from .local_ranks import start_engine
 from .lora import LoRARequest
 from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, ScoringOutput, ScoringRequestOutput,
                       check_dimensions, cosine_scores, embed, score_pairs)
@@ -31,18 +29,9 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
                  trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
                  tensor_parallel_size: int = 1, **engine_options):
-        load = functools.partial(_load_engine, None if model is None else os.fspath(model), dtype, device,
-                                 trust_remote_code, tokenizer, engine_options)
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
-        if tensor_parallel_size == 1:
-            self.generator = load(1)
-            self._ranks = None
-            return
-        check_tensor_parallel(model, tensor_parallel_size, trust_remote_code, engine_options)
-        ranks = LocalRanks(tensor_parallel_size, load)
-        self.generator = ranks.generator
-        self._ranks = weakref.finalize(self, ranks.stop)
+        self.generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
+                                             tensor_parallel_size)
+        self._ranks = None if ranks is None else weakref.finalize(self, ranks.stop)
 
     def shutdown(self) -> None:
         """End the other ranks of a tensor-parallel LLM (no call may follow); nothing to do on one process."""
@@ -166,10 +155,3 @@ def _prompt_list(prompts) -> list:
     single = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
     return [prompts] if single else list(prompts)
 
-
-def _load_engine(model, dtype: str, device: str, trust_remote_code: bool, tokenizer, engine_options: dict,
-                 tensor_parallel_size: int) -> ContinuousBatchGenerator:
-    """One rank's engine (every rank of a tensor-parallel LLM runs this)."""
-    hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code,
-                                        tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size)
-    return ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options)

@@ -4,6 +4,7 @@ each loading its shard and stepping in lockstep (`ContinuousBatchGenerator.run_w
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -31,7 +32,34 @@ def _rank_env(rank: int, size: int, port: int) -> dict[str, str]:
             "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size)}
 
 
-def check_tensor_parallel(model, size: int, trust_remote_code: bool, engine_options: dict) -> None:
+def start_engine(model, dtype: str, device: str, trust_remote_code: bool, tokenizer, engine_options: dict,
+                 tensor_parallel_size: int = 1):
+    """``(generator, ranks)``: the engine `LLM` and `AsyncLLM` serve (see `loading.load_model` for the model's
+    arguments, `EngineConfig` for ``engine_options``), and with ``tensor_parallel_size > 1`` the `LocalRanks` it runs
+    on (None on one process)."""
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    load = functools.partial(_load_engine, None if model is None else os.fspath(model), dtype, device,
+                             trust_remote_code, tokenizer, engine_options)
+    if tensor_parallel_size == 1:
+        return load(1), None
+    _check(model, tensor_parallel_size, trust_remote_code, engine_options)
+    ranks = LocalRanks(tensor_parallel_size, load)
+    return ranks.generator, ranks
+
+
+def _load_engine(model, dtype: str, device: str, trust_remote_code: bool, tokenizer, engine_options: dict,
+                 tensor_parallel_size: int):
+    """One rank's engine (every rank runs this)."""
+    from .generation import ContinuousBatchGenerator
+    from .loading import load_model, resolve_device
+
+    hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code,
+                                        tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size)
+    return ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options)
+
+
+def _check(model, size: int, trust_remote_code: bool, engine_options: dict) -> None:
     """Refuse (``ValueError``), before any rank starts, what every rank would refuse alike: the engine options
     tensor parallelism does not serve, a quantized checkpoint, heads that ``size`` ranks cannot split."""
     from transformers import AutoConfig

@@ -350,3 +350,34 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
         llm.shutdown()
     assert "WORLD_SIZE" not in os.environ and not multiprocessing.active_children()
     assert not torch.distributed.is_initialized()
+
+
+def test_async_llm_starts_its_own_ranks(text_model, monkeypatch):
+    import asyncio
+    import multiprocessing
+
+    from hf_paged import AsyncLLM, SamplingParams
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine = AsyncLLM(text_model, tensor_parallel_size=2, num_blocks=64)
+
+    async def answer(prompt: str) -> list[int]:
+        async for output in engine.generate(prompt, greedy):
+            pass
+        return output.outputs[0].token_ids
+
+    async def both() -> list[list[int]]:
+        first = await answer(PROMPT)
+        await asyncio.sleep(1.5)  # idle: the engine thread's heartbeats keep the other rank in step
+        return [first, *await asyncio.gather(answer(PROMPT), answer("Hello"))]
+
+    try:
+        got = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    assert not multiprocessing.active_children() and "WORLD_SIZE" not in os.environ
+    from hf_paged import LLM
+
+    one = LLM(text_model, num_blocks=64).generate([PROMPT, "Hello"], greedy, use_tqdm=False)
+    assert got == [one[0].outputs[0].token_ids, one[0].outputs[0].token_ids, one[1].outputs[0].token_ids]
