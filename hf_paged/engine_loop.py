@@ -149,11 +149,16 @@ class EngineLoop:
 
     ``max_num_waiting`` bounds the sequences in flight beyond the ``max_num_seqs`` that one step runs: a call that
     would pass it is refused with `EngineOverloaded` before anything is queued.
+
+    A tensor-parallel group that fails is unrecoverable too; with ``exit_on_group_failure`` (the server's) the process
+    then ends at once, so that torchrun ends the other ranks.
     """
 
     def __init__(self, generator: ContinuousBatchGenerator, metrics: ServerMetrics | None = None,
-                 max_num_waiting: int | None = None, write_timeout: float | None = None):
+                 max_num_waiting: int | None = None, write_timeout: float | None = None,
+                 exit_on_group_failure: bool = False):
         self.generator = generator
+        self.exit_on_group_failure = exit_on_group_failure
         self.metrics = metrics
         self.write_timeout = write_timeout
         self.max_num_seqs_in_flight = None if max_num_waiting is None else \
@@ -339,6 +344,8 @@ class EngineLoop:
         try:
             outputs = generator.step()
         except DistributedError as err:
+            if not self.exit_on_group_failure:
+                raise  # unrecoverable: see _run
             self._end_group(err)
             return failures
         except Exception:

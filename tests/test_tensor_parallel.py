@@ -357,6 +357,7 @@ def test_async_llm_starts_its_own_ranks(text_model, monkeypatch):
     import multiprocessing
 
     from hf_paged import AsyncLLM, SamplingParams
+    from hf_paged.engine_loop import EngineError
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -374,6 +375,12 @@ def test_async_llm_starts_its_own_ranks(text_model, monkeypatch):
 
     try:
         got = asyncio.run(both())
+        [rank1] = multiprocessing.active_children()
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(10)
+        with pytest.raises(EngineError):  # this process goes on (a server's would end, for torchrun to see)
+            asyncio.run(answer(PROMPT))
+        assert engine.errored
     finally:
         engine.shutdown()
     assert not multiprocessing.active_children() and "WORLD_SIZE" not in os.environ

@@ -106,7 +106,8 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     limits, options = limits or ServerLimits(), options or ServingOptions()
     metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len,
                             prefix=options.metrics_prefix)
-    engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout)
+    engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout,
+                        exit_on_group_failure=True)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
     serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, options)
     for module in lora_modules:
