@@ -148,10 +148,19 @@ def test_ray_routes_a_response_by_the_prefix_of_its_chat_prompt():
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": {"not": "text"}}]}]}, "input"),
     ({"input": "Hi", "top_logprobs": 2}, "top_logprobs"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "Hi", "include": ["reasoning.encrypted_content", "everything"]}, "include"),
 ])
 def test_input_that_makes_no_chat_request_is_a_400_naming_its_field(server, body, param):
     answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def test_includes_that_ask_nothing_of_this_server_are_taken(client):
+    """Clients that keep no store (Codex, say) always ask for reasoning.encrypted_content."""
+    asked = ["reasoning.encrypted_content", "web_search_call.action.sources"]
+    answer = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, include=asked)
+    assert answer.status == "incomplete" and answer.output[0].type == "message"
 
 
 @pytest.mark.parametrize("body, words", [

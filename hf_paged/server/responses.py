@@ -21,6 +21,11 @@ from ..generation.sampling_params import InvalidParameter
 from .protocol import APIError, ChatCompletionRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# OpenAI's ``include`` values that ask nothing of this server (its tools and images are refused where given, and
+# reasoning items carry their text in the clear); logprobs are not served here.
+_INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+               "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+               "reasoning.encrypted_content")
 _ITEMS = "message, function_call, function_call_output, reasoning"
 # The chat request's fields that stand for this API's, as errors name them.
 _FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
@@ -80,6 +85,13 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise InvalidParameter("truncation", f"truncation {self.truncation!r} is not supported: the input must "
                                    "fit the model's context (truncation 'disabled')")
+        for i, value in enumerate(self.include or []):
+            if value == "message.output_text.logprobs":
+                raise InvalidParameter("include", "include: message.output_text.logprobs is not served on "
+                                       "/v1/responses here (the chat endpoint serves logprobs)")
+            if value not in _INCLUDABLE:
+                raise InvalidParameter("include", f"include[{i}]: {value!r} is not one of OpenAI's values "
+                                       f"({', '.join(_INCLUDABLE)}, message.output_text.logprobs)")
         if self.top_logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs are not served on /v1/responses here (the chat "
                                    "endpoint serves logprobs)")
