@@ -202,7 +202,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 30.0, reason: str = "the server is shutting down") -> None:
         """Stop the thread after its current step; requests still in flight fail (`EngineStopping`, saying
-        ``reason``)."""
+        ``reason``) and, once the thread has ended, give back their blocks."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -210,6 +210,11 @@ class EngineLoop:
         stepping = self._thread is not None and self._thread.is_alive()
         self._fail_in_flight(EngineStopping(reason), abort_unrouted=not stepping)
         self._fail_calls(EngineStopping(reason))
+        if not stepping and self.fatal is None and self.generator.has_unfinished_requests():
+            try:
+                self.generator.step()  # takes the aborts in: nothing is left to run
+            except Exception:
+                logger.exception("could not free the blocks of the requests stopped")
 
     def cut_off(self) -> None:
         """Fail the requests and calls in flight (`EngineStopping`) while serving goes on: the server stops before
