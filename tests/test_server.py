@@ -146,7 +146,26 @@ def test_greedy_chat_and_completion_match_the_generator(server, client):
     assert done.usage.completion_tokens == len(server.prompt_ref.token_ids)
 
 
-def test_streaming_sends_deltas_that_add_up(server, client):
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(server, client):
+    prompt = "Here is a long and particular prompt, long enough to fill two blocks of the cache at the least. " * 2
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 16 <= again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    streamed = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}] * 2,
+                                                   max_tokens=2, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_a_message_without_content_reads_as_empty_as_in_vllm(server, client):
+    messages = [*CHAT, {"role": "assistant", "content": None}, {"role": "user", "content": "Go on."}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    empty = client.chat.completions.create(model=MODEL, messages=[*messages[:-2], {**messages[-2], "content": ""},
+                                                                  messages[-1]], max_tokens=2)
+    assert answer.usage.prompt_tokens == empty.usage.prompt_tokens
+
+
+def test_streaming_sends_deltas_that_add_up(server, client, smollm2):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=CHAT, temperature=0, max_tokens=GREEDY_TOKENS, stream=True,
         stream_options={"include_usage": True}))
@@ -163,9 +182,12 @@ def test_streaming_sends_deltas_that_add_up(server, client):
                                                   "ignore_eos": True, "stream": True, "stream_options": {
                                                       "include_usage": True, "continuous_usage_stats": True}})
     events = [json.loads(line[len("data: "):]) for line in continuous.text.splitlines() if line.startswith("data: {")]
-    counts = [event["usage"]["completion_tokens"] for event in events]
-    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 8 and len(events) >= 5
-    assert {event["usage"]["prompt_tokens"] for event in events} == {events[-1]["usage"]["prompt_tokens"]} != {0}
+    counts = {}  # as vLLM's: each chunk's usage is its choice's so far (the last one, the call's)
+    for event in events[:-1]:
+        counts.setdefault(event["choices"][0]["index"], []).append(event["usage"]["completion_tokens"])
+    assert {i: (c == sorted(set(c)), c[-1]) for i, c in counts.items()} == {0: (True, 4), 1: (True, 4)}
+    assert events[-1]["usage"]["completion_tokens"] == 8 and events[-1]["choices"] == []
+    assert {event["usage"]["prompt_tokens"] for event in events} == {len(smollm2[1](PROMPT).input_ids)}
     assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
                for e in events)
 

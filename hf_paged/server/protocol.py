@@ -362,6 +362,8 @@ class ChatMessage(BaseModel):
         message = self.model_dump(exclude_none=True)
         if self.content is not None:
             message["content"] = template_content(message["content"], content_format)
+        elif not self.tool_calls:  # as vLLM reads it; templates index message.content
+            message["content"] = ""
         return message
 
 
@@ -709,7 +711,9 @@ def _reasoning_fields(reasoning: str | None) -> dict:
     return {} if reasoning is None else {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """The ``usage`` object of a response."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """The ``usage`` object of a response; with ``cached_tokens`` (the prompt tokens read from the prefix cache),
+    OpenAI's ``prompt_tokens_details``."""
+    used = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    return used if cached_tokens is None else {**used, "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -518,6 +518,7 @@ class _StreamedTokenIds:
 def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput], n: int) -> Response:
     """The JSON response of a finished call (``outputs`` in prompt order)."""
     choices, prompt_tokens, completion_tokens, scored = [], 0, 0, None
+    cached_tokens = sum(output.num_cached_tokens for output in outputs)
     for i, output in enumerate(outputs):
         prompt_tokens += len(output.prompt_token_ids)
         scored = fmt.prompt_logprobs(output)
@@ -530,7 +531,8 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
                 choices[-1]["token_ids"] = generated
             if fmt.prompt_fields_at == "choice":
                 choices[-1].update(_prompt_fields(fmt, output, scored))
-    body = {**header, "object": fmt.object, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    body = {**header, "object": fmt.object, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
     if fmt.prompt_fields_at == "response":  # chat: one prompt
         body.update(_prompt_fields(fmt, outputs[0], scored))
     try:
@@ -542,22 +544,26 @@ def _response(header: dict, fmt: CompletionFormat, outputs: list[RequestOutput],
 
 async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: int, include_usage: bool,
                continuous_usage: bool = False) -> AsyncIterator[str]:
-    """Server-sent events of a streamed call: text deltas per choice (with the usage so far, if continuous), then
-    usage if asked, then ``[DONE]``. Tokens that brought no text yet (an incomplete character) wait, with their
-    logprobs, for the chunk that carries their text."""
+    """Server-sent events of a streamed call: text deltas per choice (with the usage of that choice so far, if
+    continuous: its prompt's tokens and its own, as vLLM's), then usage if asked, then ``[DONE]``. Tokens that brought
+    no text yet (an incomplete character) wait, with their logprobs, for the chunk that carries their text."""
     chunk = {**header, "object": fmt.chunk_object, **({"usage": None} if include_usage else {})}  # as OpenAI's
 
     def event(choices: list[dict], last: bool = False, extra: dict | None = None) -> str:
         body = {**chunk, **(extra or {}), "choices": choices}
-        if last or continuous_usage:
-            body["usage"] = usage(stream.num_prompt_tokens, completion_tokens)
+        if last:
+            body["usage"] = usage(stream.num_prompt_tokens, sum(generated.values()), sum(cached.values()))
+        elif continuous_usage:
+            index = choices[0]["index"]
+            body["usage"] = usage(len(stream.prompt_token_ids[index // n]), generated.get(index, 0))
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     first_index = {request_id: i * n for i, request_id in enumerate(stream.request_ids)}
     waiting: dict[int, CompletionOutput] = {}  # per choice: tokens not sent yet, for want of text
     text_offset: dict[int, int] = {}  # where the next token's text starts (reported with logprobs only)
     token_ids = _StreamedTokenIds(fmt)
-    completion_tokens = 0
+    generated: dict[int, int] = {}  # tokens per choice
+    cached: dict[str, int] = {}  # prompt tokens read from the prefix cache, per request
     try:
         for index, opening in enumerate(map(fmt.opening_choice, range(len(first_index) * n))):
             if opening is not None:
@@ -567,7 +573,9 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                 raise _failure(output)
             for choice in output.outputs:
                 index = first_index[output.request_id] + choice.index
-                completion_tokens += token_ids.add(index, [] if fmt.prompt_only else choice.token_ids)
+                added = token_ids.add(index, [] if fmt.prompt_only else choice.token_ids)
+                generated[index] = generated.get(index, 0) + added
+                cached[output.request_id] = output.num_cached_tokens
                 if fmt.echo is not None and index not in text_offset:  # its first chunk: the prompt goes first
                     choice = fmt.echoed(index // n, output, choice)
                     text_offset[index] = 0
