@@ -92,6 +92,18 @@ def test_compile_errors_name_the_field_and_the_cache_reuses_grammars(smollm2):
      "keywords beside a $ref"),
     ({"type": "string", "pattern": "^(?!x)x$"}, "lookaround in a pattern"),
     ({"$ref": "https://example.com/schema.json"}, "$ref outside the schema"),
+    ({"type": "object", "properties": {"age": {"minimum": 18}}},
+     "string or number keywords in a schema without a type"),
+    ({"type": ["string", "null"], "format": "color"}, "format 'color'"),
+    ({"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+     "oneOf whose branches may overlap"),
+    ({"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"type": "object"}]},
+     "oneOf whose branches may overlap"),
+    ({"oneOf": [{"const": 1}, {"enum": [1.0, 2]}]}, "oneOf whose branches may overlap"),
+    ({"type": "string", "maxLength": 3, "anyOf": [{"type": "string"}, {"type": "null"}]}, "keywords beside anyOf"),
+    ({"type": "string", "allOf": [{"type": "string", "maxLength": 2}]}, "keywords beside allOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]},
+     "keywords beside anyOf"),
 ])
 def test_schema_keywords_the_grammar_would_ignore_are_refused(smollm2, schema, keyword):
     """xgrammar compiles these but does not enforce the keyword: outputs would break the schema and end "stop"."""
@@ -113,6 +125,17 @@ def test_schema_keywords_the_grammar_would_ignore_are_refused(smollm2, schema, k
         "c": {"$ref": "#/$defs/Color", "x-foo": 1, "nullable": False, "type": "string"},
         "d": {"enum": ["a", "b"], "type": "string", "x-foo": 1}}, "$defs": pydantic_like["$defs"]}
     compiler.compile(StructuredOutputsParams(json=extensions)).result()
+    cat = {"kind": {"const": "cat"}, "lives": {"type": "integer"}}
+    tagged = {"$defs": {"Cat": {"type": "object", "properties": cat, "required": ["kind", "lives"]},
+                        "Dog": {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"]}},
+              "type": "object", "properties": {  # oneOf that cannot overlap: by type, by value, by a tag property
+                  "pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                          "discriminator": {"propertyName": "kind"}},
+                  "id": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}]},
+                  "size": {"oneOf": [{"const": "S"}, {"enum": ["M", "L"]}]},
+                  "note": {"anyOf": [{"type": "string", "maxLength": 5}, {"type": "null"}], "default": None},
+                  "code": {"type": ["string", "null"], "format": "uuid"}}}
+    compiler.compile(StructuredOutputsParams(json=tagged)).result()
     compiler.shutdown()
 
 

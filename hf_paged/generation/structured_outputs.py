@@ -162,6 +162,10 @@ _VALIDATION = frozenset({"minLength", "maxLength", "pattern", "format", "minimum
                          "exclusiveMaximum", "multipleOf", "properties", "additionalProperties", "required", "items",
                          "prefixItems", "minItems", "maxItems", "minProperties", "maxProperties", "anyOf", "oneOf",
                          "allOf", "enum", "const"})
+# Keywords of strings and numbers, which xgrammar enforces only where the node says its type.
+_SCALAR_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+                              "exclusiveMaximum", "multipleOf"})
+_COMBINATORS = ("anyOf", "oneOf", "allOf")
 _JSON_TYPES = {"string": str, "object": dict, "array": list, "boolean": bool, "null": type(None),
                "integer": int, "number": (int, float)}
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
@@ -179,11 +183,16 @@ def unenforced_schema_keywords(schema: dict) -> list[str]:
             continue
         found.update(key for key in _UNENFORCED if key in node)
         found.update(_ignored_beside(node))
+        types = _declared_types(node)
+        if not types and _SCALAR_KEYWORDS & set(node) and not {"$ref", "enum", "const"} & set(node):
+            found.add("string or number keywords in a schema without a type")
         if "multipleOf" in node and not (node.get("type") == "integer" and type(node["multipleOf"]) is int):
             found.add("multipleOf other than an integer's")
         fmt = node.get("format")
-        if node.get("type") == "string" and fmt is not None and not (isinstance(fmt, str) and fmt in _FORMATS):
+        if "string" in types and fmt is not None and not (isinstance(fmt, str) and fmt in _FORMATS):
             found.add(f"format {fmt!r}")
+        if isinstance(node.get("oneOf"), list) and _branches_may_overlap(node["oneOf"], schema):
+            found.add("oneOf whose branches may overlap (it is read as anyOf)")
         if node.get("uniqueItems") is True:
             found.add("uniqueItems")
         if isinstance(node.get("pattern"), str) and _LOOKAROUND.search(node["pattern"]):
@@ -210,6 +219,9 @@ def _ignored_beside(node: dict) -> set[str]:
                     if not (key in ("additionalProperties", "items") and (node[key] is True or node[key] == {}))}
     if isinstance(ref, str) and not ref.startswith("#"):
         found.add("$ref outside the schema")
+    combinators = [key for key in _COMBINATORS if key in node]
+    if combinators and ("type" in node or constraining - {combinators[0]}):
+        found.add(f"keywords beside {'/'.join(combinators) if len(combinators) > 1 else combinators[0]}")
     if ref is not None and constraining:
         found.add("keywords beside a $ref")
     if "enum" in node or "const" in node:
@@ -217,11 +229,78 @@ def _ignored_beside(node: dict) -> set[str]:
             found.add("keywords beside an enum or const")
         values = ([node["const"]] if "const" in node else []) + (node["enum"] if isinstance(node.get("enum"), list)
                                                                   else [])
-        types = node.get("type", [])
-        types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+        types = _declared_types(node)
         if types and not all(any(_is_a(value, t) for t in types) for value in values):
             found.add("enum or const values that its type does not allow")
     return found
+
+
+def _declared_types(node: dict) -> list:
+    types = node.get("type", [])
+    return [types] if isinstance(types, str) else types if isinstance(types, list) else []
+
+
+def _branches_may_overlap(branches: list, root: dict) -> bool:
+    """Whether some value could match two of ``branches`` (False only where their types, their constant values, or
+    the constant values of a property both require, tell them apart: a tagged union)."""
+    resolved = [_resolved(branch, root) for branch in branches]
+    return any(not _disjoint(a, b, root) for i, a in enumerate(resolved) for b in resolved[i + 1:])
+
+
+def _disjoint(a, b, root: dict) -> bool:
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    widened = [types | ({"integer"} if "number" in types else set()) for types in (_value_types(a), _value_types(b))]
+    if all(widened) and not widened[0] & widened[1]:
+        return True
+    if (values_a := _constants(a)) is not None and (values_b := _constants(b)) is not None:
+        return not values_a & values_b
+    both = [x.get("required") for x in (a, b)]
+    for name in set(both[0]) & set(both[1]) if all(isinstance(r, list) for r in both) else ():
+        properties = [x.get("properties") for x in (a, b)]
+        if not all(isinstance(p, dict) and name in p for p in properties):
+            continue
+        values_a, values_b = (_constants(_resolved(p[name], root)) for p in properties)
+        if values_a is not None and values_b is not None and not values_a & values_b:
+            return True
+    return False
+
+
+def _value_types(node: dict) -> set[str]:
+    """The JSON types ``node`` allows, from its ``type`` or its constant values (empty: any)."""
+    if types := _declared_types(node):
+        return set(types)
+    values = [node["const"]] if "const" in node else node["enum"] if isinstance(node.get("enum"), list) else []
+    return {_type_of(value) for value in values}
+
+
+def _constants(node) -> set[str] | None:
+    """The values a ``const`` or ``enum`` allows (as JSON text, numbers as floats: 1 is 1.0), or None."""
+    if not isinstance(node, dict) or not ("const" in node or isinstance(node.get("enum"), list)):
+        return None
+    values = [node["const"]] if "const" in node else node["enum"]
+    return {json.dumps(float(v) if type(v) in (int, float) else v, sort_keys=True) for v in values}
+
+
+def _type_of(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return next(name for name, kind in _JSON_TYPES.items() if name != "integer" and isinstance(value, kind))
+
+
+def _resolved(node, root: dict, depth: int = 8):
+    """``node``, its local ``$ref`` followed (a few times at most)."""
+    while depth and isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+        target = root
+        for part in filter(None, node["$ref"][1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, dict) else None
+        if target is None:
+            return node
+        node, depth = target, depth - 1
+    return node
 
 
 def _is_a(value, json_type: str) -> bool:
