@@ -1282,3 +1282,32 @@ def test_request_priority_as_vllms(smollm2):
         refused = client.post("/v1/completions", json=body).json()["error"]
         assert refused["param"] == "priority" and "needs the priority scheduling policy" in refused["message"]
         assert client.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+
+
+def test_add_special_tokens_as_vllm(smollm2):
+    """A completion's prompt gets the tokenizer's BOS, a chat's rendered template does not (it wrote its own), unless
+    ``add_special_tokens`` says otherwise; /tokenize likewise."""
+    from starlette.testclient import TestClient
+
+    model, tokenizer = smollm2
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_bos_token = True
+    bos = tokenizer.bos_token_id
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=32), MODEL)
+    text = {"model": MODEL, "prompt": "Hi there", "max_tokens": 1, "return_token_ids": True}
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+    with TestClient(app) as test_client:
+        prompt_ids = lambda url, body: test_client.post(url, json=body).json()  # noqa: E731
+        plain = tokenizer("Hi there", add_special_tokens=False).input_ids
+        assert prompt_ids("/v1/completions", text)["choices"][0]["prompt_token_ids"] == [bos, *plain]
+        assert prompt_ids("/v1/completions", {**text, "add_special_tokens": False})["choices"][0][
+            "prompt_token_ids"] == plain
+        assert prompt_ids("/tokenize", {"prompt": "Hi there"})["tokens"] == [bos, *plain]
+        assert prompt_ids("/tokenize", {"prompt": "Hi there", "add_special_tokens": False})["tokens"] == plain
+        rendered = prompt_ids("/v1/chat/completions", chat)["prompt_token_ids"]
+        assert rendered[0] == bos != rendered[1]  # the template's own <|im_start|> only
+        assert prompt_ids("/v1/chat/completions", {**chat, "add_special_tokens": True})["prompt_token_ids"] == \
+            [bos, *rendered]
+        assert prompt_ids("/tokenize", {"messages": CHAT})["tokens"] == rendered
+        refused = test_client.post("/v1/completions", json={**text, "guided_whitespace_pattern": " "})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "guided_whitespace_pattern"

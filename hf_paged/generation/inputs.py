@@ -21,25 +21,27 @@ def is_prompt_dict(value) -> bool:
     return isinstance(value, dict) and ("prompt" in value or "prompt_token_ids" in value)
 
 
-def tokenize_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
-    """``(text, token_ids)`` of a prompt as the engine sees it: chat messages go through the chat template."""
+def tokenize_prompt(tokenizer, prompt: Prompt, add_special_tokens: bool | None = None) -> tuple[str | None, list[int]]:
+    """``(text, token_ids)`` of a prompt as the engine sees it: chat messages go through the chat template. The
+    tokenizer's special tokens (a BOS) are added to a text (``add_special_tokens``, default True), not to a rendered
+    chat (default False: its template wrote them), as in vLLM."""
     if is_prompt_dict(prompt):
-        return _unpack_prompt_dict(tokenizer, prompt)
+        return _unpack_prompt_dict(tokenizer, prompt, add_special_tokens is not False)
     if isinstance(prompt, str):
-        return prompt, tokenizer(prompt).input_ids
+        return prompt, tokenizer(prompt, add_special_tokens=add_special_tokens is not False).input_ids
     if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
         try:
             text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # noqa: BLE001 - the template's own error, whatever its type, names the problem
             raise ValueError(f"the chat messages cannot be rendered by the tokenizer's chat template: "
                              f"{type(err).__name__}: {err}") from err
-        return text, tokenizer(text, add_special_tokens=False).input_ids
+        return text, tokenizer(text, add_special_tokens=bool(add_special_tokens)).input_ids
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return None, list(prompt)
     raise ValueError(f"a prompt is {PROMPT_KINDS}, got {type(prompt).__name__}")
 
 
-def _unpack_prompt_dict(tokenizer, prompt: dict) -> tuple[str | None, list[int]]:
+def _unpack_prompt_dict(tokenizer, prompt: dict, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
     """vLLM's ``{"prompt": text}`` (a TextPrompt) or ``{"prompt_token_ids": [...]}`` (a TokensPrompt, whose token
     ids win over a ``prompt`` text beside them, as in vLLM)."""
     unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
@@ -54,7 +56,7 @@ def _unpack_prompt_dict(tokenizer, prompt: dict) -> tuple[str | None, list[int]]
                                                     for t in token_ids)):
             raise ValueError("a prompt's prompt_token_ids must be a list of integers")
         return text, list(token_ids)
-    return text, tokenizer(text).input_ids
+    return text, tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
 
 class InputProcessor:
@@ -104,10 +106,11 @@ class InputProcessor:
         except ValueError:
             return params
 
-    def tokenize(self, prompt: Prompt, keep: int | None = None) -> tuple[str | None, list[int]]:
-        """The prompt's text and token ids, its last ``keep`` tokens only if given (vLLM's ``truncate_prompt_tokens``;
-        -1: as many as leave room for one new token), checked against the vocabulary."""
-        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
+    def tokenize(self, prompt: Prompt, keep: int | None = None,
+                 add_special_tokens: bool | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's text and token ids (see `tokenize_prompt`), its last ``keep`` tokens only if given (vLLM's
+        ``truncate_prompt_tokens``; -1: as many as leave room for one new token), checked against the vocabulary."""
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
         token_ids = self.truncated(token_ids, keep)
         self.check_token_ids(token_ids)
         return text, token_ids

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from ..chat_template import TEMPLATE_PARAMETERS, template_content
 from ..generation import (
@@ -53,6 +53,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "documents": lambda value: not value,
     "cache_salt": lambda value: value is None,
     "generation_config": lambda value: value is None,  # transformers serve's
+    "guided_whitespace_pattern": lambda value: value is None,  # vLLM's older spelling: structured_outputs' own
 }
 
 # Other servers' names (llama.cpp's, TGI's) for what this one takes under OpenAI's or vLLM's, with the values that
@@ -137,6 +138,9 @@ class GenerationRequest(BaseModel):
     model: str | None = None
     n: int | None = None
     priority: StrictInt = 0  # vLLM's: lower runs first, under --scheduling-policy priority
+    # vLLM's: the tokenizer's special tokens (a BOS) added to the prompt; None: to a completion's text, not to a
+    # chat's rendered template (which wrote its own)
+    add_special_tokens: StrictBool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -485,6 +489,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str
     return_token_strs: bool = False
+    add_special_tokens: StrictBool | None = None  # as a completion's (default: added)
 
 
 class DetokenizeRequest(BaseModel):

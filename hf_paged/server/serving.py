@@ -268,7 +268,7 @@ class OpenAIServing:
             prompt, param = (await self.chat_prompt(body, messages, None))[0], "messages"
         else:
             prompt, param = body.prompt, "prompt"
-        token_ids = await self.encoder.encode(prompt, param)
+        token_ids = await self.encoder.encode(prompt, param, None, body.add_special_tokens)
         spelled = None
         if getattr(body, "return_token_strs", False) is True:
             spelled = await asyncio.get_running_loop().run_in_executor(
@@ -329,7 +329,7 @@ class OpenAIServing:
         def render() -> tuple[str, list[int]]:
             tokenizer = self.encoder.processor().tokenizer
             text = render_prompt(tokenizer, messages, body.tools, options, self.content_format == "openai")
-            return text, tokenizer(text, add_special_tokens=False).input_ids
+            return text, tokenizer(text, add_special_tokens=bool(body.add_special_tokens)).input_ids
 
         try:
             text, token_ids = await asyncio.get_running_loop().run_in_executor(self.encoder.start(), render)
@@ -347,7 +347,8 @@ class OpenAIServing:
                      prompt_param: str) -> RequestStream:
         """Tokenize the prompts off the event loop, check what the call would cost, and queue it."""
         keep = params.truncate_prompt_tokens
-        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param, keep) for prompt in prompts))
+        token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param, keep, body.add_special_tokens)
+                                           for prompt in prompts))
         await self.encoder.tokenize_bad_words(params)
         context = self.generator.max_model_len
         for ids in token_ids:

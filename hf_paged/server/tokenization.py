@@ -49,10 +49,11 @@ class PromptEncoder:
             self._local.processor = processor
         return processor
 
-    async def encode(self, prompt: Prompt, param: str, keep: int | None = None) -> list[int]:
-        """The prompt's token ids, its last ``keep`` only if given (``truncate_prompt_tokens``); raises a 400 naming
-        ``param`` for a prompt that is too long or cannot render. A prompt to truncate is not measured before it is
-        tokenized (the body's size bounds it)."""
+    async def encode(self, prompt: Prompt, param: str, keep: int | None = None,
+                     add_special_tokens: bool | None = None) -> list[int]:
+        """The prompt's token ids, its last ``keep`` only if given (``truncate_prompt_tokens``), with the tokenizer's
+        special tokens as `tokenize_prompt` adds them; raises a 400 naming ``param`` for a prompt that is too long or
+        cannot render. A prompt to truncate is not measured before it is tokenized (the body's size bounds it)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             prompt = self.inputs.truncated(prompt, keep)
             self._check_tokens(len(prompt), param)
@@ -61,7 +62,8 @@ class PromptEncoder:
             self.check(prompt, param)
         else:
             check_text(prompt, param)
-        return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param, keep)
+        return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param, keep,
+                                                                add_special_tokens)
 
     def check(self, prompt: str | list[dict], param: str, extra_chars: int = 0) -> None:
         """Refuse (a 400) a prompt of more characters than the context could hold (each chat message counts as
@@ -75,9 +77,10 @@ class PromptEncoder:
                                 f"{self.chars_per_token} more), more than could fit this engine's context "
                                 f"(max_model_len) of {self.max_model_len} tokens", param=param)
 
-    def _encode(self, prompt: str | list[dict], param: str, keep: int | None) -> list[int]:
+    def _encode(self, prompt: str | list[dict], param: str, keep: int | None,
+                add_special_tokens: bool | None) -> list[int]:
         try:
-            _, token_ids = self.processor().tokenize(prompt, keep)
+            _, token_ids = self.processor().tokenize(prompt, keep, add_special_tokens)
         except TemplateError as err:
             raise APIError(400, f"the chat template cannot render these messages: {err}", param=param) from err
         except (TypeError, ValueError) as err:
