@@ -47,15 +47,17 @@ class LLM:
         """`ContinuousBatchGenerator.run`: strings, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
         None takes the sampling settings of the model's generation config. ``lora_request`` (with
         ``LLM(..., enable_lora=True)``): the LoRA adapter of every prompt, or one (or None) per prompt; ``priority``
-        (with ``LLM(..., scheduling_policy="priority")``): one per prompt, lower first."""
-        return self.generator.run(prompts, sampling_params, use_tqdm, lora_request, priority)
+        (with ``LLM(..., scheduling_policy="priority")``): one per prompt, lower first. As in vLLM, a prompt or
+        parameters the engine refuses raise ``ValueError`` before anything runs; a request that fails while running
+        comes back with ``error`` set."""
+        return self.generator.run(prompts, sampling_params, use_tqdm, lora_request, priority, strict=True)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                     lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first (the search runs in
         the engine, see `SamplingParams.use_beam_search`). As in vLLM, a beam's ``tokens`` and ``text`` hold its
         prompt too (the text with special tokens skipped)."""
-        outputs = self.generator.run(prompts, params.sampling_params(), use_tqdm, lora_request)
+        outputs = self.generator.run(prompts, params.sampling_params(), use_tqdm, lora_request, strict=True)
         decode = self.get_tokenizer().decode
         results = []
         for output in outputs:

@@ -20,6 +20,29 @@ def test_generate_is_the_engines_run_and_takes_vllms_prompt_forms(llm, smollm2, 
     assert llm.get_tokenizer() is llm.generator.tokenizer and llm.reset_prefix_cache()
 
 
+def test_what_the_engine_refuses_raises_before_anything_runs_as_in_vllm(llm):
+    """vLLM's LLM.generate raises for a refused prompt or parameters (code indexing outputs[0].outputs[0] would get
+    an IndexError otherwise); the prompts added before it are withdrawn. The generator's run keeps failed outputs."""
+    from hf_paged import StructuredOutputsParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    vocab, generated = llm.generator.vocab_size, llm.generator.stats().generation_tokens
+    cases = [(["Hello", "Hi"], [greedy, greedy.replace(stop_token_ids=[vocab + 5])], "stop_token_ids"),
+             (["Hello", [vocab + 1]], greedy, "vocabulary"),
+             (["Hello", "Hi"], [greedy, greedy.replace(structured_outputs=StructuredOutputsParams(regex="[a-"))],
+              "structured_outputs.regex is invalid")]
+    for prompts, params, words in cases:
+        with pytest.raises(ValueError, match=words):
+            llm.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
+        llm.chat([{"role": "user", "content": "Hi"}], cases[2][1][1], use_tqdm=False)
+    [alone] = llm.generate(["Hello"], greedy, use_tqdm=False)  # the withdrawn ones never ran, nor run now
+    assert len(alone.outputs[0].token_ids) == 4 and not llm.generator.has_unfinished_requests()
+    assert llm.generator.kv_manager.pool.num_used_blocks == 0 and llm.generator.stats().generation_tokens == generated + 4
+    failed = llm.generator.run(*cases[0][:2], use_tqdm=False)[1]
+    assert failed.error is not None and failed.error_param == "stop_token_ids"
+
+
 def test_chat_renders_one_or_many_conversations_with_vllms_options(llm):
     tokenizer = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=6)

@@ -473,9 +473,10 @@ class ContinuousBatchGenerator:
 
     # ------------------------------------------------------------------------------------- batch interfaces
     def _submit(self, prompts, sampling_params, lora_request=None,
-                priority=None) -> list[tuple[str | None, RequestOutput | None]]:
-        """Add every prompt; one refused (a ``ValueError``) gets a failed output. Any other error withdraws the
-        prompts added before it and is raised."""
+                priority=None, strict: bool = False) -> list[tuple[str | None, RequestOutput | None]]:
+        """Add every prompt; one refused (a ``ValueError``) gets a failed output, or with ``strict`` is raised, as
+        any other error is, once the prompts added before it are withdrawn (``strict`` waits for each constraint's
+        compile, so that an invalid one is raised too)."""
         prompts, per_prompt = one_params_per_prompt(prompts, sampling_params)
         loras = _per_prompt(lora_request, prompts, "LoRA requests")
         priorities = _per_prompt(0 if priority is None else priority, prompts, "priorities")
@@ -484,7 +485,11 @@ class ContinuousBatchGenerator:
             for prompt, params, lora, level in zip(prompts, per_prompt, loras, priorities):
                 try:
                     submitted.append((self.add_request(prompt, params, lora_request=lora, priority=level), None))
+                    if strict and getattr(params, "structured_outputs", None) is not None:
+                        self.grammars.compile(params.structured_outputs).result()  # the request's own compile
                 except ValueError as err:
+                    if strict:
+                        raise
                     failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [],
                                            True, RequestMetrics(time.monotonic()), error=str(err),
                                            error_param=getattr(err, "param", None))
@@ -502,20 +507,21 @@ class ContinuousBatchGenerator:
                                         first=[failed for _, failed in submitted if failed is not None])
 
     def run(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None,
-            priority=None) -> list[RequestOutput]:
+            priority=None, strict: bool = False) -> list[RequestOutput]:
         """Generate for all ``prompts`` together; outputs come back complete, in input order.
 
         ``sampling_params`` is one `SamplingParams` (or `GenerationConfig`) for all, a list with one per prompt, or
         None for the sampling settings of the model's generation config; ``lora_request`` likewise one `LoRARequest`
         for all, a list of one (or None) per prompt, or None; ``priority`` one for all or one per prompt (see
-        `add_request`). A prompt that cannot be served (empty, too long, an
-        adapter that does not fit) gets an output with ``error`` set.
+        `add_request`). A prompt that cannot be served (empty, too long, an adapter that does not fit, an invalid
+        constraint) gets an output with ``error`` set; with ``strict`` (vLLM's ``LLM.generate``) its ``ValueError``
+        is raised instead, before anything runs.
         """
         if isinstance(sampling_params, (list, tuple)):
             sampling_params = [self.inputs.final_only(p) for p in sampling_params]
         else:
             sampling_params = self.inputs.final_only(sampling_params)
-        submitted = self._submit(prompts, sampling_params, lora_request, priority)
+        submitted = self._submit(prompts, sampling_params, lora_request, priority, strict)
         results = {rid: None for rid, _ in submitted if rid is not None}
         with tqdm(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:
             bar.update(len(submitted) - len(results))
