@@ -62,7 +62,7 @@ class AsyncLLM:
         """Yield the request's outputs as ``sampling_params.output_kind`` asks (by default each time it grows, with
         everything generated so far); the last has ``finished`` set. A generator closed early (left by ``break``
         and released, or ``aclose()``d) aborts its request, as vLLM's. Raises ``ValueError`` for a prompt or
-        parameters the engine refuses, before anything is yielded. ``lora_request`` runs it under that LoRA adapter
+        parameters the engine refuses (an invalid constraint too), before anything is yielded. ``lora_request`` runs it under that LoRA adapter
         (an engine with ``enable_lora``; `add_lora` loads one ahead of its first request); ``priority`` as in
         `ContinuousBatchGenerator.add_request`."""
         params = self.generator.inputs.sampling_params(sampling_params)
@@ -71,6 +71,8 @@ class AsyncLLM:
         # Tokenized here, not under the engine loop's lock (the bad words' tokens are kept in ``deltas``).
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         deltas.bad_words_token_ids(self.tokenizer)
+        if deltas.structured_outputs is not None:  # compiled off the event loop; an invalid one raises here
+            await asyncio.wrap_future(self.generator.grammars.compile(deltas.structured_outputs))
         if lora_request is not None:  # read off the event loop, not under the engine loop's lock
             lora_request = await asyncio.to_thread(self.generator.load_lora, lora_request)
         stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,

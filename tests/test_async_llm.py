@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hf_paged import AsyncLLM, ContinuousBatchGenerator, RequestOutputKind, SamplingParams
+from hf_paged import AsyncLLM, ContinuousBatchGenerator, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from hf_paged.engine_loop import EngineError
 
 
@@ -121,6 +121,8 @@ def test_bad_input_is_refused_without_touching_requests_in_flight(engine, chat_p
             await _collect(engine, "", params)
         with pytest.raises(ValueError, match="temperature"):
             await _collect(engine, "Hi", changed)
+        with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
+            await _collect(engine, "Hi", params.replace(structured_outputs=StructuredOutputsParams(regex="[a-")))
         return await asyncio.wait_for(running, 60)  # a lost route would leave it waiting
 
     outputs = asyncio.run(main())
