@@ -1,6 +1,7 @@
 """ContinuousBatchGenerator on the real SmolLM2: exactness against `generate`, caching, preemption, sampling, errors."""
 
 import copy
+import math
 import pickle
 import threading
 
@@ -851,6 +852,27 @@ def test_logprobs_are_floats_with_vllms_logprob_fields(smollm2, chat_prompts):
     again = pickle.loads(pickle.dumps(choice.logprobs))
     assert [{t: (v, v.rank, v.decoded_token) for t, v in e.items()} for e in again] == \
         [{t: (v, v.rank, v.decoded_token) for t, v in e.items()} for e in choice.logprobs]
+
+
+def test_vllms_other_sampling_fields(smollm2):
+    """logprobs=-1 is the whole vocabulary's; detokenize=False gives the token ids and no text; extra_args is carried;
+    per-request logits processors are refused (as in vLLM V1)."""
+    gen = make_generator(smollm2)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    [whole] = gen.run(["Hi there"], greedy.replace(logprobs=-1, prompt_logprobs=-1), use_tqdm=False)
+    entries = whole.outputs[0].logprobs + whole.prompt_logprobs[1:]
+    assert [len(entry) for entry in entries] == [gen.vocab_size] * (2 + len(whole.prompt_token_ids) - 1)
+    assert sum(math.exp(v) for v in entries[0].values()) == pytest.approx(1, abs=1e-3)
+    [plain] = gen.run(["Hi there"], greedy, use_tqdm=False)
+    [ids_only] = gen.run(["Hi there"], greedy.replace(detokenize=False, extra_args={"k": 1}), use_tqdm=False)
+    assert ids_only.outputs[0].token_ids == plain.outputs[0].token_ids == whole.outputs[0].token_ids
+    assert ids_only.outputs[0].text == "" != plain.outputs[0].text
+    for fields, words in (({"logits_processors": [lambda ids, logits: logits]}, "logits processors are not"),
+                          ({"detokenize": False, "stop": ["x"]}, "empty when detokenize is False"),
+                          ({"extra_args": [1]}, "extra_args must be a dict"), ({"logprobs": -2}, "or -1")):
+        with pytest.raises(ValueError, match=words):
+            SamplingParams(**fields)
+    assert_no_leak(gen)
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(smollm2, chat_prompts):

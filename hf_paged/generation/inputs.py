@@ -81,6 +81,8 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         self.check_prompt_length(len(token_ids))
         self.check_params(params)
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        params = params.replace(**whole) if whole else params  # vLLM's -1: the whole vocabulary's
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(62)
         return Request(request_id, text, token_ids, params, seed, self.eos_token_ids,
                        bad_words_token_ids=params.bad_words_token_ids(self.tokenizer))

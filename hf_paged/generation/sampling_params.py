@@ -163,6 +163,9 @@ class SamplingParams:
     search ends; ``length_penalty``, ``early_stopping`` and ``repetition_penalty`` (on the log-probabilities) are
     Transformers'. It ranks by the model's own log-probabilities, so the sampling fields (temperature, top_p, top_k,
     min_p, seed) play no part, and the other fields that would change them or cut a beam short are refused with it.
+    ``logprobs=-1`` (and ``prompt_logprobs=-1``) asks for the whole vocabulary's, as in vLLM. ``detokenize=False``
+    leaves the output's text empty (token ids only; no stop strings then), and ``extra_args`` is carried for whoever
+    reads the parameters. Per-request ``logits_processors`` are refused, as vLLM V1 refuses them.
     """
 
     n: int = 1
@@ -192,6 +195,9 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    detokenize: bool = True
+    extra_args: dict | None = None
+    logits_processors: list | None = None
     # ((tokenizer, bad_words) it was made from, their token sequences): see `bad_words_token_ids`
     _bad_words_token_ids: tuple[tuple, list[list[int]]] | None = field(default=None, init=False, repr=False,
                                                                         compare=False)
@@ -221,11 +227,20 @@ class SamplingParams:
         self._check(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None:
             self._check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, "<= max_tokens")
-        self._check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, ">= 0")
+        self._check(self.logprobs is None or self.logprobs >= -1, "logprobs", self.logprobs,
+                    ">= 0, or -1 (the whole vocabulary's)")
         self._check(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
                     "truncate_prompt_tokens", self.truncate_prompt_tokens, ">= 1, or -1 (what the context holds)")
-        self._check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-                    self.prompt_logprobs, ">= 0")
+        self._check(self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+                    self.prompt_logprobs, ">= 0, or -1 (the whole vocabulary's)")
+        self._check(self.detokenize or not self.stop, "stop", self.stop,
+                    "empty when detokenize is False (stop strings are found in the text)")
+        self._check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args", self.extra_args,
+                    "a dict")
+        if self.logits_processors:
+            raise InvalidParameter("logits_processors", "SamplingParams.logits_processors: per-request logits "
+                                   "processors are not supported (nor in vLLM V1); logit_bias, allowed_token_ids, "
+                                   "bad_words and structured_outputs shape the logits")
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         self._check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
                     self.allowed_token_ids, "a non-empty list of token ids")
@@ -299,7 +314,8 @@ class SamplingParams:
             value = getattr(self, name)
             self._check(_is_real(value) and abs(value) <= FLOAT32_MAX, name, value, "a finite float32 number")
         # "false" would read as True
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "use_beam_search"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "use_beam_search",
+                     "detokenize"):
             self._check(isinstance(getattr(self, name), bool), name, getattr(self, name), "True or False")
         self._check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                     "a list of integers")

@@ -21,7 +21,7 @@ from .outputs import ranked_logprobs
 from .sampler import NO_TOKEN, SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stopping import Stop, check_stop
-from .sampling_params import InvalidParameter
+from .sampling_params import InvalidParameter, SamplingParams
 from .structured_outputs import GrammarMatcher
 
 logger = logging.getLogger(__name__)
@@ -453,7 +453,7 @@ class Scheduler:
         for seq, choice in zip(state.live, step.running):
             seq.token_ids.append(choice.token)
             seq.cumulative_logprob = choice.logprob
-            self.detokenizer.step(seq, params.skip_special_tokens)
+            self._new_text(seq, params)
             self._count_token(seq, now)
 
     def _hypothesis(self, source: Sequence, choice: Choice, now: float) -> Hypothesis:
@@ -461,7 +461,7 @@ class Scheduler:
         params, seq = source.request.params, source.detached()
         seq.token_ids.append(choice.token)
         seq.cumulative_logprob = choice.logprob
-        new_text = self.detokenizer.step(seq, params.skip_special_tokens)
+        new_text = self._new_text(seq, params)
         self._count_token(seq, now)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
         if choice.token in source.request.stop_ids:  # its text goes, as a stop token's (see `check_stop`)
@@ -524,6 +524,10 @@ class Scheduler:
             metrics.first_token_time = now
         metrics.num_output_tokens = max(metrics.num_output_tokens, seq.num_output_tokens)
 
+    def _new_text(self, seq: Sequence, params: SamplingParams) -> str:
+        """The text ``seq``'s newest tokens add (appended to ``seq.text``); none when not detokenized."""
+        return self.detokenizer.step(seq, params.skip_special_tokens) if params.detokenize else ""
+
     def _append(self, seq: Sequence, token: int, row: int, sampled: SamplerOutput, now: float) -> None:
         params = seq.request.params
         seq.token_ids.append(token)
@@ -533,7 +537,7 @@ class Scheduler:
             top[token] = sampled.sampled_logprobs[row]
             seq.logprobs.append(ranked_logprobs(top, token, sampled.sampled_ranks[row], self.detokenizer.token_text))
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
-        new_text = self.detokenizer.step(seq, params.skip_special_tokens)
+        new_text = self._new_text(seq, params)
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
                           seq.request.stop_ids, self.max_model_len)
         opener, seq.reasoning_opener = seq.reasoning_opener, None
