@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .kernels.cpu_linear import PrepackedLinear
+
 __all__ = ["LoRAAdapter", "LoRAAdapters", "LoRARequest", "LoRAStep"]
 
 # adapter_config.json fields that change what the adapter computes beyond ``base(x) + B(A(x)) * scale``, by value
@@ -99,6 +101,15 @@ class LoRAAdapter:
     def load(cls, request: LoRARequest, model: nn.Module, max_rank: int) -> "LoRAAdapter":
         """Read ``request.lora_path`` for ``model``; ``ValueError`` names what does not fit."""
         where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
+        try:
+            return cls._read(request, model, max_rank, where)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever a malformed adapter trips on is the adapter's fault
+            raise ValueError(f"{where}: cannot be read: {type(err).__name__}: {err}") from err
+
+    @classmethod
+    def _read(cls, request: LoRARequest, model: nn.Module, max_rank: int, where: str) -> "LoRAAdapter":
         config = read_adapter_config(request.lora_path, where)
         pairs = _pairs(_read_weights(request.lora_path, where), where)
         output, digest = model.get_output_embeddings(), hashlib.sha256()
@@ -153,7 +164,16 @@ def read_adapter_config(path: str, where: str) -> dict:
     for key, what in _UNSERVED.items():
         if config.get(key):
             raise ValueError(f"{where}: {what} is not served")
+    alphas = config.get("alpha_pattern") or {}
+    if not isinstance(alphas, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in alphas.items()):
+        raise ValueError(f"{where}: alpha_pattern must map module name patterns to numbers")
+    if not _is_number(config.get("lora_alpha", 8)):
+        raise ValueError(f"{where}: lora_alpha must be a number, got {config.get('lora_alpha')!r}")
     return config
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _read_weights(path: str, where: str) -> dict[str, torch.Tensor]:
@@ -216,8 +236,14 @@ def _layer(module: nn.Module, name: str, pair: dict[str, torch.Tensor], config: 
     size_in, size_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
     if size_in is None or size_out is None:
         raise ValueError(f"{where}: {name} is a {type(module).__name__}, not a linear layer")
-    rank = a.shape[0]
-    if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (rank, size_in) or tuple(b.shape) != (size_out, rank):
+    if isinstance(module, nn.Linear) and not isinstance(module, PrepackedLinear) and \
+            type(module).forward is not nn.Linear.forward:  # a router, say, whose forward returns more
+        raise ValueError(f"{where}: {name} is a {type(module).__name__}, whose forward is its own, not a linear "
+                         "layer's: LoRA on it is not served")
+    rank = a.shape[0] if a.dim() == 2 else -1
+    if rank < 1:
+        raise ValueError(f"{where}: {name}'s A {tuple(a.shape)} is not a matrix of rank 1 or more")
+    if b.dim() != 2 or tuple(a.shape) != (rank, size_in) or tuple(b.shape) != (size_out, rank):
         raise ValueError(f"{where}: {name}'s A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the model's "
                          f"layer ({size_in} in, {size_out} out): an adapter for another model?")
     if rank > max_rank:

@@ -164,6 +164,8 @@ def _broken_adapters(source, root):
     embedding = {**tensors, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)}
     output = {**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
               "base_model.model.lm_head.lora_B.weight": torch.zeros(49152, 4)}
+    rank0 = {k: torch.zeros(0, v.shape[1]) if "lora_A" in k else torch.zeros(v.shape[0], 0) for k, v in tensors.items()}
+    scalar = {k: torch.tensor(1.0) if "lora_A" in k else v for k, v in tensors.items()}
     return {
         str(root / "missing"): "no adapter_config.json",
         variant("dora", {"use_dora": True}): "DoRA",
@@ -177,6 +179,10 @@ def _broken_adapters(source, root):
         variant("listed", config_text="[1, 2]"): "holds a list, not PEFT's object",
         variant("unjson", config_text="{"): "cannot read adapter_config.json",
         variant("damaged", weights=b"not safetensors"): "cannot read its weights",
+        variant("rank0", weights=rank0): "is not a matrix of rank 1 or more",
+        variant("scalar", weights=scalar): "A () is not a matrix",
+        variant("alpha-null", {"lora_alpha": None}): "lora_alpha must be a number, got None",
+        variant("patterns-listed", {"alpha_pattern": ["q_proj"]}): "alpha_pattern must map module name patterns",
         source: "rank 16 is above max_lora_rank (8)",
     }
 
@@ -198,11 +204,24 @@ def test_an_adapter_that_does_not_fit_is_refused_by_name_and_the_others_run(smol
         generator.add_request(PROMPTS[0], GREEDY, lora_request=LoRARequest("other", 1, paths["mlp"]))
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("zero", 0, paths["mlp"])
+    module = generator.model.get_submodule("model.layers.0.self_attn.q_proj")
+    kind = module.__class__
+    module.__class__ = _Router  # a linear layer's sizes, but not its forward (PhiMoE's router returns a tuple)
+    try:
+        with pytest.raises(ValueError, match="_Router, whose forward is its own"):
+            generator.add_lora(LoRARequest("routed", 9, paths["attn"]))
+    finally:
+        module.__class__ = kind
     plain = ContinuousBatchGenerator(*tiny_model(smollm2_path), num_blocks=64)
     refused = plain.run([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=good)[0]
     assert "enable_lora=True" in refused.error
     with pytest.raises(ValueError, match="EngineConfig.max_cpu_loras \\(1\\) must be at least max_loras \\(2\\)"):
         engine(smollm2_path, max_loras=2, max_cpu_loras=1)
+
+
+class _Router(torch.nn.Linear):
+    def forward(self, hidden):
+        return super().forward(hidden), None
 
 
 def test_adapters_beyond_max_cpu_loras_are_dropped_and_read_again(smollm2_path, adapters):
