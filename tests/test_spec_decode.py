@@ -328,3 +328,34 @@ def test_a_verification_counts_the_guesses_kept_before_the_models_own_token():
     speculator.record(seq, [1, 2, 3], [1, 9])  # kept the first guess, then the model's 9
     speculator.record(seq, [], [4])  # no guesses: no verification
     assert (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens) == (1, 3, 1)
+
+
+def test_a_step_undone_after_its_verification_counts_it_once(smollm2, monkeypatch):
+    """A step that fails after its guesses were verified (here in its prompt logprobs) is undone and computed again:
+    its verification counts once, in the stats and in the sequence's window."""
+    import hf_paged.generation.generator as generator_module
+
+    model, tokenizer = smollm2  # the target drafts for itself: every guess is kept
+    spec = dict(method="draft_model", model=model, num_speculative_tokens=4, disable_by_batch_size=8)
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, speculative_config=spec)
+    real, failed = generator_module.prompt_logprobs, []
+
+    def flaky(*args, **kwargs):
+        if gen.speculator.num_drafts and not failed:
+            failed.append(True)
+            raise RuntimeError("transient")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generator_module, "prompt_logprobs", flaky)
+    gen.add_request("The alphabet: A B C D", SamplingParams(temperature=0, max_tokens=21, ignore_eos=True))
+    late = None
+    while gen.has_unfinished_requests():
+        if gen.speculator.num_drafts and late is None:  # a prompt asking for logprobs joins a verifying step
+            late = gen.add_request("Hello there", SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+        try:
+            gen.step()
+        except RuntimeError:
+            pass
+    stats = gen.stats()
+    assert failed and (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens) == (4, 16)  # 1 + 4 x 5
+    assert stats.spec_decode_num_accepted_tokens == 16 and stats.num_used_blocks == 0

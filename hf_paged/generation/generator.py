@@ -371,6 +371,8 @@ class ContinuousBatchGenerator:
                 raise
             try:
                 changed += self.scheduler.update(out, sampled)
+                if self.speculator is not None and sampled is not None:
+                    self.speculator.record_step(out, sampled)
             except BaseException:  # an interrupt, half applied: the step's requests fail, reported by the next step
                 self._interrupted = self.scheduler.fail_all(out, "the engine was interrupted while this request's "
                                                                  "step was applied")
@@ -424,7 +426,7 @@ class ContinuousBatchGenerator:
         if not out.draws:
             sampled = SamplerOutput([]) if scored else None
         elif out.spec_token_ids:
-            sampled = verify_drafts(logits, out, self.speculator)
+            sampled = verify_drafts(logits, out)
         else:
             rows = logits if len(out.draw_rows) == logits.shape[0] else logits[out.draw_rows]
             sampled = sample(rows, build_sampling_batch(out.draws, logits.device))

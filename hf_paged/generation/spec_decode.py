@@ -127,6 +127,14 @@ class Speculator:
         else:
             self.draft.skip(out)
 
+    def record_step(self, out: SchedulerOutput, sampled: SamplerOutput) -> None:
+        """Count the verifications of a step, once it is committed (a step undone, and computed again, counts once)."""
+        if not out.spec_token_ids:
+            return
+        for row, (seq, _) in enumerate(out.draws):
+            kept = (sampled.accepted[row] if sampled.accepted else []) + [sampled.token_ids[row]]
+            self.record(seq, out.spec_token_ids.get(seq.seq_id, []), kept)
+
     def record(self, seq: Sequence, drafts: list[int], kept: list[int]) -> None:
         """Count a verification: ``kept`` is what ``seq`` took from its ``drafts``, then the model's own token."""
         if drafts:
@@ -137,7 +145,7 @@ class Speculator:
                                           self.config.num_speculative_tokens)
 
 
-def verify_drafts(logits: torch.Tensor, out: SchedulerOutput, speculator: Speculator) -> SamplerOutput:
+def verify_drafts(logits: torch.Tensor, out: SchedulerOutput) -> SamplerOutput:
     """Sample a step that verifies guesses: ``logits`` has, for draw ``i``, rows ``draw_rows[i]`` onwards, one per
     position from its last token to its last guess. Returns each draw's final token in ``token_ids`` and the guesses
     it kept before it in ``accepted``."""
@@ -163,7 +171,6 @@ def verify_drafts(logits: torch.Tensor, out: SchedulerOutput, speculator: Specul
             kept = accepted_greedy(drafts, plain[start : end + 1])
         else:
             kept = accepted_sampled(drafts, accept[start:end], residual[start:end] + [plain[end]])
-        speculator.record(seq, drafts, kept)
         tokens.append(kept[-1])
         accepted.append(kept[:-1])
     # Logprobs: only sequences that do not speculate ask for them, and their one row is their first.
