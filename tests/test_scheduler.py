@@ -227,12 +227,17 @@ def test_delta_outputs_carry_only_the_step_and_hold_back_a_possible_stop_string(
         (7, 1, 10, dict(stop_token_ids=[7], include_stop_str_in_output=True), Stop("stop", 7)),
         (8, 4, 10, dict(max_tokens=4), Stop("length")),
         (8, 1, 32, dict(max_tokens=None), Stop("length")),  # the context is full
+        # vLLM's stop_reason: None for the tokenizer's EOS, the token for another EOS (a generation config's)...
+        (EOS + 1, 1, 10, dict(), Stop("stop", EOS + 1, len("Paris"))),
+        (EOS, 1, 10, dict(stop_token_ids=[EOS]), Stop("stop", None, len("Paris"))),
+        (EOS, 1, 10, dict(stop_token_ids=[EOS], ignore_eos=True), Stop("stop", EOS, len("Paris"))),  # ...or ignored
     ],
 )
 def test_check_stop_is_a_pure_function_of_its_inputs(token, produced, total, params, expected):
     params = SamplingParams(**params)
-    stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {EOS})
-    assert check_stop(token, produced, total, "Paris end", len(" end"), params, stop_ids, max_model_len=32) == expected
+    stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else {EOS, EOS + 1})
+    assert check_stop(token, produced, total, "Paris end", len(" end"), params, stop_ids, max_model_len=32,
+                      eos_token_id=EOS) == expected
 
 
 def test_stop_strings_end_in_the_new_text_and_the_earliest_wins():
@@ -246,7 +251,7 @@ def test_stop_strings_end_in_the_new_text_and_the_earliest_wins():
     assert check_stop(5, 3, 10, "<4><5>", 3, params, frozenset(), 256) is None
     assert check_stop(5, 4, 10, "<4><5>", 3, params, frozenset(), 256) == Stop("stop", "<5>", 3)
     assert check_stop(6, 4, 10, "<4><6>", 3, params, frozenset(), 256) == Stop("stop", "4><6", 1)
-    assert check_stop(2, 3, 10, "<4><5>", 3, params, frozenset({2}), 256) == Stop("stop", None, 3)  # a stop token
+    assert check_stop(2, 3, 10, "<4><5>", 3, params, frozenset({2}), 256, EOS) == Stop("stop", None, 3)  # a stop token
     # A stop token that also completes a stop string: its text (and the string in it) goes, unless it is kept.
     params = SamplingParams(stop=["5>"], stop_token_ids=[2])
     assert check_stop(2, 4, 10, "<4><5>", 3, params, frozenset({2}), 256) == Stop("stop", 2, 3)

@@ -84,7 +84,7 @@ class InputProcessor:
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
         params = params.replace(**whole) if whole else params  # vLLM's -1: the whole vocabulary's
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(62)
-        return Request(request_id, text, token_ids, params, seed, self.eos_token_ids,
+        return Request(request_id, text, token_ids, params, seed, self.eos_token_ids, self.tokenizer.eos_token_id,
                        bad_words_token_ids=params.bad_words_token_ids(self.tokenizer))
 
     def sampling_params(self, params: SamplingParams | GenerationConfig | None) -> SamplingParams:

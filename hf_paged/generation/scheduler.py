@@ -20,7 +20,7 @@ from .detokenizer import Detokenizer
 from .outputs import ranked_logprobs
 from .sampler import NO_TOKEN, SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
-from .stopping import Stop, check_stop
+from .stopping import Stop, check_stop, stop_reason
 from .sampling_params import InvalidParameter, SamplingParams
 from .structured_outputs import GrammarMatcher
 
@@ -466,7 +466,7 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
         if choice.token in source.request.stop_ids:  # its text goes, as a stop token's (see `check_stop`)
             seq.finish_reason = "stop"
-            seq.stop_reason = choice.token if choice.token in params.stop_token_ids else None
+            seq.stop_reason = stop_reason(choice.token, params, source.request.eos_token_id)
             if not params.include_stop_str_in_output:
                 seq.text = seq.text[: len(seq.text) - len(new_text)]
         return Hypothesis(seq, choice.score)
@@ -539,7 +539,7 @@ class Scheduler:
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
         new_text = self._new_text(seq, params)
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
-                          seq.request.stop_ids, self.max_model_len)
+                          seq.request.stop_ids, self.max_model_len, seq.request.eos_token_id)
         opener, seq.reasoning_opener = seq.reasoning_opener, None
         if token == opener:  # the first token opened a reasoning block: the grammar waits for its end
             seq.in_reasoning, seq.matcher = True, None

@@ -145,6 +145,7 @@ class Request:
     params: SamplingParams
     seed: int
     eos_token_ids: frozenset[int] = frozenset()
+    eos_token_id: int | None = None  # the tokenizer's, among them (its stop_reason is None, as in vLLM)
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
@@ -175,7 +176,8 @@ class Request:
     def wire_fields(self) -> dict:
         """What another rank rebuilds this request from (``Request(**fields)``), before any step touched it."""
         return dict(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                    params=self.params, seed=self.seed, eos_token_ids=self.eos_token_ids, cache_salt=self.cache_salt,
+                    params=self.params, seed=self.seed, eos_token_ids=self.eos_token_ids,
+                    eos_token_id=self.eos_token_id, cache_salt=self.cache_salt,
                     bad_words_token_ids=self.bad_words_token_ids, priority=self.priority,
                     arrival_time=self.arrival_time)  # ties of priority are broken alike on every rank
 

@@ -32,9 +32,14 @@ def find_stop_string(text: str, num_new_chars: int, stops: list[str], include_st
     return Stop("stop", stop, pos + len(stop) if include_stop else pos)
 
 
+def stop_reason(token: int, params: SamplingParams, eos_token_id: int | None) -> int | None:
+    """vLLM's ``stop_reason`` of a sequence that stopped at stop token ``token``."""
+    return None if token == eos_token_id and not params.ignore_eos else token
+
+
 def check_stop(
     token: int, num_output_tokens: int, num_tokens: int, text: str, num_new_chars: int, params: SamplingParams,
-    stop_ids: frozenset[int], max_model_len: int,
+    stop_ids: frozenset[int], max_model_len: int, eos_token_id: int | None = None,
 ) -> Stop | None:
     """Whether a sequence that just appended ``token`` (now ``num_output_tokens`` generated, ``num_tokens`` in all,
     its text ending in ``num_new_chars`` new characters) stops, and why.
@@ -43,7 +48,8 @@ def check_stop(
     are generated, and stop strings only when they end in the text of a later token (vLLM's rule: the first
     ``min_tokens`` tokens' text is never searched, though a stop string may begin in it); ``max_tokens`` and the
     context (``max_model_len``) always count. As with a stop string, a stop token's text is cut from the output
-    unless ``include_stop_str_in_output`` (its id stays).
+    unless ``include_stop_str_in_output`` (its id stays). As in vLLM, the ``stop_reason`` of a stop token is the token,
+    except for the tokenizer's EOS (``eos_token_id``) while it is not ignored: None.
     """
     stop_token = num_output_tokens >= params.min_tokens and token in stop_ids
     # A stop token's text is searched only where it stays in the output; a stop string found there wins (vLLM).
@@ -53,7 +59,7 @@ def check_stop(
             return stop
     if stop_token:
         text_end = None if params.include_stop_str_in_output else len(text) - num_new_chars
-        return Stop("stop", token if token in params.stop_token_ids else None, text_end)
+        return Stop("stop", stop_reason(token, params, eos_token_id), text_end)
     if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or num_tokens >= max_model_len:
         return Stop("length")
     return None
