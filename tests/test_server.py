@@ -416,31 +416,48 @@ def test_concurrent_streams_batch_together(server, client):
 
 
 def test_a_finished_requests_phases_and_lengths_are_observed_as_vllms():
+    """Per request: its phases and its prompt's length (once it ran); per sample (each of its n, as vLLM's child
+    requests): its finish reason ("error" for a request the engine failed) and its tokens. The finish reasons' series
+    are there from the start, as vLLM's."""
     from prometheus_client import generate_latest
 
     from hf_paged.generation import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
     from hf_paged.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(model_name="m", max_model_len=300)
+
+    def scraped() -> dict:
+        return {(s.name, s.labels.get("le") or s.labels.get("finished_reason")): s.value
+                for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+                for s in family.samples}
+
+    assert all(scraped()[("hf_paged:request_success_total", r)] == 0 for r in ("stop", "length", "abort", "error"))
     times = RequestMetrics(arrival_time=10.0, first_scheduled_time=11.0, first_token_time=13.5, finished_time=20.0,
                            num_output_tokens=7)
-    done = RequestOutput("r", None, list(range(30)), [CompletionOutput(0, "", [], "stop")], True, times)
+    stats = EngineStats(0, 0, 0.0, 0, 16, 0, 0, 0, 0, 0, 0)
+    metrics.observe_step(stats, [RequestOutput("r", None, list(range(30)), [
+        CompletionOutput(0, "", [5] * 4, None), CompletionOutput(1, "", [6] * 3, "length")], False, times)])
+    done = RequestOutput("r", None, list(range(30)), [CompletionOutput(0, "", [5] * 3, "stop")], True, times)
     never_ran = RequestOutput("q", None, [1], [CompletionOutput(0, "", [], "abort")], True,
                               RequestMetrics(arrival_time=10.0, finished_time=12.0))
-    metrics.observe_step(EngineStats(0, 0, 0.0, 0, 16, 0, 0, 0, 0, 0, 0), [done, never_ran])
-    samples = {(s.name, s.labels.get("le")): s.value
-               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
-               for s in family.samples}
+    failed = RequestOutput("f", None, [1, 2], [], True, RequestMetrics(arrival_time=10.0, finished_time=12.0),
+                           error="the constraint failed")
+    metrics.observe_step(stats, [done, never_ran, failed])
+    samples = scraped()
     for phase, seconds in (("queue", 1.0), ("prefill", 2.5), ("decode", 6.5), ("inference", 9.0)):
         assert samples[(f"hf_paged:request_{phase}_time_seconds_count", None)] == 1
         assert samples[(f"hf_paged:request_{phase}_time_seconds_sum", None)] == seconds
-    assert samples[("hf_paged:e2e_request_latency_seconds_count", None)] == 2
-    assert samples[("hf_paged:request_prompt_tokens_sum", None)] == 31
-    assert samples[("hf_paged:request_prompt_tokens_bucket", "50.0")] == 2
-    assert samples[("hf_paged:request_prompt_tokens_bucket", "20.0")] == 1
-    assert samples[("hf_paged:request_generation_tokens_sum", None)] == 7
+    assert samples[("hf_paged:e2e_request_latency_seconds_count", None)] == 3
+    assert [samples[("hf_paged:request_success_total", r)] for r in ("stop", "length", "abort", "error")] == [1] * 4
+    assert samples[("hf_paged:request_prompt_tokens_sum", None)] == 30  # the two that never ran: none
+    assert samples[("hf_paged:request_prompt_tokens_bucket", "50.0")] == 1
+    assert samples[("hf_paged:request_prompt_tokens_bucket", "20.0")] == 0
+    assert samples[("hf_paged:request_generation_tokens_sum", None)] == 7 + 3
+    assert samples[("hf_paged:request_generation_tokens_count", None)] == 2
     assert ("hf_paged:request_generation_tokens_bucket", "200.0") in samples
     assert ("hf_paged:request_generation_tokens_bucket", "500.0") not in samples  # up to max_model_len
+    assert samples[("hf_paged:request_time_per_output_token_seconds_sum", None)] == 6.5 / 6  # over 7 - 1 gaps
+    assert samples[("hf_paged:time_to_first_token_seconds_bucket", "2560.0")] == 1
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None, words: str = "") -> dict:

@@ -15,11 +15,11 @@ from ..generation import EngineStats, RequestOutput
 
 METRICS_PREFIXES = ("hf_paged", "vllm")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                 40.0, 80.0, 160.0, 640.0)
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0)
+                480.0, 960.0, 1920.0, 7680.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # A finished request's phases (vLLM's request_*_time_seconds): arrival -> first scheduled -> first token -> finished.
 _PHASES = (("queue", "Arrival to first scheduled (waiting for a place in the batch).", "arrival_time",
@@ -35,6 +35,8 @@ def _one_two_five(limit: int) -> tuple[int, ...]:
     return tuple(step * 10**power for power in range(len(str(limit))) for step in (1, 2, 5)
                  if step * 10**power <= limit)
 
+# The finish reasons a sample is counted under (vLLM's; "error": failed in the engine), each series there from the start.
+FINISH_REASONS = ("stop", "length", "abort", "error")
 # Cumulative EngineStats fields, exported as counters of the same name.
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
              "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
@@ -63,16 +65,21 @@ class ServerMetrics:
                                     "Speculative guesses kept over guesses verified, since the engine started.")
         self.spec_length = made(Gauge, "spec_decode_mean_accepted_length",
                                 "Tokens a sequence gained per step that verified its speculative guesses.")
-        self.request_success = Counter(f"{prefix}:request_success", "Finished requests by finish reason.",
-                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.request_success = Counter(f"{prefix}:request_success", "Finished samples (each of a request's n, as "
+                                       "vLLM's child requests) by finish reason.", ["model_name", "finished_reason"],
+                                       registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
         self.step_failures = made(Counter, "engine_step_failures", "Engine steps that raised.")
         self.ttft = made(Histogram, "time_to_first_token_seconds", "Arrival to first token (observed when it comes).",
                          buckets=_TTFT_BUCKETS)
         self.itl = made(Histogram, "inter_token_latency_seconds",
                         "Time between a request's consecutive outputs of tokens (one per step that gave it tokens).",
                         buckets=_TPOT_BUCKETS)
-        self.tpot = made(Histogram, "time_per_output_token_seconds", "A finished request's mean time between its "
-                         "output tokens.", buckets=_TPOT_BUCKETS)
+        self.itl_alias = made(Histogram, "time_per_output_token_seconds", "inter_token_latency_seconds under its "
+                              "older name (vLLM's deprecated alias).", buckets=_TPOT_BUCKETS)
+        self.tpot = made(Histogram, "request_time_per_output_token_seconds", "A finished request's mean time between "
+                         "its output tokens.", buckets=_TPOT_BUCKETS)
         self.e2e = made(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=_E2E_BUCKETS)
         self.phases = [(made(Histogram, f"request_{phase}_time_seconds", text, buckets=_E2E_BUCKETS), start, end)
                        for phase, text, start, end in _PHASES]
@@ -80,7 +87,7 @@ class ServerMetrics:
         self.prompt_tokens = made(Histogram, "request_prompt_tokens", "A finished request's prompt tokens.",
                                   buckets=tokens)
         self.generation_tokens = made(Histogram, "request_generation_tokens",
-                                      "A finished request's generated tokens (of its longest sample).", buckets=tokens)
+                                      "A finished sample's generated tokens (each of a request's n).", buckets=tokens)
         self.batch_size = made(Histogram, "num_running_per_step",
                                "Sequences that produced tokens in one step (the decode batch size).",
                                buckets=_BATCH_BUCKETS)
@@ -91,6 +98,8 @@ class ServerMetrics:
         self._lora_labels: tuple[str, str, str] | None = None
         self._last = dict.fromkeys(_COUNTERS, 0)
         self._last_token_time: dict[str, float] = {}  # requests in flight that have tokens: when they last got some
+        # Requests in flight: each sample's tokens so far and its finish reason (a sample may finish before the rest).
+        self._samples: dict[str, dict[int, tuple[int, str | None]]] = {}
 
     def observe_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Record one engine step: ``stats`` taken after it, ``outputs`` what it returned (``DELTA`` outputs, as the
@@ -114,6 +123,10 @@ class ServerMetrics:
             self.batch_size.observe(sequences)
         now = time.monotonic()
         for output in outputs:
+            samples = self._samples.setdefault(output.request_id, {})
+            for sample in output.outputs:
+                tokens, _ = samples.get(sample.index, (0, None))
+                samples[sample.index] = tokens + len(sample.token_ids), sample.finish_reason
             if any(sample.token_ids for sample in output.outputs):
                 self._observe_tokens(output, now)
             if output.finished:
@@ -130,15 +143,17 @@ class ServerMetrics:
         last = self._last_token_time.get(output.request_id)
         if last is not None:
             self.itl.observe(now - last)
+            self.itl_alias.observe(now - last)
         elif output.metrics.first_token_time is not None:
             self.ttft.observe(output.metrics.first_token_time - output.metrics.arrival_time)
         self._last_token_time[output.request_id] = now
 
     def _observe_finished(self, output: RequestOutput) -> None:
         self._last_token_time.pop(output.request_id, None)
-        reasons = [o.finish_reason for o in output.outputs]
-        reason = "abort" if "abort" in reasons or not reasons else reasons[0]
-        self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        samples = self._samples.pop(output.request_id, {})
+        reasons = ["error"] if output.error is not None else [reason or "abort" for _, reason in samples.values()]
+        for reason in reasons or ["abort"]:
+            self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
         m = output.metrics
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
@@ -146,9 +161,10 @@ class ServerMetrics:
             began, ended = getattr(m, start), getattr(m, end)
             if began is not None and ended is not None:
                 histogram.observe(ended - began)
-        if output.error is None:
+        if output.error is None and m.first_token_time is not None:  # it ran (not refused, nor aborted waiting)
             self.prompt_tokens.observe(len(output.prompt_token_ids))
-            self.generation_tokens.observe(m.num_output_tokens)
+            for tokens, _ in samples.values():
+                self.generation_tokens.observe(tokens)
         num_tokens = m.num_output_tokens
         if m.first_token_time is not None and num_tokens > 1 and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
