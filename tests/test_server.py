@@ -955,7 +955,8 @@ def test_cli_generate_into_a_reader_that_leaves_early_ends_quietly(smollm2_path)
 
 
 def test_cli_serves_https_under_a_root_path_as_vllm(smollm2_path, tmp_path, capsys):
-    """vLLM's --ssl-keyfile / --ssl-certfile, --root-path and --disable-uvicorn-access-log."""
+    """vLLM's --ssl-keyfile / --ssl-certfile, --root-path and --disable-uvicorn-access-log; the API key is asked for
+    under the root path too (the ASGI server puts the root path before the path the key check read)."""
     from hf_paged.cli import main
 
     if shutil.which("openssl") is None:
@@ -974,7 +975,7 @@ def test_cli_serves_https_under_a_root_path_as_vllm(smollm2_path, tmp_path, caps
     sock.close()
     command = [sys.executable, "-m", "hf_paged.cli", "serve", smollm2_path, "--port", str(port), "--num-blocks", "64",
                "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
-               "--disable-uvicorn-access-log"]
+               "--disable-uvicorn-access-log", "--api-key", "k3y"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"https://127.0.0.1:{port}"
     try:
@@ -987,8 +988,10 @@ def test_cli_serves_https_under_a_root_path_as_vllm(smollm2_path, tmp_path, caps
             except httpx.TransportError:
                 time.sleep(0.5)
         assert health.status_code == 200
+        refused = httpx.post(f"{base}/v1/completions", verify=trusted, timeout=60, json={"prompt": PROMPT})
+        assert refused.status_code == 401, refused.text
         answer = httpx.post(f"{base}/v1/completions", verify=trusted, timeout=60,
-                            json={"prompt": PROMPT, "max_tokens": 2})
+                            headers={"Authorization": "Bearer k3y"}, json={"prompt": PROMPT, "max_tokens": 2})
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
         assert "/api/openapi.json" in httpx.get(f"{base}/docs", verify=trusted, timeout=10).text
     finally:

@@ -63,6 +63,15 @@ def overloaded(what: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def route_path(scope) -> str:
+    """The path the routes see: without the ``root_path`` (``--root-path``) that the ASGI server puts before it, as
+    Starlette's routing takes it off."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path
+
+
 class Gatekeeper:
     """Checks the API key (on ``/v1`` routes), the body size and the number of generation calls in progress."""
 
@@ -79,7 +88,7 @@ class Gatekeeper:
         error = self.refusal(scope)
         if error is not None:
             return await _answer(send, error)
-        generation = scope["path"] in GENERATION_PATHS
+        generation = route_path(scope) in GENERATION_PATHS
         if generation and (busy := self._full()):  # before the body is read, and again once it has arrived
             return await _answer(send, busy)
         body = await self.read_body(receive)
@@ -120,7 +129,7 @@ class Gatekeeper:
         headers = {}
         for name, value in scope["headers"]:  # the first of a repeated header counts, as Starlette reads it
             headers.setdefault(name, value)
-        if self.api_keys and scope["path"].startswith(KEYED_PATHS):
+        if self.api_keys and route_path(scope).startswith(KEYED_PATHS):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             known = [hmac.compare_digest(token.strip(), key) for key in self.api_keys]  # each compared, in full
             if scheme.lower() != b"bearer" or not any(known):
