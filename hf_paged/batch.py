@@ -68,6 +68,8 @@ def _request(line: str) -> tuple[str, str, dict]:
         item = json.loads(line)
     except ValueError as err:
         raise ValueError(f"not JSON ({err})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
     if not isinstance(item, dict):
         raise ValueError("a request is a JSON object with custom_id, method, url and body")
     custom_id, method, url, body = (item.get(key) for key in ("custom_id", "method", "url", "body"))
@@ -84,12 +86,14 @@ def _request(line: str) -> tuple[str, str, dict]:
     return custom_id, url, body
 
 
-def _custom_id(line: str):
+def _custom_id(line: str) -> str | None:
+    """The line's custom_id, where it is one (a non-empty string); its error record says why not."""
     try:
         item = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return item.get("custom_id") if isinstance(item, dict) else None
+    custom_id = item.get("custom_id") if isinstance(item, dict) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
 
 
 def _record(custom_id, response: dict | None, error: dict | None) -> dict:

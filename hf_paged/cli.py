@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import contextlib
 import json
 import logging
@@ -76,7 +77,8 @@ def _chat_template(parser: argparse.ArgumentParser, given: str) -> str:
             parser.error(f"cannot read --chat-template {given}: {err}")
     if "{" not in given:
         parser.error(f"--chat-template {given!r} is neither a file nor a Jinja template")
-    return given
+    # Typed on one line, "\n" stands for a newline (vLLM decodes the escapes); text that is not ASCII stays as given.
+    return codecs.decode(given, "unicode_escape") if given.isascii() else given
 
 
 def _parallel_options() -> argparse.ArgumentParser:
@@ -176,7 +178,8 @@ def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"--pooler-config: {err}")
     try:
         return ServingOptions(args.generation_config, override, args.response_role, args.return_tokens_as_token_ids,
-                              args.enable_log_requests, args.max_log_len, args.chat_template_content_format,
+                              args.enable_log_requests and not args.disable_log_requests, args.max_log_len,
+                              args.chat_template_content_format,
                               args.metrics_prefix, pooling)
     except (ValueError, TypeError) as err:
         message = str(err).removeprefix("SamplingParams.")
@@ -211,7 +214,8 @@ def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
     vllm.add_argument("--enable-request-id-headers", action="store_true",
                       help="every answer carries X-Request-Id (the client's, else a new one)")
     vllm.add_argument("--disable-log-requests", action="store_true",
-                      help="requests' contents are never logged (the access log names their routes)")
+                      help="requests' contents are not logged, even with --enable-log-requests (the access log names "
+                           "their routes)")
     vllm.add_argument("--enable-chunked-prefill", action="store_true",
                       help="long prompts are always prefilled in chunks of --max-num-batched-tokens")
     vllm.add_argument("--disable-log-stats", action="store_true",
@@ -379,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hf-paged", allow_abbrev=False,
         description="Serve a model over an OpenAI-compatible HTTP API, or generate from the command line.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", "-v", action="version", version=__version__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,serve-ray,generate,chat,run-batch}")
     # No abbreviated options: llama.cpp's -t (its threads) would be taken for -tp (tensor parallelism).
     engine, http, parallel = _engine_options(), _http_options(), _parallel_options()
@@ -470,6 +477,7 @@ def _batch_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
 def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged run-batch``: the answers to a batch file's requests, in the input's order."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from .batch import run_batch
         from .server import create_app
@@ -891,6 +899,11 @@ def _setup_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, a
         parser.error(f"--distributed-timeout must be > 0 seconds, got {args.distributed_timeout}")
     if args.cpu_bind is not None:
         os.environ[distributed.CPU_BIND_ENV] = args.cpu_bind
+        if size == 1:  # one process: bound here (ranks bind themselves as they load)
+            try:
+                distributed.set_cpu_threads()
+            except ValueError as err:
+                parser.error(f"--cpu-bind: {err}")
     args.tensor_parallel_size = size
     if size > 1 and "WORLD_SIZE" not in os.environ:
         _check_before_launch(parser, args, size)

@@ -22,10 +22,16 @@ HELP = "/clear forgets the conversation, /exit ends it (so do Ctrl+D and Ctrl+C)
 
 @contextlib.contextmanager
 def interrupts_deferred():
-    """Ctrl+C and SIGTERM set the event yielded, for the caller to act on between steps (on the main thread)."""
+    """Ctrl+C and SIGTERM set the event yielded, for the caller to act on between steps (on the main thread); its
+    ``signal`` says which came last."""
     interrupted = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: interrupted.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    interrupted.signal = None
+
+    def note(signum, frame) -> None:
+        interrupted.signal = signum
+        interrupted.set()
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield interrupted
     finally:
@@ -72,7 +78,7 @@ def converse(generator: ContinuousBatchGenerator, params: SamplingParams, system
 
 def _reply(generator: ContinuousBatchGenerator, messages: list[dict], params: SamplingParams) -> str | None:
     """Stream the reply to ``messages`` to stdout; its text (as far as it went if Ctrl+C stopped it), or None if the
-    engine refused the turn."""
+    engine refused the turn. SIGTERM stops the reply and then the chat (``SystemExit``, 128 + its number)."""
     parts = []
     with interrupts_deferred() as interrupted, contextlib.closing(generator.stream(messages, params)) as outputs:
         for output in outputs:  # the stream's close aborts a reply that Ctrl+C stopped
@@ -85,4 +91,6 @@ def _reply(generator: ContinuousBatchGenerator, messages: list[dict], params: Sa
             if interrupted.is_set():
                 break
     sys.stdout.write("\n")
+    if interrupted.signal == signal.SIGTERM:
+        raise SystemExit(128 + signal.SIGTERM)
     return "".join(parts)

@@ -181,12 +181,12 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_path, monkeypatch):
     from hf_paged.terminal import chat_params, converse
 
     llm = LLM(smollm2_path, device="cpu", num_blocks=64)
-    written = io.StringIO()
+    written, raised = io.StringIO(), [signal.SIGINT]
 
     class Terminal:  # Ctrl+C as the first words of the first reply appear
         def write(self, text: str) -> None:
             if text and not written.getvalue():
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(raised[0])
             written.write(text)
 
         def flush(self) -> None:
@@ -209,4 +209,13 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_path, monkeypatch):
                       {"role": "assistant", "content": stopped}, {"role": "user", "content": "Thanks!"}],
                      SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text
     assert thanks == after
+    assert llm.generator.stats().num_running == 0
+    written.seek(0)
+    written.truncate()
+    turns[:] = ["Tell me a long story about a dragon.", "Thanks!"]
+    raised[0] = signal.SIGTERM  # as a supervisor stops it
+    with pytest.raises(SystemExit) as ended:
+        converse(llm.generator, chat_params(llm.generator, temperature=0, max_tokens=40), read=read)
+    assert ended.value.code == 128 + signal.SIGTERM and written.getvalue().strip() == stopped  # no second turn
+    llm.generator.step()  # takes the reply's abort in
     assert llm.generator.stats().num_running == 0

@@ -95,6 +95,18 @@ def test_a_busy_server_is_asked_again_and_lines_end_at_newlines_only(smollm2_pat
     assert all(len(r["response"]["body"]["choices"]) == 2 for r in records[:8])
 
 
+def test_a_line_that_cannot_be_read_gets_its_error_and_the_others_run(smollm2_path):
+    """A custom_id that is no string, and JSON nested past what Python reads, crashed the whole batch."""
+    app = create_app(tiny_generator(smollm2_path), MODEL)
+    lines = [json.dumps({"custom_id": ["x"], "method": "POST", "url": "/v1/completions", "body": {}}),
+             "[" * 100_000 + "]" * 100_000, line("ok", "/v1/completions", {"prompt": "Hi", **GREEDY})]
+    records = asyncio.run(run_batch(app, lines, concurrency=2))
+    assert [record["custom_id"] for record in records] == [None, None, "ok"]
+    assert "line 1: custom_id must be a non-empty string" in records[0]["error"]["message"]
+    assert "line 2: nested too deeply" in records[1]["error"]["message"]
+    assert records[2]["response"]["status_code"] == 200
+
+
 def test_the_run_batch_command_writes_the_answers(smollm2_path, tmp_path, capsys):
     given, answers = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
     given.write_text("\n".join([line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}),

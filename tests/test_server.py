@@ -1243,8 +1243,9 @@ def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smol
             "messages": CHAT + [{"role": "assistant", "content": "The"}], "add_generation_prompt": False,
             "continue_final_message": True, "max_tokens": 2, "stream": True})
         assert '"role":"assistant"' in continued.text.replace(" ", "")
-        completion = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
-                                                          "logprobs": 1}).json()["choices"][0]
+        answered = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                                        "logprobs": 1}).json()
+        completion = answered["choices"][0]
         tokens = completion["logprobs"]["tokens"]
         assert tokenizer.decode([int(t.removeprefix("token_id:")) for t in tokens]) == completion["text"]
         assert completion["logprobs"]["text_offset"][1] == len(tokenizer.decode([int(tokens[0][9:])]))
@@ -1254,6 +1255,7 @@ def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smol
     logged = [r.getMessage() for r in caplog.records if "queued" in r.getMessage()]
     assert len(logged) == 4 and f"prompt {PROMPT[:6]!r}" in logged[-1] and "temperature=0" in logged[-1]
     assert f"prompt_token_ids {tokenizer(PROMPT).input_ids[:6]}" in logged[-1]
+    assert f"(answer {answered['id']})" in logged[-1]  # the log line found from the answer (or its X-Request-Id)
 
     parts = ("{% for m in messages %}{{ m['role'] }}:{% for part in m['content'] %}[{{ part['text'] }}]{% endfor %}\n"
              "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
@@ -1331,3 +1333,26 @@ def test_add_special_tokens_as_vllm(smollm2):
         assert prompt_ids("/tokenize", {"messages": CHAT})["tokens"] == rendered
         refused = test_client.post("/v1/completions", json={**text, "guided_whitespace_pattern": " "})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "guided_whitespace_pattern"
+
+
+def test_command_line_flags_as_vllms(capsys, monkeypatch):
+    """--version; an inline --chat-template's escapes decoded; --disable-log-requests winning over
+    --enable-log-requests; --cpu-bind checked in one process too."""
+    from hf_paged.cli import _chat_template, build_parser, main, serving_options
+    from hf_paged.distributed import CPU_BIND_ENV
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == __version__
+    parser = build_parser()
+    assert _chat_template(parser, "{{ messages[0]['content'] }}\\n") == "{{ messages[0]['content'] }}\n"
+    assert _chat_template(parser, "{{ 'é' }}\\n") == "{{ 'é' }}\\n"  # not ASCII: taken as given
+    for flags, logged in (([], False), (["--enable-log-requests"], True),
+                          (["--enable-log-requests", "--disable-log-requests"], False)):
+        args = parser.parse_args(["serve", *flags])
+        assert serving_options(args.command_parser, args).log_requests is logged
+    monkeypatch.setenv(CPU_BIND_ENV, "")  # restored after: the flag sets it for the ranks
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "no-such-model", "Hi", "--cpu-bind", "zzz"])
+    assert done.value.code == 2 and "--cpu-bind: HF_PAGED_CPU_BIND: 'zzz' is not a list of cores" in \
+        capsys.readouterr().err

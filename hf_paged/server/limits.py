@@ -71,6 +71,9 @@ class ServerLimits:
         _at_most("bad_words", longest, self.max_stop_length, "characters in a bad word", "--max-stop-length")
         param, logprobs = body.logprobs_param()
         _at_most(param, logprobs or 0, self.max_logprobs, f"{param}", "--max-logprobs")
+        if (body.prompt_logprobs or 0) < 0:
+            _refuse("prompt_logprobs", f"prompt_logprobs must be >= 0 here: -1 (the whole vocabulary's) is more than "
+                                       f"this server allows (--max-logprobs {self.max_logprobs})")
         _at_most("prompt_logprobs", body.prompt_logprobs or 0, self.max_logprobs, "prompt_logprobs",
                  "--max-logprobs")
 

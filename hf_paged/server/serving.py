@@ -344,8 +344,9 @@ class OpenAIServing:
         return token_ids, ToolChatFormat(self.decode, top_k, parser, reasoning, body.include_reasoning)
 
     async def submit(self, body: GenerationRequest, prompts: list, params: SamplingParams, request_ids: list[str],
-                     prompt_param: str) -> RequestStream:
-        """Tokenize the prompts off the event loop, check what the call would cost, and queue it."""
+                     prompt_param: str, call_id: str | None = None) -> RequestStream:
+        """Tokenize the prompts off the event loop, check what the call would cost, and queue it (``call_id``: the
+        answer's id, which the request log names)."""
         keep = params.truncate_prompt_tokens
         token_ids = await asyncio.gather(*(self.encoder.encode(prompt, prompt_param, keep, body.add_special_tokens)
                                            for prompt in prompts))
@@ -373,16 +374,17 @@ class OpenAIServing:
         stream.num_prompt_tokens, stream.prompt_token_ids = sum(map(len, token_ids)), list(token_ids)
         if self.options.log_requests:
             for request_id, prompt, ids in zip(request_ids, prompts, token_ids):
-                self.log_request(request_id, prompt, ids, params)
+                self.log_request(request_id, prompt, ids, params, call_id or request_id)
         return stream
 
-    def log_request(self, request_id: str, prompt, token_ids: list[int], params: SamplingParams) -> None:
+    def log_request(self, request_id: str, prompt, token_ids: list[int], params: SamplingParams,
+                    call_id: str) -> None:
         """vLLM's ``--enable-log-requests``: a queued request's prompt, its token ids (each cut to ``max_log_len``)
-        and its sampling parameters."""
+        and its sampling parameters, with the id of the answer it is part of (the X-Request-Id's)."""
         cut = self.options.max_log_len
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
-        logger.info("request %s queued: prompt %r, prompt_token_ids %s, %r", request_id, text[:cut], token_ids[:cut],
-                    params)
+        logger.info("request %s queued (answer %s): prompt %r, prompt_token_ids %s, %r", request_id, call_id,
+                    text[:cut], token_ids[:cut], params)
 
     async def serve(self, body: GenerationRequest, prompts: list, fmt: CompletionFormat, params: SamplingParams,
                     prefix: str, prompt_param: str, request: Request) -> Response:
@@ -390,7 +392,7 @@ class OpenAIServing:
         call_id = f"{prefix}-{getattr(request.state, 'request_id', None) or uuid.uuid4().hex}"  # X-Request-Id's
         engine_id = f"{prefix}-{uuid.uuid4().hex}"  # unique in the engine, whatever ids clients send
         request_ids = [f"{engine_id}-{i}" for i in range(len(prompts))]
-        stream = await self.submit(body, prompts, params, request_ids, prompt_param)
+        stream = await self.submit(body, prompts, params, request_ids, prompt_param, call_id)
         header = {"id": call_id, "created": int(time.time()), "model": self.models.name(body.model)}
         fmt.prompt_top, fmt.return_token_ids = body.prompt_logprobs, bool(body.return_token_ids)
         fmt.tokens_as_ids = self.options.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None \
