@@ -120,9 +120,10 @@ def _http_options() -> argparse.ArgumentParser:
                         help="LoRA adapters (PEFT directories) served under their own model names, as vLLM's: "
                              "name=path, or '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (needs "
                              "--enable-lora; --max-lora-rank above 16 for adapters of a higher rank)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients send and /v1/models lists (default: MODEL as given, or the "
-                             "default model's name)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name clients send and /v1/models lists, or several (as vLLM's: any of them "
+                             "may be sent; the first names the metrics) (default: MODEL as given, or the default "
+                             "model's name)")
     parser.add_argument("--allowed-origins", default="*", metavar="ORIGINS",
                         help="origins browsers may call the server from (CORS), comma-separated or a JSON list as "
                              "vLLM's (default: *, any origin, as vLLM; '' sends no CORS headers)")
@@ -494,7 +495,7 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         return 0
     try:
         try:
-            app = create_app(generator, args.served_model_name or args.model or DEFAULT_MODEL_NAME, limits=limits,
+            app = create_app(generator, args.served_model_name or [args.model or DEFAULT_MODEL_NAME], limits=limits,
                              options=options, lora_modules=loras)
         except ValueError as err:  # an adapter that does not fit the model
             parser.error(f"--lora-modules: {err}")
@@ -611,14 +612,15 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 serves HTTP
         generator.run_worker()
         return 0
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    name = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     try:
         app = create_app(generator, name, api_key=key, limits=limits, allowed_origins=allowed_origins(parser, args),
                          options=options, lora_modules=loras)
     except ValueError as err:  # an adapter that does not fit the model
         parser.error(f"--lora-modules: {err}")
     scheme = "https" if args.ssl_certfile else "http"
-    logging.getLogger("hf_paged").info("serving %r on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)", name, scheme,
+    logging.getLogger("hf_paged").info("serving %s on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)",
+                                       ", ".join(map(repr, name)), scheme,
                                        args.host, args.port, args.root_path, generator.max_model_len,
                                        generator.stats().num_blocks)
     return serve_until_stopped(GracefulServer(uvicorn.Config(app, **_uvicorn_settings(args))), app, sockets)
@@ -813,7 +815,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         # A directory that holds no model is refused here, not on every replica.
         AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         _check_quantization(parser, path, args.quantization, args.trust_remote_code)
-        spec = ReplicaSpec(path, args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        spec = ReplicaSpec(path, tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            serving_options(parser, args), args.device, server_limits(parser, args),
                            tuple(allowed_origins(parser, args)), args.trust_remote_code,

@@ -1335,6 +1335,21 @@ def test_add_special_tokens_as_vllm(smollm2):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "guided_whitespace_pattern"
 
 
+def test_a_model_served_under_several_names_as_vllms(smollm2):
+    from starlette.testclient import TestClient
+
+    model, tokenizer = smollm2
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), ["main", "alias"])
+    with TestClient(app) as test_client:
+        assert [card["id"] for card in test_client.get("/v1/models").json()["data"]] == ["main", "alias"]
+        for name, answered in (("alias", "alias"), ("main", "main"), (None, "main")):
+            body = {"prompt": "Hi", "max_tokens": 1, **({"model": name} if name else {})}
+            assert test_client.post("/v1/completions", json=body).json()["model"] == answered
+        unknown = test_client.post("/v1/completions", json={"prompt": "Hi", "model": "other"})
+        assert unknown.status_code == 404 and "serves 'main', 'alias'" in unknown.json()["error"]["message"]
+        assert 'model_name="main"' in test_client.get("/metrics").text
+
+
 def test_command_line_flags_as_vllms(capsys, monkeypatch):
     """--version; an inline --chat-template's escapes decoded; --disable-log-requests winning over
     --enable-log-requests; --cpu-bind checked in one process too."""
@@ -1347,6 +1362,8 @@ def test_command_line_flags_as_vllms(capsys, monkeypatch):
     parser = build_parser()
     assert _chat_template(parser, "{{ messages[0]['content'] }}\\n") == "{{ messages[0]['content'] }}\n"
     assert _chat_template(parser, "{{ 'é' }}\\n") == "{{ 'é' }}\\n"  # not ASCII: taken as given
+    args = parser.parse_args(["serve", "--served-model-name", "a", "b"])  # vLLM's several names, not a MODEL "b"
+    assert (args.model, args.served_model_name) == (None, ["a", "b"])
     for flags, logged in (([], False), (["--enable-log-requests"], True),
                           (["--enable-log-requests", "--disable-log-requests"], False)):
         args = parser.parse_args(["serve", *flags])

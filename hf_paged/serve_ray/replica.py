@@ -25,7 +25,7 @@ class ReplicaSpec:
     """What every replica loads and serves; it is pickled to each replica."""
 
     model: str  # a local model directory, the same path on every node
-    served_model_name: str
+    served_model_name: str | tuple[str, ...]  # or several names, as `create_app`'s
     dtype: str = "auto"
     api_key: str | tuple[str, ...] | None = None  # the key, or any of several
     engine: EngineConfig = field(default_factory=EngineConfig)

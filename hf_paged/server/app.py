@@ -86,11 +86,12 @@ from .tokenization import PromptEncoder
 logger = logging.getLogger(__name__)
 
 
-def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
+def create_app(generator: ContinuousBatchGenerator, served_model_name: str | Sequence[str],
                api_key: str | Sequence[str] | None = None, limits: ServerLimits | None = None,
                allowed_origins: Sequence[str] = ("*",), options: ServingOptions | None = None,
                lora_modules: Sequence[tuple[str, str] | tuple[str, str, str | None]] = ()) -> FastAPI:
-    """An app serving ``generator`` under the model name ``served_model_name``, within ``limits``, to clients that send
+    """An app serving ``generator`` under the model name ``served_model_name`` (or each of several, the first its main
+    one, as vLLM's), within ``limits``, to clients that send
     ``api_key`` (or any of several; None: no key asked) on its ``/v1`` routes; browsers may call
     it from ``allowed_origins`` (CORS, as vLLM's: any origin by default; none when empty). ``options`` are vLLM's
     choices of how to answer (`ServingOptions`): by default, as vLLM's ``--generation-config auto``, what a request
@@ -104,12 +105,13 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str,
     ``app.state.serving`` the `OpenAIServing` that the routes answer with.
     """
     limits, options = limits or ServerLimits(), options or ServingOptions()
-    metrics = ServerMetrics(model_name=served_model_name, max_model_len=generator.max_model_len,
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    metrics = ServerMetrics(model_name=names[0], max_model_len=generator.max_model_len,
                             prefix=options.metrics_prefix)
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout,
                         exit_on_group_failure=True)
     encoder = PromptEncoder(generator.inputs, limits.max_chars_per_token, limits.tokenizer_workers)
-    serving = OpenAIServing(generator, engine, encoder, limits, served_model_name, options)
+    serving = OpenAIServing(generator, engine, encoder, limits, names, options)
     for module in lora_modules:
         serving.models.add(*module)
 

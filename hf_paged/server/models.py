@@ -54,11 +54,12 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class ServedModels:
-    """The served model's name and the LoRA adapters served under their own names (each a `LoRARequest` the
-    generator has loaded)."""
+    """The served model's names (vLLM's ``--served-model-name``: one or several, the first its main one) and the LoRA
+    adapters served under their own names (each a `LoRARequest` the generator has loaded)."""
 
-    def __init__(self, base_name: str, generator: ContinuousBatchGenerator):
-        self.base_name = base_name
+    def __init__(self, base_names: str | list[str], generator: ContinuousBatchGenerator):
+        self.base_names = [base_names] if isinstance(base_names, str) else list(base_names)
+        self.base_name = self.base_names[0]
         self.generator = generator
         self.created = int(time.time())
         self._loras: dict[str, LoRARequest] = {}  # replaced, never changed, so readers need no lock
@@ -70,7 +71,7 @@ class ServedModels:
         with ``base_model_name`` (default: the served model's) as its parent: `InvalidParameter` (``lora_name`` or
         ``lora_path``) for an empty or taken name or an adapter that does not fit; nothing changes then."""
         with self._lock:
-            if not name or name == self.base_name or (name in self._loras and not replace):
+            if not name or name in self.base_names or (name in self._loras and not replace):
                 raise InvalidParameter("lora_name", f"the model name {name!r} is taken already" if name else
                                        "a LoRA adapter's name must not be empty")
             self._last_id += 1
@@ -99,25 +100,28 @@ class ServedModels:
 
     def lora(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model); a 404 for a name not served."""
-        if model is None or model == self.base_name:
+        if model is None or model in self.base_names:
             return None
         lora = self._loras.get(model)
         if lora is None:
-            served = ", ".join(repr(name) for name in [self.base_name, *self._loras])
+            served = ", ".join(repr(name) for name in [*self.base_names, *self._loras])
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", param="model",
                            code="model_not_found")
         return lora
 
     def name(self, model: str | None) -> str:
-        """The name an answer gives its model: the adapter's, or the served model's."""
+        """The name an answer gives its model: the adapter's, or the served model's (the one asked for, as vLLM's)."""
         lora = self.lora(model)
-        return self.base_name if lora is None else lora.lora_name
+        if lora is not None:
+            return lora.lora_name
+        return model if model in self.base_names else self.base_name
 
     def cards(self, max_model_len: int) -> list[dict]:
-        """``/v1/models``' entries, as vLLM's: the served model (``root``: its path), then each adapter (``root``:
-        its path, ``parent``: its base model)."""
+        """``/v1/models``' entries, as vLLM's: the served model under each of its names (``root``: its path), then
+        each adapter (``root``: its path, ``parent``: its base model)."""
         root = getattr(self.generator.model, "name_or_path", None) or self.base_name
         base = {"id": self.base_name, "object": "model", "created": self.created, "owned_by": "hf_paged",
                 "root": root, "parent": None, "max_model_len": max_model_len}
-        return [base] + [{**base, "id": lora.lora_name, "root": lora.lora_path, "parent": lora.base_model_name}
-                         for lora in self._loras.values()]
+        return [{**base, "id": name} for name in self.base_names] + [
+            {**base, "id": lora.lora_name, "root": lora.lora_path, "parent": lora.base_model_name}
+            for lora in self._loras.values()]

@@ -53,12 +53,12 @@ class OpenAIServing:
     """Checks a call, compiles its constraint, tokenizes its prompts, queues it on the engine and answers it."""
 
     def __init__(self, generator: ContinuousBatchGenerator, engine: EngineLoop, encoder: PromptEncoder,
-                 limits: ServerLimits, served_model_name: str, options: ServingOptions):
+                 limits: ServerLimits, served_model_names: list[str], options: ServingOptions):
         self.generator, self.engine, self.encoder, self.limits = generator, engine, encoder, limits
         self.options = options
         self.reasoning = generator.config.reasoning_parser is not None  # chat replies' reasoning answered apart
-        self.served_model_name = served_model_name
-        self.models = ServedModels(served_model_name, generator)
+        self.models = ServedModels(served_model_names, generator)
+        self.served_model_name = self.models.base_name
         # What a request leaves out of its sampling settings.
         self.sampling_defaults = options.sampling_defaults(getattr(generator.model, "generation_config", None))
         if self.sampling_defaults:
