@@ -304,6 +304,7 @@ class Lockstep:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_timeout_s))
         self._digest = hashlib.sha256()
         self._steps = 0
+        self.broken: str | None = None  # why the ranks can no longer step together, once they cannot
 
     @property
     def is_driver(self) -> bool:
@@ -323,6 +324,9 @@ class Lockstep:
         """
         from .generation.sequence import Request
 
+        if self.broken is not None:
+            raise DistributedError(f"rank {self.rank}: {self.broken}, so the ranks no longer agree; the "
+                                   "tensor-parallel group cannot go on (start the engine again)")
         box = [[(a, x.wire_fields() if a == "add" else x) for a, x in actions] if self.is_driver else None]
         self._collective("the step's input broadcast", dist.broadcast_object_list, box, 0)
         if self.is_driver:

@@ -87,6 +87,7 @@ class LocalRanks:
         port = _free_port()
         self.saved_env = {name: os.environ.get(name) for name in _RENDEZVOUS}
         self.saved_threads = torch.get_num_threads()
+        self.saved_cores = os.sched_getaffinity(0)  # a bound rank 0 (HF_PAGED_CPU_BIND) is this process
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
         self.processes = [context.Process(target=_serve_rank, args=(_rank_env(rank, size, port), load, size),
                                           name=f"hf-paged-rank{rank}", daemon=True) for rank in range(1, size)]
@@ -114,12 +115,14 @@ class LocalRanks:
             self._end(terminate=not stopped, timeout=timeout)
 
     def _end(self, terminate: bool, timeout: float = 30.0) -> None:
+        """Join the ranks (``terminate``: kill them first; they ignore SIGTERM, as rank 0 stops them)."""
+        for process in self.processes if terminate else ():
+            process.kill()
         for process in self.processes:
-            if terminate:
-                process.terminate()
             process.join(timeout)
             if process.is_alive():
                 process.kill()
+                process.join()
         self.processes = []
         distributed.destroy_process_group()
         for name, value in self.saved_env.items():
@@ -128,6 +131,7 @@ class LocalRanks:
             else:
                 os.environ[name] = value
         torch.set_num_threads(self.saved_threads)
+        os.sched_setaffinity(0, self.saved_cores)
 
 
 def _serve_rank(env: dict[str, str], load, size: int) -> None:

@@ -350,6 +350,30 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
         llm.shutdown()
     assert "WORLD_SIZE" not in os.environ and not multiprocessing.active_children()
     assert not torch.distributed.is_initialized()
+    cores = os.sched_getaffinity(0)
+
+    monkeypatch.setenv("HF_PAGED_CPU_BIND", "1")  # rank 0, this process, is bound to its cores: given back after
+    llm = LLM(text_model, tensor_parallel_size=2, num_blocks=64)
+    execute, steps = llm.generator.runner.execute, []
+
+    def interrupted(*args, **kwargs):  # Ctrl+C on rank 0 at its third step, the other rank still in it
+        out = execute(*args, **kwargs)
+        steps.append(out)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return out
+
+    llm.generator.runner.execute = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, greedy, use_tqdm=False)
+        started = time.monotonic()
+        with pytest.raises(DistributedError, match="a step was interrupted"):  # it waited for ever
+            llm.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()  # the other rank ignores SIGTERM and waits in a collective: it is killed, at once
+    assert time.monotonic() - started < 10 and not multiprocessing.active_children()
+    assert os.sched_getaffinity(0) == cores
 
 
 def test_async_llm_starts_its_own_ranks(text_model, monkeypatch):

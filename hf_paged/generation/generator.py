@@ -343,7 +343,13 @@ class ContinuousBatchGenerator:
 
     def _step(self, only: set[str] | None) -> list[RequestOutput]:
         with self._stepping:
-            return self._outputs(self._advance(), only)
+            try:
+                return self._outputs(self._advance(), only)
+            except BaseException as err:
+                if self.lockstep is not None and not isinstance(err, Exception):
+                    # Ctrl+C on rank 0 mid-step: the other ranks are still in it, and would wait for ever.
+                    self.lockstep.broken = f"a step was interrupted ({type(err).__name__})"
+                raise
 
     def _advance(self) -> list[Request]:
         """Admit and abort what the inbox holds, then compute one step; returns the requests that changed."""
