@@ -4,6 +4,7 @@ each loading its shard and stepping in lockstep (`ContinuousBatchGenerator.run_w
 
 from __future__ import annotations
 
+import atexit
 import functools
 import multiprocessing
 import os
@@ -93,6 +94,9 @@ class LocalRanks:
                                           name=f"hf-paged-rank{rank}", daemon=True) for rank in range(1, size)]
         for process in self.processes:
             process.start()
+        # Before multiprocessing's own exit handler (registered earlier, so run later), which would SIGTERM the ranks
+        # and wait for them: they ignore SIGTERM, as rank 0 stops them.
+        atexit.register(self.stop)
         os.environ.update(_rank_env(0, size, port))
         try:
             distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
@@ -124,6 +128,7 @@ class LocalRanks:
                 process.kill()
                 process.join()
         self.processes = []
+        atexit.unregister(self.stop)
         distributed.destroy_process_group()
         for name, value in self.saved_env.items():
             if value is None:
