@@ -24,8 +24,9 @@ class AsyncLLM:
     all others in flight by one engine thread that steps a `ContinuousBatchGenerator` while there is work.
 
     ``AsyncLLM(model, dtype, device, **engine_options)`` loads a model as `LLM` does (``tensor_parallel_size`` too:
-    `shutdown` then ends the other ranks for good); `from_generator` serves a generator already built. Requests that fail while running yield an output with ``error`` set, as the generator's;
-    `hf_paged.engine_loop.EngineError` is raised when the engine itself failed or was shut down under them.
+    `shutdown` then ends the other ranks for good); `from_generator` serves a generator already built. Requests that
+    fail while running yield an output with ``error`` set, as the generator's; `hf_paged.engine_loop.EngineError` is
+    raised when the engine itself failed or was shut down under them.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
@@ -62,9 +63,9 @@ class AsyncLLM:
         """Yield the request's outputs as ``sampling_params.output_kind`` asks (by default each time it grows, with
         everything generated so far); the last has ``finished`` set. A generator closed early (left by ``break``
         and released, or ``aclose()``d) aborts its request, as vLLM's. Raises ``ValueError`` for a prompt or
-        parameters the engine refuses (an invalid constraint too), before anything is yielded. ``lora_request`` runs it under that LoRA adapter
-        (an engine with ``enable_lora``; `add_lora` loads one ahead of its first request); ``priority`` as in
-        `ContinuousBatchGenerator.add_request`."""
+        parameters the engine refuses (an invalid constraint too), before anything is yielded. ``lora_request`` runs
+        it under that LoRA adapter (an engine with ``enable_lora``; `add_lora` loads one ahead of its first request);
+        ``priority`` as in `ContinuousBatchGenerator.add_request`."""
         params = self.generator.inputs.sampling_params(sampling_params)
         kind = params.output_kind
         deltas = params.replace(output_kind=RequestOutputKind.DELTA)

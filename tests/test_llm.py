@@ -38,7 +38,8 @@ def test_what_the_engine_refuses_raises_before_anything_runs_as_in_vllm(llm):
         llm.chat([{"role": "user", "content": "Hi"}], cases[2][1][1], use_tqdm=False)
     [alone] = llm.generate(["Hello"], greedy, use_tqdm=False)  # the withdrawn ones never ran, nor run now
     assert len(alone.outputs[0].token_ids) == 4 and not llm.generator.has_unfinished_requests()
-    assert llm.generator.kv_manager.pool.num_used_blocks == 0 and llm.generator.stats().generation_tokens == generated + 4
+    assert llm.generator.kv_manager.pool.num_used_blocks == 0
+    assert llm.generator.stats().generation_tokens == generated + 4
     failed = llm.generator.run(*cases[0][:2], use_tqdm=False)[1]
     assert failed.error is not None and failed.error_param == "stop_token_ids"
 

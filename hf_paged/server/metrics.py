@@ -35,7 +35,8 @@ def _one_two_five(limit: int) -> tuple[int, ...]:
     return tuple(step * 10**power for power in range(len(str(limit))) for step in (1, 2, 5)
                  if step * 10**power <= limit)
 
-# The finish reasons a sample is counted under (vLLM's; "error": failed in the engine), each series there from the start.
+# The finish reasons a sample is counted under (vLLM's; "error": failed in the engine), each series there from the
+# start.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Cumulative EngineStats fields, exported as counters of the same name.
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",

@@ -24,8 +24,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 # OpenAI's ``include`` values that ask nothing of this server (its tools and images are refused where given, and
 # reasoning items carry their text in the clear); logprobs are not served here.
 _INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
-               "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
-               "reasoning.encrypted_content")
+               "message.input_image.image_url", "computer_call_output.output.image_url",
+               "code_interpreter_call.outputs", "reasoning.encrypted_content")
 _ITEMS = "message, function_call, function_call_output, reasoning"
 # The chat request's fields that stand for this API's, as errors name them.
 _FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
