@@ -619,10 +619,10 @@ def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as err:  # an adapter that does not fit the model
         parser.error(f"--lora-modules: {err}")
     scheme = "https" if args.ssl_certfile else "http"
+    port = sockets[0].getsockname()[1] if sockets else args.port  # the one the system chose for --port 0
     logging.getLogger("hf_paged").info("serving %s on %s://%s:%d%s/v1 (max_model_len %d, %d KV blocks)",
-                                       ", ".join(map(repr, name)), scheme,
-                                       args.host, args.port, args.root_path, generator.max_model_len,
-                                       generator.stats().num_blocks)
+                                       ", ".join(map(repr, name)), scheme, args.host, port, args.root_path,
+                                       generator.max_model_len, generator.stats().num_blocks)
     return serve_until_stopped(GracefulServer(uvicorn.Config(app, **_uvicorn_settings(args))), app, sockets)
 
 

@@ -62,13 +62,16 @@ def _load_engine(model, dtype: str, device: str, trust_remote_code: bool, tokeni
 
 def _check(model, size: int, trust_remote_code: bool, engine_options: dict) -> None:
     """Refuse (``ValueError``), before any rank starts, what every rank would refuse alike: the engine options
-    tensor parallelism does not serve, a quantized checkpoint, heads that ``size`` ranks cannot split."""
+    tensor parallelism does not serve, a quantized checkpoint, heads that ``size`` ranks cannot split, fewer GPUs
+    than ranks (each rank takes its own)."""
     from transformers import AutoConfig
 
     from .default_model import resolve_model
     from .generation.config import EngineConfig
 
     path = resolve_model(model)
+    if torch.cuda.is_available() and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size {size} needs a GPU per rank; {torch.cuda.device_count()} are visible")
     distributed.check_engine_config(EngineConfig().replace(**engine_options))
     distributed.check_checkpoint(path)
     distributed.load_tensor_parallel_kwargs(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
@@ -92,16 +95,17 @@ class LocalRanks:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
         self.processes = [context.Process(target=_serve_rank, args=(_rank_env(rank, size, port), load, size),
                                           name=f"hf-paged-rank{rank}", daemon=True) for rank in range(1, size)]
-        for process in self.processes:
-            process.start()
-        # Before multiprocessing's own exit handler (registered earlier, so run later), which would SIGTERM the ranks
-        # and wait for them: they ignore SIGTERM, as rank 0 stops them.
-        atexit.register(self.stop)
-        os.environ.update(_rank_env(0, size, port))
         try:
+            for process in self.processes:
+                process.start()
+            # Before multiprocessing's own exit handler (registered earlier, so run later), which would SIGTERM the
+            # ranks and wait for them: they ignore SIGTERM, as rank 0 stops them.
+            atexit.register(self.stop)
+            os.environ.update(_rank_env(0, size, port))
             distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
             self.generator = load(size)
         except BaseException:
+            self.processes = [process for process in self.processes if process.pid is not None]  # those started
             self._end(terminate=True)
             raise
 

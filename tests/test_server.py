@@ -1373,3 +1373,21 @@ def test_command_line_flags_as_vllms(capsys, monkeypatch):
         main(["generate", "no-such-model", "Hi", "--cpu-bind", "zzz"])
     assert done.value.code == 2 and "--cpu-bind: HF_PAGED_CPU_BIND: 'zzz' is not a list of cores" in \
         capsys.readouterr().err
+
+
+def test_cli_serve_on_port_0_says_the_port_it_got(smollm2_path):
+    import re
+
+    command = [sys.executable, "-m", "hf_paged.cli", "serve", smollm2_path, "--port", "0", "--num-blocks", "16"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, said = time.monotonic() + 120, None
+        while said is None and time.monotonic() < deadline:
+            line = process.stderr.readline()
+            assert line or process.poll() is None, "the server ended"
+            said = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line)
+        port = int(said.group(1))
+        assert port != 0 and httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)

@@ -331,6 +331,11 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
     for size, words in ((3, "the 4 query heads to split evenly"), (0, "must be a positive integer")):
         with pytest.raises(ValueError, match=words):
             LLM(text_model, tensor_parallel_size=size)
+    with monkeypatch.context() as one_gpu:
+        one_gpu.setattr(torch.cuda, "is_available", lambda: True)
+        one_gpu.setattr(torch.cuda, "device_count", lambda: 1)
+        with pytest.raises(ValueError, match="needs a GPU per rank; 1 are visible"):
+            LLM(text_model, tensor_parallel_size=2)
     assert not multiprocessing.active_children()  # refused before any rank started
 
     llm = LLM(text_model, tensor_parallel_size=2, num_blocks=64)
