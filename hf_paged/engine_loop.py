@@ -410,6 +410,8 @@ class EngineLoop:
         unrouted = set(self.generator.requests) if abort_unrouted else set()
         for request_id in set(routes) | unrouted:
             self.generator.abort_request(request_id)
+        if self.metrics is not None:
+            self.metrics.observe_failed(list(routes))
         for stream in {id(s): s for s in routes.values()}.values():
             try:
                 stream.loop.call_soon_threadsafe(_deliver, [(stream, error)])

@@ -711,6 +711,27 @@ def test_a_failing_step_fails_its_requests_but_not_the_server(server, client, mo
     assert done.choices[0].text == server.prompt_ref.text
 
 
+def test_a_request_failed_mid_decode_is_counted_once_as_an_error(server, monkeypatch):
+    runner, metrics = server.generator.runner, server.app.state.metrics
+    real_execute, calls = runner.execute, []
+
+    def fail_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return real_execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", fail_third)
+    errors = metric(server, "hf_paged:request_success_total", finished_reason="error")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        assert "engine failed" in response.read().decode()
+    wait_until_idle(server.generator)
+    assert metric(server, "hf_paged:request_success_total", finished_reason="error") == errors + 1
+    assert not metrics._samples and not metrics._last_token_time  # nothing kept for a request that is gone
+
+
 def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):
     from hf_paged.cli import main, parse_memory
 

@@ -133,6 +133,13 @@ class ServerMetrics:
             if output.finished:
                 self._observe_finished(output)
 
+    def observe_failed(self, request_ids: list[str]) -> None:
+        """Requests the engine failed as a whole (a failed step), which get no final output: counted as errors."""
+        for request_id in request_ids:
+            self._last_token_time.pop(request_id, None)
+            self._samples.pop(request_id, None)
+            self.request_success.labels(model_name=self.model_name, finished_reason="error").inc()
+
     def _observe_loras(self, stats: EngineStats) -> None:
         labels = (str(stats.max_loras), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
         if labels != self._lora_labels and self._lora_labels is not None:
