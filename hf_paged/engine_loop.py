@@ -247,13 +247,24 @@ class EngineLoop:
                 self._route(request_id, stream, params.n)
             try:
                 for prompt, request_id in zip(prompts, request_ids):
-                    self.generator.add_request(prompt, params, request_id, lora_request, priority)
+                    self._add(prompt, params, request_id, lora_request, priority)
             except BaseException:
                 self._unroute(request_ids)  # queues aborts for the prompts already added
                 raise
             finally:
                 self._wake.set()
         return stream
+
+    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, lora_request: LoRARequest | LoRAAdapter |
+             None, priority: int) -> None:
+        if self.metrics is not None:  # before the request is queued: it may finish at once
+            self.metrics.observe_submitted(request_id, params.n, params.max_tokens)
+        try:
+            self.generator.add_request(prompt, params, request_id, lora_request, priority)
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.withdraw(request_id)
+            raise
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on the engine thread between two steps, so that nothing else runs the model meanwhile (an

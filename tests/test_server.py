@@ -413,6 +413,9 @@ def test_concurrent_streams_batch_together(server, client):
     wait_until_idle(server.generator)
     assert metric(server, "hf_paged:kv_cache_usage_perc") == 0
     assert metric(server, "hf_paged:num_requests_running") == 0
+    assert metric(server, "hf_paged:request_params_n_count") >= 16
+    assert metric(server, "hf_paged:cache_config_info", block_size=str(server.generator.config.block_size),
+                  num_gpu_blocks="512", enable_prefix_caching="True") == 1
 
 
 def test_a_finished_requests_phases_and_lengths_are_observed_as_vllms():
@@ -435,6 +438,8 @@ def test_a_finished_requests_phases_and_lengths_are_observed_as_vllms():
     times = RequestMetrics(arrival_time=10.0, first_scheduled_time=11.0, first_token_time=13.5, finished_time=20.0,
                            num_output_tokens=7)
     stats = EngineStats(0, 0, 0.0, 0, 16, 0, 0, 0, 0, 0, 0)
+    metrics.observe_submitted("r", 2, None)
+    metrics.observe_submitted("q", 1, 50)
     metrics.observe_step(stats, [RequestOutput("r", None, list(range(30)), [
         CompletionOutput(0, "", [5] * 4, None), CompletionOutput(1, "", [6] * 3, "length")], False, times)])
     done = RequestOutput("r", None, list(range(30)), [CompletionOutput(0, "", [5] * 3, "stop")], True, times)
@@ -442,8 +447,18 @@ def test_a_finished_requests_phases_and_lengths_are_observed_as_vllms():
                               RequestMetrics(arrival_time=10.0, finished_time=12.0))
     failed = RequestOutput("f", None, [1, 2], [], True, RequestMetrics(arrival_time=10.0, finished_time=12.0),
                            error="the constraint failed")
-    metrics.observe_step(stats, [done, never_ran, failed])
+    metrics.observe_step(EngineStats(0, 0, 0.0, 0, 16, 0, 0, 0, 0, prompt_tokens=30, generation_tokens=10),
+                         [done, never_ran, failed])
     samples = scraped()
+    # vLLM's per-request parameters (max_tokens: what the context left, when not given), the longest sample, and
+    # the tokens of each step (prompts whose first token came, tokens generated).
+    assert samples[("hf_paged:request_params_n_sum", None)] == 3
+    assert samples[("hf_paged:request_params_n_count", None)] == 2  # not "f", which was never submitted
+    assert samples[("hf_paged:request_params_max_tokens_sum", None)] == 300 - 30 + 50
+    assert samples[("hf_paged:request_max_num_generation_tokens_sum", None)] == 7
+    assert samples[("hf_paged:iteration_tokens_total_sum", None)] == 40
+    assert samples[("hf_paged:iteration_tokens_total_count", None)] == 2
+    assert not metrics._params
     for phase, seconds in (("queue", 1.0), ("prefill", 2.5), ("decode", 6.5), ("inference", 9.0)):
         assert samples[(f"hf_paged:request_{phase}_time_seconds_count", None)] == 1
         assert samples[(f"hf_paged:request_{phase}_time_seconds_sum", None)] == seconds

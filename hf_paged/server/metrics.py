@@ -21,6 +21,8 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                 480.0, 960.0, 1920.0, 7680.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 # A finished request's phases (vLLM's request_*_time_seconds): arrival -> first scheduled -> first token -> finished.
 _PHASES = (("queue", "Arrival to first scheduled (waiting for a place in the batch).", "arrival_time",
             "first_scheduled_time"),
@@ -52,7 +54,7 @@ class ServerMetrics:
         if prefix not in METRICS_PREFIXES:
             raise ValueError(f"the metrics' prefix is one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.model_name = model_name
+        self.model_name, self.prefix = model_name, prefix
 
         def made(kind, name: str, text: str, **options):
             return kind(f"{prefix}:{name}", text, ["model_name"], registry=self.registry, **options).labels(model_name)
@@ -84,11 +86,19 @@ class ServerMetrics:
         self.e2e = made(Histogram, "e2e_request_latency_seconds", "Arrival to finish.", buckets=_E2E_BUCKETS)
         self.phases = [(made(Histogram, f"request_{phase}_time_seconds", text, buckets=_E2E_BUCKETS), start, end)
                        for phase, text, start, end in _PHASES]
+        self.max_model_len = max_model_len
         tokens = _one_two_five(max_model_len)
         self.prompt_tokens = made(Histogram, "request_prompt_tokens", "A finished request's prompt tokens.",
                                   buckets=tokens)
         self.generation_tokens = made(Histogram, "request_generation_tokens",
                                       "A finished sample's generated tokens (each of a request's n).", buckets=tokens)
+        self.max_generation_tokens = made(Histogram, "request_max_num_generation_tokens",
+                                          "The most tokens one sample of a finished request generated.", buckets=tokens)
+        self.params_n = made(Histogram, "request_params_n", "A finished request's n.", buckets=_N_BUCKETS)
+        self.params_max_tokens = made(Histogram, "request_params_max_tokens", "A finished request's max_tokens (the "
+                                      "context its prompt left, when it gave none).", buckets=tokens)
+        self.iteration_tokens = made(Histogram, "iteration_tokens_total", "Tokens one step counted: the prompts whose "
+                                     "first token came, and the tokens generated.", buckets=_ITERATION_BUCKETS)
         self.batch_size = made(Histogram, "num_running_per_step",
                                "Sequences that produced tokens in one step (the decode batch size).",
                                buckets=_BATCH_BUCKETS)
@@ -101,6 +111,21 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}  # requests in flight that have tokens: when they last got some
         # Requests in flight: each sample's tokens so far and its finish reason (a sample may finish before the rest).
         self._samples: dict[str, dict[int, tuple[int, str | None]]] = {}
+        self._params: dict[str, tuple[int, int | None]] = {}  # requests in flight: their n and max_tokens
+
+    def set_cache_config(self, **config: object) -> None:
+        """vLLM's ``cache_config_info``: one series, labelled with the KV cache's settings, set to 1."""
+        info = Gauge(f"{self.prefix}:cache_config_info", "The KV cache's configuration.", sorted(config),
+                     registry=self.registry)
+        info.labels(**{name: str(value) for name, value in config.items()}).set(1)
+
+    def observe_submitted(self, request_id: str, n: int, max_tokens: int | None) -> None:
+        """A request queued with these parameters (observed when it finishes, as vLLM's)."""
+        self._params[request_id] = n, max_tokens
+
+    def withdraw(self, request_id: str) -> None:
+        """A request submitted but refused before it was queued."""
+        self._params.pop(request_id, None)
 
     def observe_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Record one engine step: ``stats`` taken after it, ``outputs`` what it returned (``DELTA`` outputs, as the
@@ -113,6 +138,8 @@ class ServerMetrics:
             self.spec_length.set(stats.spec_decode_mean_accepted_length)
         if stats.max_loras:
             self._observe_loras(stats)
+        self.iteration_tokens.observe(stats.prompt_tokens - self._last["prompt_tokens"] + stats.generation_tokens
+                                      - self._last["generation_tokens"])
         for name in _COUNTERS:
             value = getattr(stats, name)
             if value > self._last[name]:
@@ -138,6 +165,7 @@ class ServerMetrics:
         for request_id in request_ids:
             self._last_token_time.pop(request_id, None)
             self._samples.pop(request_id, None)
+            self._params.pop(request_id, None)
             self.request_success.labels(model_name=self.model_name, finished_reason="error").inc()
 
     def _observe_loras(self, stats: EngineStats) -> None:
@@ -162,6 +190,10 @@ class ServerMetrics:
         reasons = ["error"] if output.error is not None else [reason or "abort" for _, reason in samples.values()]
         for reason in reasons or ["abort"]:
             self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        n, max_tokens = self._params.pop(output.request_id, (None, None))
+        if n is not None:
+            self.params_n.observe(n)
+            self.params_max_tokens.observe(max_tokens or max(self.max_model_len - len(output.prompt_token_ids), 0))
         m = output.metrics
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
@@ -173,6 +205,7 @@ class ServerMetrics:
             self.prompt_tokens.observe(len(output.prompt_token_ids))
             for tokens, _ in samples.values():
                 self.generation_tokens.observe(tokens)
+            self.max_generation_tokens.observe(max((tokens for tokens, _ in samples.values()), default=0))
         num_tokens = m.num_output_tokens
         if m.first_token_time is not None and num_tokens > 1 and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
