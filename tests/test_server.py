@@ -748,9 +748,19 @@ def test_a_request_failed_mid_decode_is_counted_once_as_an_error(server, monkeyp
 
 
 def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):
-    from hf_paged.cli import main, parse_memory
+    from argparse import ArgumentTypeError
+
+    from hf_paged.cli import build_parser, main, parse_memory
+    from hf_paged.generation.config import parse_token_count
 
     assert parse_memory("2GiB") == 2 << 30 and parse_memory("512MB") == 512 * 10**6 and parse_memory("4096") == 4096
+    assert [parse_token_count(text) for text in ("4096", "4k", "4K", "25.6k", "1M")] == [4096, 4000, 4096, 25600,
+                                                                                         1 << 20]
+    for text in ("4.5K", "4kb", "-1", "k"):
+        with pytest.raises(ArgumentTypeError, match="not a token count"):
+            parse_token_count(text)
+    args = build_parser().parse_args(["serve", "--max-model-len", "2k", "--max-num-batched-tokens", "1K"])
+    assert (args.max_model_len, args.max_num_batched_tokens) == (2000, 1024)
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "/no/such/model"])
     assert exit_info.value.code == 2

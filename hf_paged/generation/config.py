@@ -32,6 +32,17 @@ def parse_memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def parse_token_count(text: str) -> int:
+    """A token count as vLLM writes it: ``"4096"``, ``"4k"`` (4000), ``"25.6k"``, ``"4K"`` (4096)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)\s*", text)
+    if match is None or ("." in match.group(1) and match.group(2) in ("", "K", "M", "G")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count: write e.g. 4096, 4k (4000) or 4K (4096)")
+    return int(round(float(match.group(1)) * _COUNT_UNITS[match.group(2)]))
+
+
 CPU_KV_SPACE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 
 
@@ -164,10 +175,11 @@ class EngineConfig:
     max_num_seqs: int = _option("most sequences in one step (default: 256)", 256)
     max_num_batched_tokens: int | None = _option(
         "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048; 512 for bf16 "
-        "models the native decoder runs on a CPU with AMX, which then takes every step; never below --max-num-seqs)")
+        "models the native decoder runs on a CPU with AMX, which then takes every step; never below --max-num-seqs)",
+        type_=parse_token_count)
     max_model_len: int | None = _option(
         "longest prompt + output in tokens (default: the model's context, capped by the cache; more than either "
-        "is refused)")
+        "is refused; 4k is 4000, 4K 4096)", type_=parse_token_count)
     enable_prefix_caching: bool = _option(
         "do not reuse the KV of prompt prefixes shared between requests", True, flag="--no-prefix-caching")
     prepack_weights: bool = _option(
