@@ -40,6 +40,9 @@ def _engine_options() -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="local model directory, .gguf file (converted once into the cache) or hub id in the local "
                              "Hugging Face cache (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="a YAML file of options, as vLLM's: long option names to values (max-model-len: 4k, "
+                             "port: 8000, model: PATH); the command line's own options win")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the model runs: auto is the GPU when there is one (CUDA), else the CPU "
@@ -943,10 +946,47 @@ def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"cannot load {path}: it holds no weights (*.safetensors or *.bin)")
 
 
+def with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with its ``--config FILE`` replaced by the file's options, those the command line gives left out."""
+    at = next((i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")), None)
+    command = parser._subparsers._group_actions[0].choices.get(argv[0]) if argv else None
+    if at is None or command is None:
+        return argv
+    path = argv[at].partition("=")[2] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else None)
+    if path is None:
+        parser.error("argument --config: expected a file")
+    argv = argv[:at] + argv[at + (1 if "=" in argv[at] else 2):]
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as file:
+            options = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError) as err:
+        parser.error(f"--config {path}: {err}")
+    if not isinstance(options, dict):
+        parser.error(f"--config {path}: the file must hold a mapping of option names to values")
+    actions = command._option_string_actions
+    given = {actions[arg.partition("=")[0]].dest for arg in argv if arg.partition("=")[0] in actions}
+    added, model = [], options.pop("model", None)
+    for key, value in options.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None or action.dest in ("help", "config"):
+            parser.error(f"--config {path}: {key!r} is no option of hf-paged {argv[0]}")
+        if action.dest in given or value is None or value is False and action.nargs == 0:
+            continue
+        values = value if isinstance(value, list) else [] if action.nargs == 0 else [value]
+        added += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in values)]
+    argv = argv + added  # last: an option of several values given first would take the model for one
+    if model is not None and command.parse_args(argv[1:]).model is None:
+        argv.insert(1, str(model))
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``hf-paged`` console script."""
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
+    argv = with_config_file(parser, sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     from .distributed import DistributedError, destroy_process_group
 

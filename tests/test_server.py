@@ -1421,10 +1421,40 @@ def test_command_line_flags_as_vllms(capsys, monkeypatch):
         capsys.readouterr().err
 
 
-def test_cli_serve_on_port_0_says_the_port_it_got(smollm2_path):
+def test_cli_options_from_a_config_file_as_vllms(tmp_path, capsys):
+    """vLLM's --config: a YAML mapping of long option names (dashes or underscores) to values; what the command line
+    gives wins; an unknown option or a file that is no mapping is an error naming it."""
+    from hf_paged.cli import build_parser, main, with_config_file
+
+    config = tmp_path / "config.yaml"
+    config.write_text("model: /from/config\nmax_model_len: 2k\nserved-model-name: [a, b]\nno-prefix-caching: true\n"
+                      "enforce-eager: false\nspeculative-config: {method: ngram, num_speculative_tokens: 3}\n"
+                      "seed: 7\n")
+    parser = build_parser()
+    args = parser.parse_args(with_config_file(parser, ["serve", "--config", str(config)]))
+    assert (args.model, args.max_model_len, args.served_model_name, args.enable_prefix_caching) == \
+        ("/from/config", 2000, ["a", "b"], False)
+    assert args.speculative_config.num_speculative_tokens == 3 and not args.enforce_eager and args.seed == 7
+    argv = ["serve", "mine", "--seed", "1", f"--config={config}", "--served-model-name", "c"]
+    args = parser.parse_args(with_config_file(parser, argv))
+    assert (args.model, args.seed, args.served_model_name, args.max_model_len) == ("mine", 1, ["c"], 2000)
+    config.write_text("model: /from/config\nmax_tokens: 5\n")
+    args = parser.parse_args(with_config_file(parser, ["generate", "Hi", "--config", str(config)]))
+    assert (args.model, args.prompt, args.max_tokens) == ("/from/config", "Hi", 5)
+    for text, words in (("port: 8000\n", "'port' is no option of hf-paged generate"),
+                        ("- a\n", "must hold a mapping"), ("a: [\n", "--config")):
+        config.write_text(text)
+        with pytest.raises(SystemExit) as done:
+            main(["generate", "Hi", "--config", str(config)])
+        assert done.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_cli_serve_on_port_0_says_the_port_it_got(smollm2_path, tmp_path):
     import re
 
-    command = [sys.executable, "-m", "hf_paged.cli", "serve", smollm2_path, "--port", "0", "--num-blocks", "16"]
+    config = tmp_path / "serve.yaml"  # vLLM's --config, the whole way through
+    config.write_text(f"model: {json.dumps(smollm2_path)}\nport: 0\nnum-blocks: 16\n")
+    command = [sys.executable, "-m", "hf_paged.cli", "serve", "--config", str(config)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline, said = time.monotonic() + 120, None
