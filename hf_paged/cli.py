@@ -139,10 +139,11 @@ def _http_options() -> argparse.ArgumentParser:
 
 def _answer_options(answers: argparse._ArgumentGroup) -> None:
     """`ServingOptions`' flags."""
-    answers.add_argument("--generation-config", default="auto", choices=("auto", "vllm"),
+    answers.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
                          help="auto: sampling settings a request leaves out are those the model's generation config "
                               "recommends (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "
-                              "vllm: OpenAI's defaults (default: auto, as vLLM)")
+                              "vllm: OpenAI's defaults; a folder: those of its generation_config.json (default: auto, "
+                              "as vLLM)")
     answers.add_argument("--override-generation-config", default=None, metavar="JSON",
                          help="a JSON object of those settings over the defaults, e.g. '{\"temperature\": 0.6}' (with "
                               "--generation-config vllm: over OpenAI's)")
@@ -188,7 +189,8 @@ def serving_options(parser: argparse.ArgumentParser, args: argparse.Namespace):
     except (ValueError, TypeError) as err:
         message = str(err).removeprefix("SamplingParams.")
         field = message.split(" ", 1)[0]
-        flag = field if field in ("response_role", "max_log_len") else "override_generation_config"
+        flag = field if field in ("response_role", "max_log_len", "generation_config") else \
+            "override_generation_config"
         parser.error(f"--{flag.replace('_', '-')}: {message}")
 
 

@@ -41,6 +41,10 @@ class LLM:
     def get_tokenizer(self):
         return self.generator.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no parameters: the model's generation config's settings."""
+        return self.generator.inputs.sampling_params(None)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  priority: list[int] | None = None) -> list[RequestOutput]:

@@ -1,6 +1,7 @@
 """`hf_paged.LLM`: vLLM's offline entry point over the engine, on the embedded SmolLM2."""
 
 import pytest
+from transformers import GenerationConfig
 
 from hf_paged import LLM, SamplingParams
 
@@ -18,6 +19,14 @@ def test_generate_is_the_engines_run_and_takes_vllms_prompt_forms(llm, smollm2, 
     outputs = llm.generate([chat_prompts[0], {"prompt_token_ids": ids[0].tolist()}], greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [expected, expected]
     assert llm.get_tokenizer() is llm.generator.tokenizer and llm.reset_prefix_cache()
+    inputs = llm.generator.inputs  # what generate(prompts) samples with, as vLLM's: the generation config's settings
+    own, inputs.generation_config = inputs.generation_config, GenerationConfig(do_sample=True, temperature=0.6,
+                                                                               top_p=0.9, max_new_tokens=7)
+    try:
+        defaults = llm.get_default_sampling_params()
+    finally:
+        inputs.generation_config = own
+    assert (defaults.temperature, defaults.top_p, defaults.max_tokens) == (0.6, 0.9, 7)
 
 
 def test_what_the_engine_refuses_raises_before_anything_runs_as_in_vllm(llm):

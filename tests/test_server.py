@@ -870,6 +870,8 @@ def test_cli_takes_vllms_serve_flags_whose_ask_is_always_so_here(smollm2_path, c
                           "--override-generation-config: temperature must be >= 0"),
                          (["--override-generation-config", "[1]"], "a JSON object"),
                          (["--response-role", ""], "--response-role: response_role must not be empty"),
+                         (["--generation-config", "/no/such/folder"],
+                          "--generation-config: generation_config is 'auto', 'vllm' or a folder"),
                          (["--max-log-len", "-1"], "--max-log-len: max_log_len must be at least 0"),
                          (["--pooler-config", '{"pooling_type": "MAX"}'], "--pooler-config: pooling_type is one of"),
                          (["--pooler-config", '{"normalise": true}'], "keys are pooling_type and normalize"),
@@ -1155,10 +1157,10 @@ def test_chat_template_kwargs_are_the_templates_variables(smollm2):
         assert response.json()["usage"]["input_tokens"] == expected
 
 
-def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
+def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2, tmp_path):
     """As vLLM's --generation-config auto: a model that recommends top_k=1 and 5 new tokens answers greedily and
-    briefly unless the request says otherwise; "vllm" keeps OpenAI's defaults; --override-generation-config sets
-    its own over either."""
+    briefly unless the request says otherwise; "vllm" keeps OpenAI's defaults; a folder: its generation config's;
+    --override-generation-config sets its own over either."""
     from starlette.testclient import TestClient
     from transformers import GenerationConfig
 
@@ -1167,9 +1169,11 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
     model, tokenizer = smollm2
     own = model.generation_config
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=1, max_new_tokens=5)
+    GenerationConfig(do_sample=True, top_k=1, max_new_tokens=4).save_pretrained(tmp_path)
     options = {"auto": ServingOptions(), "vllm": ServingOptions("vllm"),
                "auto+": ServingOptions(override_generation_config={"max_new_tokens": 7}),
-               "vllm+": ServingOptions("vllm", {"max_new_tokens": 3, "top_k": 1})}
+               "vllm+": ServingOptions("vllm", {"max_new_tokens": 3, "top_k": 1}),
+               "folder": ServingOptions(str(tmp_path))}
     try:
         apps = {mode: create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=64), MODEL, options=option)
                 for mode, option in options.items()}
@@ -1202,6 +1206,10 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2):
         sampled = {plain.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"]
                    for seed in range(3)}
         assert len(sampled) > 1
+    with TestClient(apps["folder"]) as folder:
+        answers = [folder.post("/v1/completions", json={**body, "seed": seed}).json() for seed in range(3)]
+        assert {a["usage"]["completion_tokens"] for a in answers} == {4} and len({a["choices"][0]["text"]
+                                                                                 for a in answers}) == 1
 
 
 def test_echo_with_logprobs_scores_the_prompt(server, smollm2):

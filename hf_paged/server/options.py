@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from ..chat_template import CONTENT_FORMATS, content_format
@@ -17,7 +18,7 @@ from .metrics import METRICS_PREFIXES
 @dataclass(frozen=True)
 class ServingOptions:
     generation_config: str = "auto"  # "auto": the model's recommended sampling settings stand for what a request
-    #                                   leaves out; "vllm": OpenAI's defaults do
+    #                                   leaves out; "vllm": OpenAI's defaults do; a folder: its generation_config.json's
     override_generation_config: dict = field(default_factory=dict)  # generation-config names over those defaults
     response_role: str = "assistant"  # a chat reply's role (a reply that continues the last message keeps its role)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (a request may ask either way)
@@ -28,8 +29,9 @@ class ServingOptions:
     pooling: PoolingConfig | None = None  # how /v1/embeddings pools (None: as the model directory says)
 
     def __post_init__(self) -> None:
-        if self.generation_config not in ("auto", "vllm"):
-            raise ValueError(f"generation_config is 'auto' or 'vllm', got {self.generation_config!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isfile(self._generation_config_file):
+            raise ValueError(f"generation_config is 'auto', 'vllm' or a folder that holds a generation_config.json, "
+                             f"got {self.generation_config!r}")
         if self.chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format is one of {', '.join(CONTENT_FORMATS)}, got "
                              f"{self.chat_template_content_format!r}")
@@ -49,11 +51,20 @@ class ServingOptions:
         """``override_generation_config`` as `SamplingParams` fields."""
         return {GENERATION_CONFIG_DEFAULTS[name]: value for name, value in self.override_generation_config.items()}
 
+    @property
+    def _generation_config_file(self) -> str:
+        return os.path.join(self.generation_config, "generation_config.json")
+
     def sampling_defaults(self, model_generation_config) -> dict:
-        """What a request leaves out of its sampling settings: the model's recommendations (``"auto"``), then the
-        overrides over them."""
-        model = model_generation_config if self.generation_config == "auto" else None
-        return {**SamplingParams.model_defaults(model), **self.sampling_overrides()}
+        """What a request leaves out of its sampling settings: the model's recommendations (``"auto"``) or those of
+        the folder's generation config, then the overrides over them."""
+        if self.generation_config in ("auto", "vllm"):
+            recommended = model_generation_config if self.generation_config == "auto" else None
+        else:
+            from transformers import GenerationConfig
+
+            recommended = GenerationConfig.from_pretrained(self.generation_config, local_files_only=True)
+        return {**SamplingParams.model_defaults(recommended), **self.sampling_overrides()}
 
     def content_format(self, chat_template) -> str:
         return content_format(self.chat_template_content_format, chat_template)
