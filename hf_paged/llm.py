@@ -14,6 +14,19 @@ from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, Sc
                       check_dimensions, cosine_scores, embed, score_pairs)
 
 
+def _beam_sequence(output: RequestOutput, beam, params: BeamSearchParams, decode) -> BeamSearchSequence:
+    """One beam of a finished search as vLLM's `LLM.beam_search` reports it (no stop strings: only stop tokens end
+    a beam early)."""
+    token_ids, stop_reason = beam.token_ids, beam.stop_reason
+    if beam.finish_reason == "stop" and token_ids:
+        stop_reason = token_ids[-1]
+        token_ids = token_ids if params.include_stop_str_in_output else token_ids[:-1]
+    tokens = output.prompt_token_ids + token_ids
+    return BeamSearchSequence(tokens=tokens, cum_logprob=beam.cumulative_logprob,
+                              text=decode(tokens, skip_special_tokens=True), finish_reason=beam.finish_reason,
+                              stop_reason=stop_reason, lora_request=output.lora_request)
+
+
 class LLM:
     """Loads ``model`` (a local directory, a .gguf file, a hub id whose copy is in the local Hugging Face cache;
     None: the embedded default) with paged attention and serves it with a `ContinuousBatchGenerator`
@@ -56,23 +69,20 @@ class LLM:
         comes back with ``error`` set."""
         return self.generator.run(prompts, sampling_params, use_tqdm, lora_request, priority, strict=True)
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False,
-                    lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams, best first (the search runs in
         the engine, see `SamplingParams.use_beam_search`). As in vLLM, a beam's ``tokens`` and ``text`` hold its
-        prompt too (the text with special tokens skipped)."""
+        prompt too (the text with special tokens skipped), and a beam that ended at a stop token has it as its
+        ``stop_reason`` and in ``tokens`` only with ``params.include_stop_str_in_output``."""
         outputs = self.generator.run(prompts, params.sampling_params(), use_tqdm, lora_request, strict=True)
         decode = self.get_tokenizer().decode
         results = []
         for output in outputs:
             if output.error is not None:
                 raise ValueError(f"beam search of request {output.request_id} failed: {output.error}")
-            beams = [BeamSearchSequence(tokens=output.prompt_token_ids + beam.token_ids,
-                                        cum_logprob=beam.cumulative_logprob,
-                                        text=decode(output.prompt_token_ids + beam.token_ids, skip_special_tokens=True),
-                                        finish_reason=beam.finish_reason, stop_reason=beam.stop_reason,
-                                        lora_request=output.lora_request) for beam in output.outputs]
-            results.append(BeamSearchOutput(beams))
+            results.append(BeamSearchOutput([_beam_sequence(output, beam, params, decode) for beam in output.outputs]))
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -101,18 +101,36 @@ def test_one_beam_is_greedy_decoding_as_in_generate(smollm2, prompt_ids):
     beams, plain = (gen.run(prompt_ids, params, use_tqdm=False) for params in (one_beam, greedy))
     assert [o.outputs[0].token_ids for o in beams] == [o.outputs[0].token_ids for o in plain]
     assert any(o.outputs[0].finish_reason == "stop" for o in beams)
+    # Its score, as a wider search reports each beam's: the sum of its tokens' logprobs.
+    scored = gen.run(prompt_ids, greedy.replace(logprobs=0), use_tqdm=False)
+    assert [o.outputs[0].cumulative_logprob for o in beams] == pytest.approx(
+        [sum(step[token] for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)) for o in scored])
 
 
 def test_llm_beam_search_returns_vllm_beams(smollm2_path, smollm2, prompt_ids, references):
+    """vLLM's beams: the prompt's tokens and text included; a beam that ended at EOS has it as its stop_reason, and
+    in its tokens only with include_stop_str_in_output; vLLM's argument order."""
+    import inspect
+
     llm = LLM(smollm2_path, dtype="float32", num_blocks=256)
-    tokenizer = llm.get_tokenizer()
-    results = llm.beam_search([{"prompt_token_ids": ids} for ids in prompt_ids[:2]],
-                              BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS))
-    for ids, result, expected in zip(prompt_ids, results, references[(4, 1.0, False)]):
-        assert [beam.tokens for beam in result.sequences] == [ids + beam for beam in expected]
-        assert all(beam.text == tokenizer.decode(beam.tokens, skip_special_tokens=True) for beam in result.sequences)
-        scores = [beam.cum_logprob / (len(beam.tokens) - len(ids)) for beam in result.sequences]
-        assert scores == sorted(scores, reverse=True)
+    tokenizer, eos = llm.get_tokenizer(), llm.get_tokenizer().eos_token_id
+    assert list(inspect.signature(llm.beam_search).parameters)[:4] == ["prompts", "params", "lora_request", "use_tqdm"]
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids[:2]]
+    for kept in (False, True):
+        results = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS,
+                                                            include_stop_str_in_output=kept))
+        for ids, result, expected in zip(prompt_ids, results, references[(4, 1.0, False)]):
+            assert [beam.tokens for beam in result.sequences] == \
+                [ids + (beam if kept or beam[-1] != eos else beam[:-1]) for beam in expected]
+            assert [beam.stop_reason for beam in result.sequences] == [eos if beam[-1] == eos else None
+                                                                       for beam in expected]
+            assert all(beam.text == tokenizer.decode(beam.tokens, skip_special_tokens=True)
+                       for beam in result.sequences)
+            scores = [got.cum_logprob / len(beam) for beam, got in zip(expected, result.sequences)]
+            assert [beam.cum_logprob for beam in result.sequences] and scores == sorted(scores, reverse=True)
+        assert any(beam[-1] == eos for beams in references[(4, 1.0, False)][:2] for beam in beams)
+    one = llm.beam_search(prompts[:1], BeamSearchParams(beam_width=1, max_tokens=8))[0].sequences
+    assert len(one) == 1 and isinstance(one[0].cum_logprob, float) and one[0].cum_logprob < 0
     with pytest.raises(InvalidParameter, match="temperature must be 0"):
         llm.beam_search(["Hi"], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
 

@@ -114,6 +114,17 @@ def test_running_out_of_blocks_preempts_the_newest_which_is_recomputed():
     assert_no_leak(scheduler)
 
 
+def test_a_preempted_request_keeps_the_prompt_tokens_it_found_cached_when_first_admitted():
+    """usage.prompt_tokens_details.cached_tokens: readmitted after a preemption, a request finds its own blocks, its
+    output's included, in the prefix cache; what it reports is what it found at its first admission."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    a, b = make_request("a", range(3, 10), max_tokens=12), make_request("b", range(20, 27), max_tokens=12)
+    run_to_end(scheduler, [a, b])
+    assert scheduler.num_preemptions >= 1
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
+    assert_no_leak(scheduler)
+
+
 def test_n_samples_share_the_prompt_then_diverge():
     scheduler = make_scheduler()
     request = make_request("a", range(3, 9), n=3, max_tokens=3)

@@ -132,7 +132,8 @@ def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device
     if rows:
         tokens, values = zip(*(draws[row][0].request.logit_bias_tensors for row in rows))
         batch.logit_bias = (_rows_of(rows, tokens, device), torch.cat(tokens).to(device), torch.cat(values).to(device))
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    # A search of one beam decodes greedily and reports its cumulative logprob, as a wider one does.
+    wanted = [p.logprobs or 0 for p in params if p.logprobs is not None or p.use_beam_search and p.n == 1]
     if wanted:
         batch.max_logprobs = max(1, *wanted)
     return batch

@@ -305,8 +305,8 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self._run(seq)
         out.prefix_matches.append((seq.num_tokens, num_cached))
-        if seq.index == 0 and seq.request.num_cached_tokens == 0:
-            seq.request.num_cached_tokens = num_cached
+        if seq.index == 0 and not seq.request.admitted:
+            seq.request.num_cached_tokens, seq.request.admitted = num_cached, True
         out.admitted.append(seq)
         if n:  # a beam admitted with its siblings past the step's budget computes in a later step
             self._take(out, seq, n, copies)
@@ -536,6 +536,7 @@ class Scheduler:
             top = dict(zip(sampled.top_ids[row][: params.logprobs], sampled.top_logprobs[row][: params.logprobs]))
             top[token] = sampled.sampled_logprobs[row]
             seq.logprobs.append(ranked_logprobs(top, token, sampled.sampled_ranks[row], self.detokenizer.token_text))
+        if seq.logprobs is not None or params.use_beam_search:
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
         new_text = self._new_text(seq, params)
         stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
@@ -605,7 +606,7 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 self._requeue(seq)
                 if seq.index == 0:
-                    seq.request.num_cached_tokens = 0
+                    seq.request.num_cached_tokens, seq.request.admitted = 0, False
 
 
 def _priority(seq: Sequence) -> tuple[int, float]:

@@ -124,7 +124,8 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs[first_token:] if self.logprobs is not None else None,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None or self.request.params.use_beam_search
+            else None,
         )
         if delta:
             self.num_sent_tokens, self.num_sent_chars = self.num_output_tokens, max(first_char, end)
@@ -149,7 +150,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was first admitted
+    admitted: bool = False  # once: a request admitted again after a preemption keeps its first num_cached_tokens
     error: str | None = None
     error_param: str | None = None  # the parameter at fault when ``error`` is the request's own doing
     grammar: Future | None = None  # the compiled constraint of structured outputs (compiling, then compiled)
