@@ -127,8 +127,10 @@ class AsyncLLM:
         """Stop the engine thread after its current step; requests still in flight raise `EngineError`. A later
         `generate` starts it again, except under tensor parallelism, whose other ranks end here."""
         self.engine.stop(timeout, reason="AsyncLLM.shutdown() was called")
-        if self._ranks is not None:
-            self._ranks()
+        detached = None if self._ranks is None else self._ranks.detach()
+        if detached is not None:  # the ranks wait as long for their last step
+            _, _, (_, ranks), _ = detached
+            ranks.stop(timeout)
 
 
 def _stop_ranks(engine: EngineLoop, ranks) -> None:

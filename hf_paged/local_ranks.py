@@ -93,7 +93,9 @@ class LocalRanks:
         self.saved_threads = torch.get_num_threads()
         self.saved_cores = os.sched_getaffinity(0)  # a bound rank 0 (HF_PAGED_CPU_BIND) is this process
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
-        self.processes = [context.Process(target=_serve_rank, args=(_rank_env(rank, size, port), load, size),
+        self.failures = context.SimpleQueue()  # (rank, error) of a rank that failed to start: written at once
+        self.processes = [context.Process(target=_serve_rank, args=(_rank_env(rank, size, port), load, size,
+                                                                    self.failures),
                                           name=f"hf-paged-rank{rank}", daemon=True) for rank in range(1, size)]
         try:
             for process in self.processes:
@@ -104,9 +106,12 @@ class LocalRanks:
             os.environ.update(_rank_env(0, size, port))
             distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
             self.generator = load(size)
-        except BaseException:
+        except BaseException as err:
             self.processes = [process for process in self.processes if process.pid is not None]  # those started
             self._end(terminate=True)
+            if not self.failures.empty():  # rank 0 saw only the closed connection of the rank that failed
+                rank, error = self.failures.get()
+                raise distributed.DistributedError(f"rank {rank} failed to start: {error}") from err
             raise
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -143,12 +148,18 @@ class LocalRanks:
         os.sched_setaffinity(0, self.saved_cores)
 
 
-def _serve_rank(env: dict[str, str], load, size: int) -> None:
-    """A started rank: Ctrl+C reaches the whole terminal, and rank 0 alone acts on it."""
+def _serve_rank(env: dict[str, str], load, size: int, failures) -> None:
+    """A started rank: Ctrl+C reaches the whole terminal, and rank 0 alone acts on it. What fails it before it
+    serves is told to rank 0 through ``failures``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
-    distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
     try:
-        load(size).run_worker()
+        distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
+        generator = load(size)
+    except BaseException as err:
+        failures.put((int(env["RANK"]), f"{type(err).__name__}: {err}"))
+        raise
+    try:
+        generator.run_worker()
     finally:
         distributed.destroy_process_group()

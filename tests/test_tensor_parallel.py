@@ -381,6 +381,24 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
     assert os.sched_getaffinity(0) == cores
 
 
+def test_a_rank_that_fails_to_load_is_named_with_its_error(text_model, monkeypatch):
+    """Rank 0 sees only the closed connection of a rank that failed while loading: the error names that rank and
+    what failed it, and nothing is left running."""
+    import functools
+    import multiprocessing
+
+    from hf_paged.distributed import DistributedError
+    from hf_paged.local_ranks import LocalRanks
+    from tp_worker import engine_failing_beside_rank_0
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match="rank 1 failed to start: MemoryError: no room for this shard"):
+        LocalRanks(2, functools.partial(engine_failing_beside_rank_0, text_model))
+    assert time.monotonic() - started < 60 and not multiprocessing.active_children()
+    assert "WORLD_SIZE" not in os.environ and not torch.distributed.is_initialized()
+
+
 def test_async_llm_starts_its_own_ranks(text_model, monkeypatch):
     import asyncio
     import multiprocessing

@@ -54,6 +54,15 @@ def run_model(path: str, tensor_parallel_size: int) -> dict:
     return result
 
 
+def engine_failing_beside_rank_0(path: str, tensor_parallel_size: int):
+    """A `LocalRanks` load whose ranks other than 0 fail (as a rank whose GPU is out of memory would)."""
+    from hf_paged.local_ranks import _load_engine
+
+    if os.environ["RANK"] != "0":
+        raise MemoryError("no room for this shard")
+    return _load_engine(path, "auto", "cpu", False, None, {"num_blocks": 64}, tensor_parallel_size)
+
+
 def main() -> None:
     out_dir, paths = sys.argv[1], sys.argv[2:]
     world = int(os.environ["WORLD_SIZE"])
