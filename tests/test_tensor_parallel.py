@@ -370,6 +370,20 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
 
     llm.generator.runner.execute = interrupted
     try:
+        # Ctrl+C mid-step (SIGINT reaches rank 0 at its third step): the step ends on every rank, then rank 0 raises,
+        # and the group goes on, as one process would.
+        def signalled(*args, **kwargs):
+            steps.append(execute(*args, **kwargs))
+            if len(steps) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return steps[-1]
+
+        llm.generator.runner.execute = signalled
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, greedy, use_tqdm=False)
+        assert len(steps) == 3 and answers(llm)[:3] == expected[:3]
+        steps.clear()
+        llm.generator.runner.execute = interrupted  # an interrupt raised inside the step itself breaks the group
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, greedy, use_tqdm=False)
         started = time.monotonic()

@@ -342,7 +342,7 @@ class ContinuousBatchGenerator:
         return self._step(only=None)
 
     def _step(self, only: set[str] | None) -> list[RequestOutput]:
-        with self._stepping:
+        with self._stepping, _interrupt_after_step(self.lockstep is not None):
             try:
                 return self._outputs(self._advance(), only)
             except BaseException as err:
@@ -633,6 +633,26 @@ def _signals_ignored():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _interrupt_after_step(hold: bool):
+    """With ``hold`` (a rank of a tensor-parallel group, whose other ranks are in the same step), Ctrl+C waits for the
+    block's end: the SIGINT handler in place (Python's raises `KeyboardInterrupt`) then runs, as if the signal came
+    just after it (in the main thread)."""
+    if not hold or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if caught and callable(previous):
+        previous(signal.SIGINT, caught[-1])
+    elif caught and previous in (signal.SIG_DFL, None):
+        signal.raise_signal(signal.SIGINT)
 
 
 def _per_prompt(value, prompts: list, what: str) -> list:
