@@ -117,12 +117,22 @@ def test_running_out_of_blocks_preempts_the_newest_which_is_recomputed():
 def test_a_preempted_request_keeps_the_prompt_tokens_it_found_cached_when_first_admitted():
     """usage.prompt_tokens_details.cached_tokens: readmitted after a preemption, a request finds its own blocks, its
     output's included, in the prefix cache; what it reports is what it found at its first admission."""
-    scheduler = make_scheduler(num_blocks=6, block_size=4)
-    a, b = make_request("a", range(3, 10), max_tokens=12), make_request("b", range(20, 27), max_tokens=12)
-    run_to_end(scheduler, [a, b])
-    assert scheduler.num_preemptions >= 1
-    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
-    assert_no_leak(scheduler)
+    for fail_readmission in (False, True):  # a step that fails is undone, and admits the request again
+        scheduler = make_scheduler(num_blocks=6, block_size=4)
+        a, b = make_request("a", range(3, 10), max_tokens=12), make_request("b", range(20, 27), max_tokens=12)
+        scheduler.add(a)
+        scheduler.add(b)
+        failed = 0
+        while scheduler.has_work():
+            out = scheduler.schedule()
+            if fail_readmission and not failed and scheduler.num_preemptions and out.admitted:
+                scheduler.rollback(out)
+                failed += 1
+                continue
+            scheduler.update(out, SamplerOutput([10 + seq.num_output_tokens for seq, _ in out.draws]))
+        assert scheduler.num_preemptions >= 1 and failed == fail_readmission
+        assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
+        assert_no_leak(scheduler)
 
 
 def test_n_samples_share_the_prompt_then_diverge():

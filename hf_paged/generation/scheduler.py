@@ -39,6 +39,7 @@ class SchedulerOutput:
     num_tokens: list[int] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue for this step
+    first_admitted: list[Request] = field(default_factory=list)  # admitted for the first time (their cached tokens)
     prefix_matches: list[tuple[int, int]] = field(default_factory=list)  # (tokens, cached) per admission
     num_partial_prefills: int = 0  # prompt chunks that leave the rest of their prompt for later steps
     draws: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -307,6 +308,7 @@ class Scheduler:
         out.prefix_matches.append((seq.num_tokens, num_cached))
         if seq.index == 0 and not seq.request.admitted:
             seq.request.num_cached_tokens, seq.request.admitted = num_cached, True
+            out.first_admitted.append(seq.request)
         out.admitted.append(seq)
         if n:  # a beam admitted with its siblings past the step's budget computes in a later step
             self._take(out, seq, n, copies)
@@ -605,8 +607,8 @@ class Scheduler:
         for seq in reversed(out.admitted):
             if seq.status is SequenceStatus.RUNNING:
                 self._requeue(seq)
-                if seq.index == 0:
-                    seq.request.num_cached_tokens, seq.request.admitted = 0, False
+        for request in out.first_admitted:
+            request.num_cached_tokens, request.admitted = 0, False
 
 
 def _priority(seq: Sequence) -> tuple[int, float]:
