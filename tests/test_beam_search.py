@@ -107,6 +107,14 @@ def test_one_beam_is_greedy_decoding_as_in_generate(smollm2, prompt_ids):
         [sum(step[token] for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)) for o in scored])
 
 
+def test_an_extreme_length_penalty_ranks_beams_without_failing(smollm2, prompt_ids):
+    model, tokenizer = smollm2
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
+    params = [SamplingParams(n=2, use_beam_search=True, max_tokens=6, length_penalty=p) for p in (3e38, -3e38)]
+    outputs = gen.run(prompt_ids[:1] * 2, params, use_tqdm=False)  # length ** 3e38 is past a float's range
+    assert all(output.error is None and len(output.outputs) == 2 for output in outputs)
+
+
 def test_llm_beam_search_returns_vllm_beams(smollm2_path, smollm2, prompt_ids, references):
     """vLLM's beams: the prompt's tokens and text included; a beam that ended at EOS has it as its stop_reason, and
     in its tokens only with include_stop_str_in_output; vLLM's argument order."""

@@ -589,6 +589,7 @@ def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
         (dict(params=lambda: SamplingParams(allowed_token_ids=[1.0])), "allowed_token_ids must be a non-empty list"),
         (dict(params=lambda: SamplingParams(bad_words="bad")), "bad_words must be a list of non-empty strings"),
         (dict(params=lambda: SamplingParams(bad_words=[" "])), "bad_words must be a list of non-empty strings"),
+        (dict(params=lambda: SamplingParams(bad_words=["\ud800"])), r"strings \(that UTF-8 can hold\)"),
         (dict(params=lambda: StructuredOutputsParams(json={"enum": {1, 2}})), "json is not valid JSON"),
         (dict(prompt=[{"role": "user"}]), "cannot be rendered by the tokenizer's chat template"),
         (dict(prompt=[{"role": "user", "content": 5}]), "cannot be rendered by the tokenizer's chat template"),
@@ -596,7 +597,7 @@ def test_abort_frees_the_request_blocks(smollm2, chat_prompts):
     ],
     ids=["empty", "temperature", "top_p", "max_tokens", "seed", "n-float", "nan", "too-long", "stop-token-id",
          "logprobs", "n-too-many", "stop-token-ids-int", "logit-bias-list", "bool-string", "allowed-empty",
-         "allowed-float", "bad-words-string", "bad-words-blank", "schema-not-json",
+         "allowed-float", "bad-words-string", "bad-words-blank", "bad-words-surrogate", "schema-not-json",
          "chat-no-content",
          "chat-int-content", "params-dict"],
 )

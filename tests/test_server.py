@@ -698,7 +698,7 @@ def test_bad_words_and_allowed_token_ids_as_vllm(server, client):
                      "allowed_token_ids")
     assert_error(post(server, "/v1/completions", {**completion, "allowed_token_ids": [5] * 65537}), 400,
                  "allowed_token_ids", "at most 65536")
-    for value in ([""], "Paris", ["x"] * 65, ["x" * 257]):
+    for value in ([""], "Paris", ["x"] * 65, ["x" * 257], ["\ud800"]):
         assert_error(post(server, "/v1/completions", {**completion, "bad_words": value}), 400, "bad_words")
     assert post(server, "/v1/completions", {**completion, "bad_words": ["x"] * 64}).status_code == 200
 

@@ -9,6 +9,7 @@ and their order are `generate`'s wherever the model's logits are.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,7 +130,7 @@ def beam_step(state: BeamState, params: SamplingParams, scores: list[float], row
     length = generated + 1
     sources, tokens, logprobs = (index // ids.shape[1]).tolist(), ids.flatten()[index].tolist(), top.tolist()
     ends = [length >= limit or token in stop_ids for token in tokens]
-    candidates = list(zip(sources, tokens, logprobs, (top / (length**penalty)).tolist(), ends))
+    candidates = list(zip(sources, tokens, logprobs, (top / _length_factor(length, penalty)).tolist(), ends))
     running = [Choice(s, t, lp) for s, t, lp, _, end in candidates if not end][:width]
     finished: list = list(state.finished)
     if state.improvable and not (params.early_stopping is True and len(finished) == width):
@@ -138,10 +139,18 @@ def beam_step(state: BeamState, params: SamplingParams, scores: list[float], row
     improvable = state.improvable
     if running and len(finished) == width:
         horizon = limit if params.early_stopping == "never" and penalty > 0 else length
-        best = torch.tensor(running[0].logprob, dtype=torch.float32) / (horizon**penalty)
+        best = torch.tensor(running[0].logprob, dtype=torch.float32) / _length_factor(horizon, penalty)
         improvable = improvable and best.item() > min(beam.score for beam in finished)
     done = not running or not improvable or (params.early_stopping is True and len(finished) == width)
     return BeamStep(running, finished, improvable, done)
+
+
+def _length_factor(length: int, penalty: float) -> float:
+    """``length ** penalty``, infinite past a float's range (an extreme penalty ranks beams alike, without failing)."""
+    try:
+        return length**penalty
+    except OverflowError:
+        return math.inf
 
 
 def beam_candidates(logits: torch.Tensor, draws: list[tuple[Sequence, int]],

@@ -43,6 +43,15 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_utf8(text: str) -> bool:
+    """False for text that UTF-8 cannot hold (a lone surrogate), which no tokenizer takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -244,8 +253,8 @@ class SamplingParams:
         self._check(all(s for s in self.stop), "stop", self.stop, "non-empty strings")
         self._check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
                     self.allowed_token_ids, "a non-empty list of token ids")
-        self._check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
-                    "a list of non-empty strings")
+        self._check(all(isinstance(w, str) and w.strip() and _is_utf8(w) for w in self.bad_words), "bad_words",
+                    self.bad_words, "a list of non-empty strings (that UTF-8 can hold)")
         self._check(all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias", self.logit_bias,
                     "a map of token ids to numbers in [-100, 100]")
         self._check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
