@@ -403,3 +403,31 @@ def test_answers_streamed_in_any_two_pieces_read_as_whole(text):
                                   '[{"name": "get_time", "arguments": -0.5}'])
 def test_a_constrained_number_streams_whole(text):
     split_everywhere(ToolCallParser("json", tools=[WEATHER, TIME]), text)
+
+
+class _CountedReads(str):
+    reads = 0
+
+    def __getitem__(self, index):
+        _CountedReads.reads += 1
+        return str.__getitem__(self, index)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.text(" \n\tab", max_size=6), st.integers(0, 8)), max_size=30))
+def test_a_streams_trailing_whitespace_is_found_reading_each_character_once(pieces):
+    """Whitespace that a call may follow is held back while a stream is read; where it starts is found again with
+    each new piece. Each character is read once: an answer of whitespace streamed in N pieces cost N^2 reads, seconds
+    of the event loop every request shares."""
+    from hf_paged.server.tool_calls import _TrailingSpace
+
+    spaces, text = _TrailingSpace(), ""
+    for piece, held in pieces:
+        text += piece
+        end = max(0, len(text) - held)
+        assert spaces.start(text, end) == len(text[:end].rstrip())
+    spaces, _CountedReads.reads, text = _TrailingSpace(), 0, "Hi"
+    for _ in range(300):
+        text += "\n" + " " * 80
+        assert spaces.start(_CountedReads(text), len(text)) == 2
+    assert _CountedReads.reads <= len(text) + 300

@@ -179,6 +179,8 @@ class ToolCallStream:
         self.args_start: int | None = None  # where the arguments of the last announced call start, while unfinished
         self.args_sent = 0
         self.ends = _BlockEnds()  # where the block being read ends, searched once per character
+        self.spaces = _TrailingSpace()  # where the text's trailing whitespace starts, read once per character
+        self.tag_from = 0  # no opening tag starts before this (once content is sent)
         self.value = _ValueScan()  # whether the arguments being written may be whole yet, read once per character
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
@@ -194,10 +196,11 @@ class ToolCallStream:
         if not self.holding:
             # Nothing that may begin the tag is ever sent, so a tag cannot start before ``sent``; nor is whitespace
             # that a call may follow (a whole answer's content ends before it).
-            start = self.text.find(OPEN_TAG, self.sent)
+            start = self.text.find(OPEN_TAG, max(self.sent, self.tag_from))
             self.holding = start >= 0
+            self.tag_from = len(self.text) - len(OPEN_TAG) + 1
             end = start if self.holding else len(self.text) - partial_tag(self.text, OPEN_TAG)
-            end = max(self.sent, _rstripped(self.text, end))
+            end = max(self.sent, self.spaces.start(self.text, end))
             content, self.sent = self.text[self.sent:end], end
             self.scan = max(self.scan, self.sent)
         return content, self._call_deltas() if self.holding and self.follow else []
@@ -217,7 +220,7 @@ class ToolCallStream:
             upto = end
             if end is None:  # what may yet begin the block's end, or whitespace before it, waits
                 held = max(partial_tag(self.text, CLOSE_TAG), partial_tag(self.text, OPEN_TAG))
-                upto = _rstripped(self.text, len(self.text) - held)
+                upto = self.spaces.start(self.text, len(self.text) - held)
             if upto > self.args_sent and (end is not None or not quoted):
                 entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
                                                                  "function": {"arguments": ""}})
@@ -277,7 +280,7 @@ class ToolCallStream:
         if end is not None and not _scalar_ends(text, self.args_start, end, close >= 0 or final):
             value, end = None, None  # a number or literal may go on ("1" then ".5"), or is not one ("1.5x")
         if end is None and (close >= 0 or final):
-            return None, max(self.args_sent, _rstripped(text, len(text))), True
+            return None, max(self.args_sent, self.spaces.start(self.text, len(text))), True
         return value, end, False
 
     def finish(self) -> tuple[str, list[dict], bool]:
@@ -541,11 +544,24 @@ class _ValueScan:
         return self.closed
 
 
-def _rstripped(text: str, end: int) -> int:
-    """Where ``text[:end].rstrip()`` ends, without copying it."""
-    while end > 0 and text[end - 1].isspace():
-        end -= 1
-    return end
+class _TrailingSpace:
+    """Where ``text[:end].rstrip()`` ends, of a growing text: a run of whitespace already read is not read again."""
+
+    def __init__(self):
+        self.end, self.run = 0, 0  # text[:end] ends in whitespace from ``run``
+
+    def start(self, text: str, end: int) -> int:
+        if self.run <= end <= self.end:
+            return self.run
+        floor = self.end if end > self.end else 0
+        at = end
+        while at > floor and text[at - 1].isspace():
+            at -= 1
+        if at == floor and floor:
+            at = self.run  # all whitespace back to what was read before: the run goes on
+        if end > self.end:
+            self.end, self.run = end, at
+        return at
 
 
 def _scalar_ends(text: str, start: int, end: int, whole: bool) -> bool:
