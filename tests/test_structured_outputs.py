@@ -73,6 +73,23 @@ def test_compile_errors_name_the_field_and_the_cache_reuses_grammars(smollm2):
     compiler.shutdown()
 
 
+def test_a_constraint_that_compiles_too_long_is_refused_and_the_next_compiles(smollm2):
+    """Some regexes of a few hundred characters take minutes to compile, holding the compiles behind them: past its
+    compile_timeout a constraint is refused (the compile process is killed: a thread cannot be stopped), and the next
+    one compiles in a new process."""
+    _, tokenizer = smollm2
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id], compile_timeout=1)
+    compiler.compile(StructuredOutputsParams(regex="x")).result()  # the process is up
+    slow = "".join(f"[^{chr(0x4E00 + i)}]{{2000}}" for i in range(40))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex did not compile within 1 s"):
+        compiler.compile(StructuredOutputsParams(regex=slow)).result()
+    assert time.monotonic() - started < 30
+    grammar = compiler.compile(StructuredOutputsParams(regex="ab+")).result()
+    assert GrammarMatcher.of(grammar).accept(tokenizer("a", add_special_tokens=False).input_ids[0])
+    compiler.shutdown()
+
+
 @pytest.mark.parametrize("schema, keyword", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "array", "contains": {"const": 1}}, "contains"),

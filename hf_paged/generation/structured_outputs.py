@@ -2,12 +2,13 @@
 
 The only module that knows the backend, xgrammar: its matchers accept a token, roll back and fork cheaply, each
 fills its row of a step's bitmask, and its CPU kernel masks fp32/bf16 logits in place (a Triton/CUDA one on GPU).
-Grammars compile on a background thread, never on the engine thread, and are cached by their constraint's canonical
-text.
+Grammars compile in a process of their own (`grammar_worker`, so one that takes too long can be stopped), waited for
+on a background thread, never on the engine thread, and are cached by their constraint's canonical text.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -21,6 +22,8 @@ from .sampling_params import InvalidParameter, StructuredOutputsParams
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:42: " before a message
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.M)  # a grammar with such a rule is EBNF, else Lark
+# Seconds a constraint may take to compile (vLLM sets none); past them it is refused. The usual ones take well under one.
+COMPILE_TIMEOUT_S = 30.0
 
 
 def _xgrammar():
@@ -89,17 +92,19 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary, off the caller's thread, with an LRU cache.
 
-    ``end_token_ids`` are the tokens a finished grammar allows (the model's end-of-sequence tokens).
+    ``end_token_ids`` are the tokens a finished grammar allows (the model's end-of-sequence tokens); a constraint
+    that takes more than ``compile_timeout`` seconds to compile is refused.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, end_token_ids, cache_size: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, end_token_ids, cache_size: int = 256,
+                 compile_timeout: float = COMPILE_TIMEOUT_S):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.end_token_ids = sorted(end_token_ids)
-        self.cache_size = cache_size
+        self.cache_size, self.compile_timeout = cache_size, compile_timeout
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-grammar")  # one: _compile is not reentrant
-        self._compiler = None  # an xgrammar.GrammarCompiler, built on first use: it reads the whole vocabulary
+        self._info = None  # an xgrammar.TokenizerInfo, built on first use: it reads the whole vocabulary
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """A future of the compiled grammar; it raises ``ValueError`` naming the field if the constraint is invalid.
@@ -119,32 +124,47 @@ class GrammarCompiler:
         return future
 
     def _compile(self, spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+        from .grammar_worker import compile_process
+
         xgrammar = _xgrammar()
-        if self._compiler is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.end_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        compiler = self._compiler
-        try:
-            if spec.json is not None:
-                return compiler.compile_json_schema(spec.json, any_whitespace=False)
-            if spec.json_object:
-                return compiler.compile_json_schema({"type": "object"}, any_whitespace=False)
-            if spec.regex is not None:
-                return compiler.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-            if _EBNF_RULE.search(spec.grammar):
-                return compiler.compile_grammar(spec.grammar)
-            return compiler.compile_lark(spec.grammar)
-        except Exception as err:  # noqa: BLE001 - whatever the backend refuses is this constraint's fault
-            message = _LOG_PREFIX.sub("", str(err)).strip()
-            raise InvalidParameter("structured_outputs",
-                                   f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
+        if self._info is None:
+            self._info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                 stop_token_ids=self.end_token_ids)
+            self._info_json = self._info.serialize_json()
+            self._info_key = hashlib.sha256(self._info_json.encode()).hexdigest()
+        compiled = compile_process().compile(self._info_key, self._info_json, spec, self.compile_timeout)
+        return xgrammar.CompiledGrammar.deserialize_json(compiled, self._info)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def grammar_compiler(tokenizer_info_json: str) -> "xgrammar.GrammarCompiler":
+    """The backend's compiler for a tokenizer (`grammar_worker` builds one per tokenizer)."""
+    xgrammar = _xgrammar()
+    return xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=1,
+                                    cache_enabled=False)
+
+
+def compile_grammar(compiler: "xgrammar.GrammarCompiler", spec: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+    """``spec``'s grammar (in `grammar_worker`'s process); ``InvalidParameter`` names what the backend refuses."""
+    try:
+        if spec.json is not None:
+            return compiler.compile_json_schema(spec.json, any_whitespace=False)
+        if spec.json_object:
+            return compiler.compile_json_schema({"type": "object"}, any_whitespace=False)
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
+        if _EBNF_RULE.search(spec.grammar):
+            return compiler.compile_grammar(spec.grammar)
+        return compiler.compile_lark(spec.grammar)
+    except Exception as err:  # noqa: BLE001 - whatever the backend refuses is this constraint's fault
+        message = _LOG_PREFIX.sub("", str(err)).strip()
+        raise InvalidParameter("structured_outputs",
+                               f"SamplingParams.structured_outputs.{spec.kind} is invalid: {message}") from None
 
 
 # JSON schema keywords xgrammar 0.2 compiles but does not enforce (vLLM refuses several of them for it too).
