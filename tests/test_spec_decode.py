@@ -298,6 +298,12 @@ def test_metrics_report_acceptance(smollm2, grounded_prompts):
     assert f"hf_paged:spec_decode_num_accepted_tokens_total {float(stats.spec_decode_num_accepted_tokens)}" in text
     assert f"hf_paged:spec_decode_acceptance_rate {stats.spec_decode_acceptance_rate}" in text
     assert stats.spec_decode_num_drafts > 0
+    # vLLM's per-position counts: each kept guess at its position; a guess is kept only after those before it.
+    name = 'hf_paged:spec_decode_num_accepted_tokens_per_pos_total{model_name="",position="%d"} '
+    kept = [float(text.split(name % p)[1].split()[0])
+            for p in range(len(stats.spec_decode_num_accepted_tokens_per_pos))]
+    assert kept == list(stats.spec_decode_num_accepted_tokens_per_pos) == sorted(kept, reverse=True)
+    assert sum(kept) == stats.spec_decode_num_accepted_tokens and kept[0] > 0
 
 
 def test_n_samples_of_a_prompt_whose_last_chunk_is_one_token_start_without_guesses(smollm2):

@@ -618,7 +618,8 @@ class ContinuousBatchGenerator:
         if s is None:
             return {}
         return dict(spec_decode_num_drafts=s.num_drafts, spec_decode_num_draft_tokens=s.num_draft_tokens,
-                    spec_decode_num_accepted_tokens=s.num_accepted_tokens)
+                    spec_decode_num_accepted_tokens=s.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=tuple(s.num_accepted_per_position))
 
 
 @contextlib.contextmanager

@@ -81,6 +81,7 @@ class Speculator:
         self.num_drafts = 0  # verifications of at least one guess
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_per_position = [0] * config.num_speculative_tokens  # guesses kept at each position
 
     def budget(self, seq: Sequence) -> int:
         """How many guesses ``seq`` may take now: none while it is prefilling, is a beam, asks for logprobs,
@@ -141,6 +142,8 @@ class Speculator:
             self.num_drafts += 1
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += len(kept) - 1
+            for position in range(len(kept) - 1):
+                self.num_accepted_per_position[position] += 1
             seq.spec_window = next_window(seq.spec_window, len(drafts), len(kept) - 1,
                                           self.config.num_speculative_tokens)
 

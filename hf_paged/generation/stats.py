@@ -22,6 +22,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # guesses kept at each position (the first: 0)
     # LoRA (an engine with enable_lora): max_loras, and the names of the adapters of running and of waiting requests.
     max_loras: int = 0
     running_lora_adapters: tuple[str, ...] = ()

@@ -66,6 +66,9 @@ class ServerMetrics:
                          for name in _COUNTERS}
         self.spec_acceptance = made(Gauge, "spec_decode_acceptance_rate",
                                     "Speculative guesses kept over guesses verified, since the engine started.")
+        self.spec_per_position = Counter(f"{prefix}:spec_decode_num_accepted_tokens_per_pos", "Speculative guesses "
+                                         "kept at each position of the guesses.", ["model_name", "position"],
+                                         registry=self.registry)
         self.spec_length = made(Gauge, "spec_decode_mean_accepted_length",
                                 "Tokens a sequence gained per step that verified its speculative guesses.")
         self.request_success = Counter(f"{prefix}:request_success", "Finished samples (each of a request's n, as "
@@ -108,6 +111,7 @@ class ServerMetrics:
                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
         self._lora_labels: tuple[str, str, str] | None = None
         self._last = dict.fromkeys(_COUNTERS, 0)
+        self._last_per_position: dict[int, int] = {}
         self._last_token_time: dict[str, float] = {}  # requests in flight that have tokens: when they last got some
         # Requests in flight: each sample's tokens so far and its finish reason (a sample may finish before the rest).
         self._samples: dict[str, dict[int, tuple[int, str | None]]] = {}
@@ -138,6 +142,12 @@ class ServerMetrics:
             self.spec_length.set(stats.spec_decode_mean_accepted_length)
         if stats.max_loras:
             self._observe_loras(stats)
+        for position, kept in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            counted = self._last_per_position.get(position, 0)
+            series = self.spec_per_position.labels(model_name=self.model_name, position=str(position))
+            if kept > counted:
+                series.inc(kept - counted)
+            self._last_per_position[position] = kept
         self.iteration_tokens.observe(stats.prompt_tokens - self._last["prompt_tokens"] + stats.generation_tokens
                                       - self._last["generation_tokens"])
         for name in _COUNTERS:
