@@ -6,9 +6,12 @@ block (`ReasoningEnd`), so a thinking model thinks freely and then answers in th
 
 Whether an answer starts inside the reasoning is read from the end of its prompt: templates that open the block
 themselves (DeepSeek-R1's, Qwen3's newer ones) end the prompt with ``<think>``; Qwen3's with ``enable_thinking=False``
-end it with an empty, closed block, and others with no tag. Otherwise an answer that opens with ``<think>`` (after
-blank space) reasons until ``</think>``. An answer that never closes its block is all reasoning. vLLM's parser names
-``deepseek_r1`` and ``qwen3`` both read these tags.
+end it with an empty, closed block, and others with no tag. Under ``qwen3`` an answer to another prompt that opens
+with ``<think>`` (after blank space) reasons until ``</think>``, and one that does not is content; under
+``deepseek_r1``, as vLLM's, an answer reasons until ``</think>`` unless its prompt closed the block (DeepSeek-R1 may
+leave its ``<think>`` out). A message continued (``continue_final_message``) is inside a block it opened and did not
+close. An answer's own leading ``<think>`` is no part of its reasoning; one that never closes its block is all
+reasoning.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
 
-def opens_reasoning(prompt: str) -> bool:
+def opens_reasoning(prompt: str, parser: str = "qwen3", continued: str | None = None) -> bool:
     """Whether an answer to ``prompt`` starts inside a reasoning block: the prompt ends by opening one (not a tag
-    that a message quotes)."""
-    return prompt.rstrip().endswith(OPEN)
+    that a message quotes), or under ``deepseek_r1`` does not end by closing one; ``continued`` (the final message's
+    text, which the answer continues) decides where it has a tag."""
+    if continued is not None and (OPEN in continued or CLOSE in continued):
+        return continued.rfind(OPEN) > continued.rfind(CLOSE)
+    end = prompt.rstrip()
+    return not end.endswith(CLOSE) if parser == "deepseek_r1" else end.endswith(OPEN)
 
 
 class ReasoningEnd:
@@ -35,15 +42,15 @@ class ReasoningEnd:
     and DeepSeek-R1's tokenizers; elsewhere such a prompt is constrained from its first token.
     """
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, parser: str = "qwen3"):
+        self.tokenizer, self.parser = tokenizer, parser
         self.open_id, self.close_id = _one_token(tokenizer, OPEN), _one_token(tokenizer, CLOSE)
 
     def start(self, prompt_token_ids: list[int]) -> str:
-        """``"inside"`` (the prompt opens the block), ``"may_open"`` (the first token may open one) or ``"after"``
-        (constrained from the first token)."""
+        """``"inside"`` (the prompt opens the block, or under ``deepseek_r1`` did not close one), ``"may_open"`` (the
+        first token may open one) or ``"after"`` (constrained from the first token)."""
         end = self.tokenizer.decode(prompt_token_ids[-16:]).rstrip()
-        if opens_reasoning(end):
+        if opens_reasoning(end, self.parser):
             return "inside"
         return "after" if end.endswith(CLOSE) or self.open_id is None else "may_open"
 
@@ -75,8 +82,8 @@ def partial_tag(text: str, tag: str) -> int:
 class ReasoningParser:
     """Splits the answers to one prompt; `split` reads a whole answer, `stream` one that comes in pieces."""
 
-    def __init__(self, prompt: str):
-        self.starts_inside = opens_reasoning(prompt)
+    def __init__(self, prompt: str, parser: str = "qwen3", continued: str | None = None):
+        self.starts_inside = opens_reasoning(prompt, parser, continued)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """``(reasoning, content)``; None for a part the answer does not have."""
@@ -97,7 +104,8 @@ class ReasoningStream:
     holding back what might be the start of a tag; `finish` returns what is held."""
 
     def __init__(self, inside: bool):
-        self.state = "reasoning" if inside else "start"
+        self.inside = inside  # the answer starts inside the block: a leading tag of its own is dropped
+        self.state = "start"
         self.reasoned = inside  # whether the answer has a reasoning part
         self.held = ""
 
@@ -108,10 +116,13 @@ class ReasoningStream:
             if OPEN.startswith(opening):  # blank, or perhaps the start of the tag: wait for more
                 self.held = text
                 return "", ""
-            if not opening.startswith(OPEN):
+            if opening.startswith(OPEN):
+                self.state, self.reasoned, text = "reasoning", True, opening[len(OPEN):]
+            elif self.inside:
+                self.state = "reasoning"
+            else:
                 self.state = "content"
                 return "", text
-            self.state, self.reasoned, text = "reasoning", True, opening[len(OPEN):]
         if self.state == "content":
             return "", text
         end = text.find(CLOSE)
@@ -127,4 +138,4 @@ class ReasoningStream:
         if self.state == "start" and held.lstrip() == OPEN:  # the block opened, then the answer was cut
             self.state, self.reasoned = "reasoning", True
             return "", ""
-        return (held, "") if self.state == "reasoning" else ("", held)
+        return (held, "") if self.state == "reasoning" or self.state == "start" and self.inside else ("", held)

@@ -22,6 +22,7 @@ OPENS_THE_BLOCK = "<|im_start|>assistant\n<think>\n"
 
 @pytest.mark.parametrize("prompt, answer, expected", [
     (OPENS_THE_BLOCK, "plan it</think>\n\nDone.", ("plan it", "\n\nDone.")),
+    (OPENS_THE_BLOCK, "<think>plan</think>Done.", ("plan", "Done.")),  # the answer's own tag is no reasoning
     (OPENS_THE_BLOCK, "still thinking", ("still thinking", None)),  # never closed: all reasoning
     (OPENS_THE_BLOCK, "plan it</think>", ("plan it", None)),
     ("<|im_start|>assistant\n", "  <think>plan</think>Done.", ("plan", "Done.")),  # the model opens it
@@ -37,13 +38,35 @@ def test_a_whole_answer_splits_by_its_prompt_and_tags(prompt, answer, expected):
     assert ReasoningParser(prompt).split(answer) == expected
 
 
+@pytest.mark.parametrize("prompt, answer, expected", [
+    ("<|im_start|>assistant\n", "Let me plan</think> The answer is 4", ("Let me plan", " The answer is 4")),
+    ("<|im_start|>assistant\n", "Done.", ("Done.", None)),  # never closed: all reasoning
+    ("<|im_start|>assistant\n", "  <think>plan</think>Done.", ("plan", "Done.")),
+    (OPENS_THE_BLOCK, "plan</think>Done.", ("plan", "Done.")),
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Done.", (None, "Done.")),  # the prompt closed it
+])
+def test_deepseek_r1_reasons_until_the_block_closes_as_vllms(prompt, answer, expected):
+    """vLLM's deepseek_r1: DeepSeek-R1 may leave its <think> out, so an answer reasons until </think>."""
+    assert ReasoningParser(prompt, "deepseek_r1").split(answer) == expected
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_continued_message_is_inside_the_block_it_opened(parser):
+    prompt = "<|im_start|>assistant\n<think>\nI will"
+    assert ReasoningParser(prompt, parser, continued="<think>\nI will").split(" plan it</think> The answer is 4") \
+        == (" plan it", " The answer is 4")
+    assert ReasoningParser(prompt + "</think>ok", parser, continued="<think>\nI will</think>ok").split(" then") == \
+        (None, " then")
+
+
 PIECES = ["<think>", "</think>", "<", "</", "<th", "</thi", "think>", "ink>", "a", " ", "\n", "Done."]
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.booleans(), st.lists(st.sampled_from(PIECES), max_size=8), st.integers(1, 9))
-def test_any_answer_streams_as_its_whole_answer_splits(inside, pieces, step):
-    parser = ReasoningParser(OPENS_THE_BLOCK if inside else "")
+@given(st.booleans(), st.sampled_from(["qwen3", "deepseek_r1"]), st.lists(st.sampled_from(PIECES), max_size=8),
+       st.integers(1, 9))
+def test_any_answer_streams_as_its_whole_answer_splits(inside, name, pieces, step):
+    parser = ReasoningParser(OPENS_THE_BLOCK if inside else "", name)
     text = "".join(pieces)
     stream, reasoning, content = parser.stream(), "", ""
     for start in range(0, len(text), step):
@@ -121,6 +144,13 @@ def test_replies_carry_their_reasoning_apart_streamed_or_not(thinking_server):
         message = answer.choices[0].message
         assert message.reasoning == ""
         assert message.tool_calls if "tools" in extra else message.content.startswith("{")
+    # A reply that continues an assistant message is inside a block that message opened and did not close, and
+    # after one it closed.
+    for text, expected in (("<think>\nI will", ("", "</think>")), ("<think>\nplan</think>The", (None, "</think>" * 2))):
+        continued = {**closing, "extra_body": {"continue_final_message": True, "add_generation_prompt": False},
+                     "max_tokens": 2, "messages": asked["messages"] + [{"role": "assistant", "content": text}]}
+        whole, streamed = _replies(client, continued)
+        assert (whole["reasoning"], whole["content"]) == expected
 
 
 def test_a_response_answers_the_reasoning_as_its_own_item(thinking_server):
@@ -160,6 +190,10 @@ def test_a_constraint_starts_when_the_reasoning_block_ends(smollm2_path):
                            structured_outputs=choice)
     [free] = [output.outputs[0].text for output in generator.run(prompts[2:], opens)]
     assert free in ("<think></think>yes", "<think></think>no")
+    # Under deepseek_r1 (vLLM's), a prompt that did not close the block reasons first: DeepSeek-R1 may leave <think> out.
+    r1 = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, reasoning_parser="deepseek_r1")
+    thinking, off, plain = [output.outputs[0].text for output in r1.run(prompts, closes)]
+    assert thinking in ("</think>yes", "</think>no") and off in ("yes", "no") and plain in ("</think>yes", "</think>no")
     without = ContinuousBatchGenerator(model, tokenizer, num_blocks=64)
     assert all(output.outputs[0].text in ("yes", "no") for output in without.run(prompts, closes))
     assert without.run(prompts[2:], opens)[0].outputs[0].text in ("yes", "no")

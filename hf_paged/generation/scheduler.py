@@ -75,7 +75,8 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.detokenizer = detokenizer
         self.max_model_len = max_model_len
-        self.reasoning_end = ReasoningEnd(detokenizer.tokenizer) if config.reasoning_parser else None
+        self.reasoning_end = ReasoningEnd(detokenizer.tokenizer, config.reasoning_parser) if config.reasoning_parser \
+            else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.compiling: dict[str, Request] = {}  # constrained requests whose grammar is not compiled yet, by id
