@@ -950,10 +950,13 @@ def _check_before_launch(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 def with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """``argv`` with its ``--config FILE`` replaced by the file's options, those the command line gives left out."""
-    at = next((i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")), None)
+    found = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
     command = parser._subparsers._group_actions[0].choices.get(argv[0]) if argv else None
-    if at is None or command is None:
+    if not found or command is None:
         return argv
+    if len(found) > 1:
+        parser.error("argument --config: given more than once (one file holds the options)")
+    at = found[0]
     path = argv[at].partition("=")[2] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else None)
     if path is None:
         parser.error("argument --config: expected a file")
@@ -968,21 +971,43 @@ def with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[s
     if not isinstance(options, dict):
         parser.error(f"--config {path}: the file must hold a mapping of option names to values")
     actions = command._option_string_actions
-    given = {actions[arg.partition("=")[0]].dest for arg in argv if arg.partition("=")[0] in actions}
+    given = {action.dest for arg in argv if (action := _option_of(actions, arg)) is not None}
     added, model = [], options.pop("model", None)
     for key, value in options.items():
         flag = "--" + str(key).replace("_", "-")
         action = actions.get(flag)
         if action is None or action.dest in ("help", "config"):
             parser.error(f"--config {path}: {key!r} is no option of hf-paged {argv[0]}")
-        if action.dest in given or value is None or value is False and action.nargs == 0:
-            continue
-        values = value if isinstance(value, list) else [] if action.nargs == 0 else [value]
-        added += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in values)]
+        if action.dest not in given and value is not None and value != []:
+            added += _config_arguments(parser, f"--config {path}: {key}", flag, action, value)
     argv = argv + added  # last: an option of several values given first would take the model for one
     if model is not None and command.parse_args(argv[1:]).model is None:
         argv.insert(1, str(model))
     return argv
+
+
+def _option_of(actions: dict, arg: str):
+    """The option an argument of the command line sets (``--name``, ``--name=value``, ``-t4``), or None."""
+    if not arg.startswith("-"):
+        return None
+    if arg.startswith("--"):
+        return actions.get(arg.partition("=")[0])
+    return next((actions[arg[:size]] for size in range(len(arg), 1, -1) if arg[:size] in actions), None)
+
+
+def _config_arguments(parser: argparse.ArgumentParser, where: str, flag: str, action, value) -> list[str]:
+    """A config file's option as command-line arguments: a flag's true or false, each value of an option given
+    several times (``--api-key``), an object as JSON."""
+    if action.nargs == 0:
+        if not isinstance(value, bool):
+            parser.error(f"{where} is true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value else []
+    values = [json.dumps(v) if isinstance(v, dict) else str(v) for v in (value if isinstance(value, list) else [value])]
+    if isinstance(action, argparse._AppendAction):
+        return [item for text in values for item in (flag, text)]
+    return [flag, *values]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1446,15 +1446,22 @@ def test_cli_options_from_a_config_file_as_vllms(tmp_path, capsys):
     argv = ["serve", "mine", "--seed", "1", f"--config={config}", "--served-model-name", "c"]
     args = parser.parse_args(with_config_file(parser, argv))
     assert (args.model, args.seed, args.served_model_name, args.max_model_len) == ("mine", 1, ["c"], 2000)
-    config.write_text("model: /from/config\nmax_tokens: 5\n")
-    args = parser.parse_args(with_config_file(parser, ["generate", "Hi", "--config", str(config)]))
-    assert (args.model, args.prompt, args.max_tokens) == ("/from/config", "Hi", 5)
+    config.write_text("model: /from/config\nmax_tokens: 5\nchat: false\nthreads: 2\n")
+    args = parser.parse_args(with_config_file(parser, ["generate", "Hi", "-t4", "--config", str(config)]))
+    assert (args.model, args.prompt, args.max_tokens, args.chat, args.threads) == ("/from/config", "Hi", 5, False, 4)
+    config.write_text("api-key: [k1, k2]\nmodel: /m\nserved-model-name: []\n")  # an option given once per value
+    args = parser.parse_args(with_config_file(parser, ["serve", "--config", str(config)]))
+    assert (args.model, args.api_key, args.served_model_name) == ("/m", ["k1", "k2"], None)
     for text, words in (("port: 8000\n", "'port' is no option of hf-paged generate"),
-                        ("- a\n", "must hold a mapping"), ("a: [\n", "--config")):
+                        ("- a\n", "must hold a mapping"), ("a: [\n", "--config"),
+                        ("trust-remote-code: 0\n", "trust-remote-code is true or false, got 0")):
         config.write_text(text)
         with pytest.raises(SystemExit) as done:
             main(["generate", "Hi", "--config", str(config)])
         assert done.value.code == 2 and words in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "Hi", "--config", str(config), "--config=other.yaml"])
+    assert done.value.code == 2 and "--config: given more than once" in capsys.readouterr().err
 
 
 def test_cli_serve_on_port_0_says_the_port_it_got(smollm2_path, tmp_path):
