@@ -738,13 +738,15 @@ def test_a_request_failed_mid_decode_is_counted_once_as_an_error(server, monkeyp
 
     monkeypatch.setattr(runner, "execute", fail_third)
     errors = metric(server, "hf_paged:request_success_total", finished_reason="error")
+    aborts = metric(server, "hf_paged:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         assert "engine failed" in response.read().decode()
     wait_until_idle(server.generator)
     assert metric(server, "hf_paged:request_success_total", finished_reason="error") == errors + 1
-    assert not metrics._samples and not metrics._last_token_time  # nothing kept for a request that is gone
+    assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborts  # its abort is that
+    assert not metrics._samples and not metrics._last_token_time and not metrics._failed  # nothing kept
 
 
 def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):

@@ -116,6 +116,7 @@ class ServerMetrics:
         # Requests in flight: each sample's tokens so far and its finish reason (a sample may finish before the rest).
         self._samples: dict[str, dict[int, tuple[int, str | None]]] = {}
         self._params: dict[str, tuple[int, int | None]] = {}  # requests in flight: their n and max_tokens
+        self._failed: set[str] = set()  # requests in flight that a failed step failed
 
     def set_cache_config(self, **config: object) -> None:
         """vLLM's ``cache_config_info``: one series, labelled with the KV cache's settings, set to 1."""
@@ -171,12 +172,9 @@ class ServerMetrics:
                 self._observe_finished(output)
 
     def observe_failed(self, request_ids: list[str]) -> None:
-        """Requests the engine failed as a whole (a failed step), which get no final output: counted as errors."""
-        for request_id in request_ids:
-            self._last_token_time.pop(request_id, None)
-            self._samples.pop(request_id, None)
-            self._params.pop(request_id, None)
-            self.request_success.labels(model_name=self.model_name, finished_reason="error").inc()
+        """Requests the engine failed as a whole (a failed step), then aborted: their final output, an abort, counts
+        as an error."""
+        self._failed.update(request_ids)
 
     def _observe_loras(self, stats: EngineStats) -> None:
         labels = (str(stats.max_loras), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
@@ -197,7 +195,9 @@ class ServerMetrics:
     def _observe_finished(self, output: RequestOutput) -> None:
         self._last_token_time.pop(output.request_id, None)
         samples = self._samples.pop(output.request_id, {})
-        reasons = ["error"] if output.error is not None else [reason or "abort" for _, reason in samples.values()]
+        failed = output.error is not None or output.request_id in self._failed
+        self._failed.discard(output.request_id)
+        reasons = ["error"] if failed else [reason or "abort" for _, reason in samples.values()]
         for reason in reasons or ["abort"]:
             self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
         n, max_tokens = self._params.pop(output.request_id, (None, None))
