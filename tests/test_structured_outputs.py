@@ -90,6 +90,38 @@ def test_a_constraint_that_compiles_too_long_is_refused_and_the_next_compiles(sm
     compiler.shutdown()
 
 
+def test_the_compile_process_survives_many_descriptors_and_its_own_death(smollm2):
+    """A busy server holds more than 1024 descriptors (the most select() takes): the compile process starts past them.
+    A process killed mid-compile (for memory, say) fails that compile by name, not as the constraint's fault, and the
+    same constraint compiles again in a new process."""
+    import os
+    import signal
+
+    from hf_paged.generation.grammar_worker import compile_process
+
+    _, tokenizer = smollm2
+    compiler = GrammarCompiler(tokenizer, 49152, [tokenizer.eos_token_id], compile_timeout=3)
+    compile_process().close()
+    held = [open(os.devnull) for _ in range(1100)]
+    try:
+        compiler.compile(StructuredOutputsParams(regex="x")).result()
+        assert compile_process()._process.stdout.fileno() > 1024
+    finally:
+        for file in held:
+            file.close()
+    slow = StructuredOutputsParams(regex="".join(f"[^{chr(0x4E00 + i)}]{{2000}}" for i in range(40)))
+    future = compiler.compile(slow)
+    time.sleep(1)
+    os.kill(compile_process()._process.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="the grammar compile process ended"):
+        future.result()
+    with pytest.raises(ValueError, match="did not compile within 3 s"):  # tried again, in a new process
+        compiler.compile(slow).result()
+    grammar = compiler.compile(StructuredOutputsParams(regex="ab+")).result()
+    assert GrammarMatcher.of(grammar).accept(tokenizer("a", add_special_tokens=False).input_ids[0])
+    compiler.shutdown()
+
+
 @pytest.mark.parametrize("schema, keyword", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "array", "contains": {"const": 1}}, "contains"),

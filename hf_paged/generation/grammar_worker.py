@@ -10,15 +10,14 @@ compile, and reads back ``(True, the compiled grammar's JSON)`` or ``(False, the
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
 import select
-import signal
 import struct
 import subprocess
 import sys
 import threading
+import time
 
 from .sampling_params import InvalidParameter, StructuredOutputsParams
 
@@ -40,24 +39,30 @@ def _read(stream):
 
 
 class CompileProcess:
-    """The compile process, started at the first compile and again after one was killed."""
+    """The compile process, started at the first compile and again after one was killed; at exit it is killed before
+    the threads that wait on it are joined."""
 
     def __init__(self):
         self._process: subprocess.Popen | None = None
         self._tokenizers: set[str] = set()  # keys of the tokenizer infos the process has
         self._lock = threading.Lock()  # one compile at a time
-        atexit.register(self.close)
+        self._exiting = False
+        threading._register_atexit(self._exit)  # before concurrent.futures joins its threads (atexit runs after)
 
     def compile(self, key: str, info_json: str, spec: StructuredOutputsParams, timeout: float) -> str:
         """The compiled grammar of ``spec`` as JSON; raises ``InvalidParameter`` for an invalid constraint or one that
-        does not compile within ``timeout`` seconds."""
+        does not compile within ``timeout`` seconds, ``RuntimeError`` when the process fails."""
         with self._lock:
-            process = self._started()
-            if key not in self._tokenizers:
-                _write(process.stdin, ("tokenizer", key, info_json))
-                self._tokenizers.add(key)
-            _write(process.stdin, ("compile", key, spec))
-            answer = self._answer(timeout)
+            try:
+                process = self._started()
+                if key not in self._tokenizers:
+                    _write(process.stdin, ("tokenizer", key, info_json))
+                    self._tokenizers.add(key)
+                _write(process.stdin, ("compile", key, spec))
+                answer = _answer(process, timeout)
+            except BaseException:
+                self.close()
+                raise
             if answer is None:
                 self.close()
                 raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.{spec.kind} did not "
@@ -68,27 +73,41 @@ class CompileProcess:
         return payload
 
     def _started(self) -> subprocess.Popen:
+        if self._exiting:
+            raise RuntimeError("the interpreter is exiting: no grammar compiles")
         if self._process is None or self._process.poll() is not None:
             self.close()
-            self._process = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE)
-            if self._answer(START_TIMEOUT_S) != "ready":
-                self.close()
+            # A session of its own: a terminal's Ctrl+C is the parent's to act on (the process ends with it).
+            self._process = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid())],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+            if _answer(self._process, START_TIMEOUT_S) != "ready":
                 raise RuntimeError("the grammar compile process did not start (see its errors above)")
         return self._process
 
-    def _answer(self, timeout: float):
-        """The process's next message; None when it does not come within ``timeout`` or the process ended."""
-        ready, _, _ = select.select([self._process.stdout], [], [], timeout)
-        return _read(self._process.stdout) if ready else None
+    def _exit(self) -> None:
+        self._exiting = True
+        self.close()
 
     def close(self) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-            self._process.stdin.close()
-            self._process.stdout.close()
-        self._process, self._tokenizers = None, set()
+        process, self._process, self._tokenizers = self._process, None, set()
+        if process is not None:
+            process.kill()
+            process.wait()
+            process.stdin.close()
+            process.stdout.close()
+
+
+def _answer(process: subprocess.Popen, timeout: float):
+    """The process's next message; None when it does not come within ``timeout``. ``RuntimeError`` when the process
+    ended (killed, say, for memory)."""
+    poller = select.poll()  # not select(), which takes no descriptor past 1023 (a busy server has more)
+    poller.register(process.stdout, select.POLLIN)
+    if not poller.poll(timeout * 1000):
+        return None
+    message = _read(process.stdout)
+    if message is None:
+        raise RuntimeError(f"the grammar compile process ended (exit code {process.wait()})")
+    return message
 
 
 _SHARED: CompileProcess | None = None
@@ -103,10 +122,17 @@ def compile_process() -> CompileProcess:
         return _SHARED
 
 
+def _end_with(parent: int) -> None:
+    """End this process once ``parent`` has ended (killed, say): a compile in progress would otherwise go on."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def main() -> None:
     from .structured_outputs import compile_grammar, grammar_compiler
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole terminal: the parent ends this process
+    threading.Thread(target=_end_with, args=(int(sys.argv[1]),), daemon=True).start()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else writes to stdout goes to stderr
     compilers = {}

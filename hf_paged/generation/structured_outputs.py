@@ -116,7 +116,7 @@ class GrammarCompiler:
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
-            if future is None or future.cancelled():
+            if future is None or future.cancelled() or _failed_by_chance(future):
                 future = self._cache[key] = self._pool.submit(self._compile, spec)
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
@@ -137,6 +137,11 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _failed_by_chance(future: Future) -> bool:
+    """Whether a compile failed for a reason other than its constraint (its process killed, say): it is tried again."""
+    return future.done() and not isinstance(future.exception(), (type(None), InvalidParameter))
 
 
 def grammar_compiler(tokenizer_info_json: str) -> "xgrammar.GrammarCompiler":
