@@ -207,6 +207,7 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, adapter,
     assert config.replica.allowed_origins == ("https://a.example", "https://b.example")
     assert not config.prefix_affinity and config.scaling()["autoscaling_config"] == {
         "min_replicas": 2, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 32}
+    assert config.scaling()["graceful_shutdown_timeout_s"] == 300  # a replica scaled down finishes its streams
     with pytest.raises(SystemExit):
         main(["serve-ray", smollm2_path, "--num-replicas", "5", "--min-replicas", "1", "--max-replicas", "4"])
     assert "num_replicas (5) must lie between" in capsys.readouterr().err

@@ -39,6 +39,9 @@ class ServeRayConfig:
     replica_gpus: float = 0.0
     prefix_affinity: bool = True  # False: the less loaded of two random replicas, always
     max_imbalance: int = 8
+    # A replica that is scaled down (or replaced) finishes its requests for up to this long (Serve's default, 20 s,
+    # cut long streams off).
+    graceful_shutdown_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.num_replicas is None:
@@ -54,15 +57,16 @@ class ServeRayConfig:
         for name in ("target_ongoing_requests", "max_ongoing_requests"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("replica_cpus", "replica_gpus"):
+        for name in ("replica_cpus", "replica_gpus", "graceful_shutdown_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def scaling(self) -> dict:
-        """The engine deployment's replica count or autoscaling options."""
+        """The engine deployment's replica count or autoscaling options, and how long a replica scaled down has."""
+        drain = {"graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
         if self.max_replicas is None:
-            return {"num_replicas": self.num_replicas}
-        return {"num_replicas": "auto", "autoscaling_config": {
+            return {"num_replicas": self.num_replicas, **drain}
+        return {"num_replicas": "auto", **drain, "autoscaling_config": {
             "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
             "initial_replicas": self.num_replicas, "target_ongoing_requests": self.target_ongoing_requests}}
 
