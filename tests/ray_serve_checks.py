@@ -29,7 +29,7 @@ from hf_paged.default_model import DEFAULT_MODEL_NAME
 from hf_paged.server import create_app
 from hf_paged.server.limits import ServerLimits
 from hf_paged.serve_ray import APP_NAME, ReplicaSpec, ServeRayConfig, build_app, ingress
-from hf_paged.serve_ray.affinity import AffinityTable, prefix_hashes
+from hf_paged.serve_ray.affinity import AffinityTable, affinity_replica, prefix_hashes
 
 pytestmark = pytest.mark.slow
 
@@ -131,6 +131,20 @@ def test_affinity_table_prefers_the_longest_prefix_of_a_live_replica():
     assert table.best(hashes, {"a", "b"}) == ("b", 5) and table.matched(hashes, "c") == 0
     table.record(prefix_hashes(list(range(200, 300)), 16), "a")  # 6 more: the 2 least recent are dropped
     assert table.best(hashes, {"b"}) == ("b", 5) and table.best(hashes[:3], {"b"}) == (None, 0)
+
+
+def test_a_replica_is_chosen_for_a_prefix_that_is_most_of_the_prompt_while_it_is_not_overloaded():
+    """A short prefix every request shares (a template's default system prompt) sent every chat to one replica while
+    the other idled: it takes more than half of the prompt's blocks, and the load within max_imbalance."""
+    hashes = prefix_hashes(list(range(100)), 16)  # 6 blocks
+    table = AffinityTable()
+    table.record(hashes[:3], "a")
+    assert affinity_replica(table, hashes, {"a": 0, "b": 0}, 8) is None  # half the prompt: balanced
+    table.record(hashes[:4], "a")
+    assert affinity_replica(table, hashes, {"a": 8, "b": 0}, 8) == "a"
+    assert affinity_replica(table, hashes, {"a": 9, "b": 0}, 8) is None  # overloaded
+    assert affinity_replica(table, hashes, {"b": 0}, 8) is None  # not alive
+    assert affinity_replica(table, [], {"a": 0, "b": 0}, 8) is None  # a prompt of less than a block
 
 
 def test_a_lora_adapters_requests_are_routed_apart_from_the_base_models(smollm2_path):

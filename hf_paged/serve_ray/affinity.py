@@ -9,7 +9,7 @@ knows: the replica may have evicted it since).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 
 from ..cache.kv_cache_manager import block_hash
 
@@ -60,3 +60,15 @@ class AffinityTable:
         """Drop every block of a replica that is gone."""
         for key in [k for k, owner in self._owner.items() if owner == replica]:
             del self._owner[key]
+
+
+def affinity_replica(table: AffinityTable, hashes: Sequence[bytes], in_flight: Mapping[Hashable, int],
+                     max_imbalance: int) -> Hashable | None:
+    """The replica a prompt goes to for its cached prefix, or None (balance the load instead): the live replica (a
+    key of ``in_flight``, its requests in flight) that was sent the longest prefix of ``hashes``, if that prefix is
+    most of the prompt (a short one, such as a chat template's default system prompt, that every request shares would
+    send them all to one replica) and that replica has at most ``max_imbalance`` requests more than the least busy."""
+    best, blocks = table.best(hashes, in_flight)
+    if best is None or 2 * blocks <= len(hashes):
+        return None
+    return best if in_flight[best] - min(in_flight.values()) <= max_imbalance else None

@@ -1,9 +1,9 @@
 """`PrefixAffinityRouter`: Ray Serve's request router for the engine replicas.
 
 A request carries its prompt's block hashes (``prefix=`` keyword, computed by the ingress). It goes to the replica
-that was last sent the longest prefix of them, unless that replica has more than ``max_imbalance`` requests in flight
-from this router beyond the least busy one's; otherwise, and when no replica was sent its first block, to the less
-loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only (the ingress reads each
+that was last sent the longest prefix of them, when that prefix is more than half the prompt and that replica has at
+most ``max_imbalance`` requests in flight from this router beyond the least busy one's (`affinity_replica`);
+otherwise to the less loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only (the ingress reads each
 replica's metrics that way).
 
 The router lives in the ingress's process; `registry.router_of(app_name)` finds it there, for its statistics.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from . import registry
-from .affinity import AffinityTable
+from .affinity import AffinityTable, affinity_replica
 
 
 @dataclass
@@ -54,14 +54,9 @@ class PrefixAffinityRouter(RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         balanced = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         by_id = {r.replica_id: r for r in candidate_replicas}
-        best, _ = self.table.best(kwargs.get("prefix") or (), by_id)
-        if best is None or self._overloaded(best, by_id):
-            return [balanced]
-        return [[by_id[best]], balanced]
-
-    def _overloaded(self, replica: ReplicaID, candidates: dict[ReplicaID, RunningReplica]) -> bool:
-        least = min(self.in_flight[r] for r in candidates)
-        return self.in_flight[replica] - least > self.max_imbalance
+        in_flight = {replica: self.in_flight[replica] for replica in by_id}
+        best = affinity_replica(self.table, kwargs.get("prefix") or (), in_flight, self.max_imbalance)
+        return [balanced] if best is None else [[by_id[best]], balanced]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.in_flight[replica_id] += 1
