@@ -167,6 +167,10 @@ def test_a_response_answers_the_reasoning_as_its_own_item(thinking_server):
     events = list(client.responses.create(**asked, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat.reasoning
     assert [item.type for item in events[-1].response.output] == ["reasoning"]
+    # Left out of the answer (vLLM's include_reasoning: false), the reasoning is still counted as the model wrote it.
+    hidden = {**asked, "extra_body": {"include_reasoning": False}}
+    for answer in (client.responses.create(**hidden), list(client.responses.create(**hidden, stream=True))[-1].response):
+        assert answer.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens_details.reasoning_tokens
     closing = {**asked, "max_output_tokens": 12, "extra_body": {"logit_bias": {str(thinking_server.close_id): 100}},
                "text": {"format": {"type": "json_object"}}}
     [message] = client.responses.create(**closing).output  # the block closed at once: no reasoning to answer

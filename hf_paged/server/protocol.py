@@ -624,6 +624,7 @@ class ChatFormat(CompletionFormat):
         super().__init__(decode, top_k)
         self.reasoning, self.include_reasoning = reasoning, include_reasoning
         self.reasoning_streams: dict[int, ReasoningStream] = {}
+        self.reasoned: dict[int, str] = {}  # each choice's reasoning so far, answered or left out (its usage counts it)
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int) -> dict | None:
         if logprobs is None or self.top_k is None:
@@ -640,6 +641,7 @@ class ChatFormat(CompletionFormat):
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         reasoning, content = (None, output.text) if self.reasoning is None else self.reasoning.split(output.text)
+        self.reasoned[index] = reasoning or ""
         reasoning = reasoning if self.include_reasoning else None
         return {"index": index, "message": {"role": self.role, "content": content, **_reasoning_fields(reasoning)},
                 "logprobs": self.logprobs(output.token_ids, output.logprobs, 0), "finish_reason": output.finish_reason,
@@ -660,6 +662,7 @@ class ChatFormat(CompletionFormat):
         if last:
             rest_reasoning, rest_content = stream.finish()
             reasoning, content = reasoning + rest_reasoning, content + rest_content
+        self.reasoned[index] = self.reasoned.get(index, "") + reasoning
         return reasoning if self.include_reasoning else "", content
 
     @staticmethod

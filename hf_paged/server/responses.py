@@ -333,10 +333,6 @@ class ResponseEvents:
                              "message": error["message"]}
         return self.event("response.failed", response=response)
 
-    @property
-    def reasoning(self) -> str:
-        return "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")
-
     def _added(self, item: dict) -> list[str]:
         self.output.append(item)
         return [self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)]

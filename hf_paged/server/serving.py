@@ -125,7 +125,7 @@ class OpenAIServing:
         output, completion = outputs[0], outputs[0].outputs[0]
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         message = fmt.choice(0, completion)["message"]
-        reasoning_tokens = min(len(completion.token_ids), await self.count_tokens(message.get("reasoning")))
+        reasoning_tokens = min(len(completion.token_ids), await self.count_tokens(fmt.reasoned.get(0)))
         used = response_usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens,
                               reasoning_tokens)
         items = output_items(message, status)
@@ -632,7 +632,7 @@ async def _response_events(stream: RequestStream, fmt: ChatFormat, events: Respo
                 sent = fmt.chunk_choice(0, choice.text, choice.token_ids, None, 0, choice.finish_reason)
                 for event in events.delta(sent["delta"] if sent else {}):
                     yield event
-        reasoning_tokens = min(output_tokens, await count_tokens(events.reasoning))
+        reasoning_tokens = min(output_tokens, await count_tokens(fmt.reasoned.get(0)))
         for event in events.finish(status, response_usage(stream.num_prompt_tokens, output_tokens, cached,
                                                           reasoning_tokens)):
             yield event
