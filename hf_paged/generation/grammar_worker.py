@@ -5,7 +5,7 @@ another. The parent sends ``(tokenizer key, tokenizer info)`` once per tokenizer
 compile, and reads back ``(True, the compiled grammar's JSON)`` or ``(False, the error)``; the backend itself is
 `structured_outputs`'s.
 
-    python -m hf_paged.generation.grammar_worker   (started by `CompileProcess`)
+    python -m hf_paged.generation.grammar_worker PARENT_PID   (started by `CompileProcess`; it ends with its parent)
 """
 
 from __future__ import annotations
