@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
-from ..chat_template import render_prompt
+from ..chat_template import render_prompt, template_content
 from ..engine_loop import EngineDead, EngineError, EngineLoop, EngineOverloaded, EngineStopping, RequestStream
 from ..generation import ContinuousBatchGenerator, RequestOutput, SamplingParams
 from ..generation.outputs import CompletionOutput
@@ -338,7 +338,8 @@ class OpenAIServing:
         parser = body.tool_parser(self.generator.tokenizer, text)
         # A constraint (response_format, tool_choice required or named) starts after the reasoning (the engine's
         # `ReasoningEnd` reads the same prompt), so the content is what it constrains.
-        continued = _text_of(messages[-1].get("content")) if body.continue_final_message and messages else None
+        continued = template_content(messages[-1].get("content") or "") if body.continue_final_message and messages \
+            else None
         reasoning = ReasoningParser(text, self.generator.config.reasoning_parser, continued) if self.reasoning else None
         if parser is None:
             return token_ids, ChatFormat(self.decode, top_k, reasoning, body.include_reasoning)
@@ -642,10 +643,3 @@ async def _response_events(stream: RequestStream, fmt: ChatFormat, events: Respo
         yield events.failed(error)
     finally:
         stream.close()
-
-
-def _text_of(content) -> str:
-    """A message's content as text: a string, or the text of OpenAI's list of parts."""
-    if isinstance(content, list):
-        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""

@@ -91,7 +91,6 @@ class PromptEncoder:
     async def tokenize_bad_words(self, params: SamplingParams) -> None:
         """Tokenize ``params.bad_words`` on a tokenizing thread; the engine then reads them from ``params``."""
         if params.bad_words:
-            check_text(params.bad_words, "bad_words")
             await asyncio.get_running_loop().run_in_executor(
                 self.start(), lambda: params.bad_words_token_ids(self.processor().tokenizer))
 
