@@ -139,12 +139,16 @@ class LoRAAdapter:
         return True
 
 
+class AdapterNotFound(ValueError):
+    """No adapter at the path given (vLLM answers its load with a 404)."""
+
+
 def read_adapter_config(path: str, where: str) -> dict:
     """The adapter's ``adapter_config.json``; ``ValueError`` (its message led by ``where``) for a missing or
     unreadable one, or a method or feature that is not served."""
     file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(file):
-        raise ValueError(f"{where}: no adapter_config.json there (a PEFT LoRA adapter directory is expected)")
+        raise AdapterNotFound(f"{where}: no adapter_config.json there (a PEFT LoRA adapter directory is expected)")
     try:
         with open(file) as handle:
             config = json.load(handle)

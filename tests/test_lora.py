@@ -345,7 +345,7 @@ def test_the_server_serves_adapters_by_model_name_as_vllm(smollm2_path, adapters
                                                                                  "lora_path": paths["mlp"]}),
                                                       400, "lora_name")["message"]
         missing = post("load_lora_adapter", {"lora_name": "gone", "lora_path": "/no/such/adapter"})
-        assert "no adapter_config.json" in assert_openai_error(missing, 400, "lora_path")["message"]
+        assert "no adapter_config.json" in assert_openai_error(missing, 404, "lora_path")["message"]
         assert post("unload_lora_adapter", {"lora_name": "mlp"}).status_code == 200
         assert_openai_error(post("unload_lora_adapter", {"lora_name": "mlp"}), 404, "lora_name")
         with pytest.raises(openai.NotFoundError):

@@ -69,6 +69,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..lora import AdapterNotFound
 from ..generation import ContinuousBatchGenerator, InvalidParameter
 from ..engine_loop import EngineLoop
 from .embeddings import EmbeddingRequest
@@ -267,7 +268,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
     try:  # reading the adapter's files is kept off the event loop
         await asyncio.to_thread(_serving(request).models.add, body.lora_name, body.lora_path, None, body.load_inplace)
     except InvalidParameter as err:
-        raise APIError(400, str(err), param=err.param) from err
+        status = 404 if isinstance(err.__cause__, AdapterNotFound) else 400
+        raise APIError(status, str(err), param=err.param) from err
     return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} added successfully.")
 
 
