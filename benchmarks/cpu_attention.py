@@ -5,7 +5,8 @@ and torch's SDPA over the gathered blocks (``torch_ops``, the path for chunks lo
 For each (chunk, earlier keys) point, one sequence's chunk of fresh prompt rows attends causally over the keys
 before it and its own, on a paged cache with shuffled blocks. The three take turns call by call (``--turns`` each,
 fastest kept), so the machine's drifting speed falls on all of them alike; at the points small enough for it (chunk
-x keys up to 65536) each is also checked against float64 attention. Heads default to SmolLM2-135M's (9 query heads, 3 kv heads, head_dim 64).
+x keys up to 65536) each is also checked against float64 attention. Heads default to SmolLM2-135M's (9 query heads,
+3 kv heads, head_dim 64).
 
 Usage:
     python benchmarks/cpu_attention.py [--dtype bfloat16] [--points 512:0,512:512,128:2048] [--heads 9,3]

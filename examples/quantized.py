@@ -47,7 +47,8 @@ def main() -> None:
     for question, output in zip(questions, outputs):
         print(f"\n### {question}\n{output.outputs[0].text.strip()}")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"\n{tokens} tokens in {time.perf_counter() - start:.1f} s with {type(model.model.layers[0].mlp.up_proj).__name__}")
+    layer = type(model.model.layers[0].mlp.up_proj).__name__
+    print(f"\n{tokens} tokens in {time.perf_counter() - start:.1f} s with {layer}")
 
 
 if __name__ == "__main__":

@@ -91,9 +91,11 @@ def unpadded_mask(num_tokens: int, device: torch.device) -> torch.Tensor:
 def _check_supported(module: torch.nn.Module, attention_mask, dropout: float, kwargs: dict) -> None:
     for name, feature in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"the paged attention backend does not support {feature} ({type(module).__name__})")
+            raise NotImplementedError(f"the paged attention backend does not support {feature} "
+                                      f"({type(module).__name__})")
     if not getattr(module, "is_causal", True):
-        raise NotImplementedError(f"the paged attention backend supports causal attention only ({type(module).__name__})")
+        raise NotImplementedError("the paged attention backend supports causal attention only "
+                                  f"({type(module).__name__})")
     if kwargs.get("output_attentions"):
         raise NotImplementedError(
             "the paged attention backend does not compute attention weights (output_attentions); load the model with "

@@ -45,7 +45,8 @@ def _prepare_cache_for_generation(self, generation_config, model_kwargs, generat
         )
     # A hybrid model keeps Transformers' own cache: its attention layers then attend without paging.
     if not (paged and self._supports_default_dynamic_cache()) or unpaged_layer_types(self.config):
-        return _original_prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        return _original_prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                       max_cache_length)
     rows = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) * batch_size
     blocks_per_row = -(-min(max_cache_length, INITIAL_TOKENS_PER_ROW) // DEFAULT_BLOCK_SIZE) + 1
     model_kwargs["cache"] = PagedCache(

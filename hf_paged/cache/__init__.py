@@ -8,6 +8,6 @@ from .metadata import PagedMetadata
 from .paged_cache import PagedCache
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "BlockPool", "NoFreeBlocksError", "KVCacheManager", "KVCacheSpec", "PagedCache", "PagedKVStorage",
-    "PagedMetadata", "unpaged_layer_types",
+    "DEFAULT_BLOCK_SIZE", "BlockPool", "NoFreeBlocksError", "KVCacheManager", "KVCacheSpec", "PagedCache",
+    "PagedKVStorage", "PagedMetadata", "unpaged_layer_types",
 ]

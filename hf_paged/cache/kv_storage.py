@@ -179,9 +179,9 @@ class PagedKVStorage:
         if key.shape[1] != k_cache.shape[1] or key.shape[3] != k_cache.shape[3]:
             raise ValueError(
                 f"layer {layer_idx} produced keys with {key.shape[1]} heads of dim {key.shape[3]}, but the KV cache "
-                f"was sized for {k_cache.shape[1]} heads of dim {k_cache.shape[3]} from the config (num_key_value_heads, "
-                "head_dim); a model whose attention gets other keys than its config describes (JetMoe repeats them) "
-                "cannot be paged"
+                f"was sized for {k_cache.shape[1]} heads of dim {k_cache.shape[3]} from the config "
+                "(num_key_value_heads, head_dim); a model whose attention gets other keys than its config describes "
+                "(JetMoe repeats them) cannot be paged"
             )
         return k_cache.transpose(1, 2), self.value_cache[layer_idx].transpose(1, 2)
 

@@ -149,8 +149,8 @@ class ContinuousBatchGenerator:
     def _kv_storage(model: torch.nn.Module, config: EngineConfig) -> PagedKVStorage:
         memory = config.kv_memory(model.device)
         if config.gpu_memory_utilization is not None and model.device.type != "cuda":
-            logger.info("gpu_memory_utilization is ignored on %s (as vLLM's CPU backend ignores it): the KV cache takes "
-                        "kv_cache_memory, $%s GiB or 2 GiB", model.device.type, CPU_KV_SPACE_VARIABLE)
+            logger.info("gpu_memory_utilization is ignored on %s (as vLLM's CPU backend ignores it): the KV cache "
+                        "takes kv_cache_memory, $%s GiB or 2 GiB", model.device.type, CPU_KV_SPACE_VARIABLE)
         dtype = config.kv_dtype(model.dtype)
         spec = KVCacheSpec.from_model(model)
         if config.num_blocks is not None:

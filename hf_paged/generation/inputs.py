@@ -141,16 +141,16 @@ class InputProcessor:
     def check_params(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check on its own: the limits of this engine and this vocabulary."""
         if params.n > self.max_num_seqs:
-            raise InvalidParameter("n", f"SamplingParams.n must be at most this engine's max_num_seqs ({self.max_num_seqs}), the "
-                             f"most sequences it runs at once, got {params.n}")
+            raise InvalidParameter("n", f"SamplingParams.n must be at most this engine's max_num_seqs "
+                                   f"({self.max_num_seqs}), the most sequences it runs at once, got {params.n}")
         bad = self._outside_vocabulary(params.stop_token_ids)
         if bad:
-            raise InvalidParameter("stop_token_ids", f"SamplingParams.stop_token_ids must be in the vocabulary (0 to {self.vocab_size - 1}), "
-                             f"got {bad[:5]}")
+            raise InvalidParameter("stop_token_ids", f"SamplingParams.stop_token_ids must be in the vocabulary (0 to "
+                                   f"{self.vocab_size - 1}), got {bad[:5]}")
         bad = self._outside_vocabulary(params.logit_bias)
         if bad:
-            raise InvalidParameter("logit_bias", f"SamplingParams.logit_bias must name token ids in the vocabulary (0 to "
-                             f"{self.vocab_size - 1}), got {bad[:5]}")
+            raise InvalidParameter("logit_bias", f"SamplingParams.logit_bias must name token ids in the vocabulary "
+                                   f"(0 to {self.vocab_size - 1}), got {bad[:5]}")
         bad = self._outside_vocabulary(params.allowed_token_ids or ())
         if bad:
             raise InvalidParameter("allowed_token_ids", "SamplingParams.allowed_token_ids must be in the vocabulary "
@@ -162,8 +162,8 @@ class InputProcessor:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
-                raise InvalidParameter(name, f"SamplingParams.{name} must be at most the vocabulary's {self.vocab_size} tokens, "
-                                 f"got {value}")
+                raise InvalidParameter(name, f"SamplingParams.{name} must be at most the vocabulary's "
+                                       f"{self.vocab_size} tokens, got {value}")
 
 
 _SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")

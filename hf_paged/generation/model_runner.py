@@ -51,10 +51,10 @@ class ModelRunner:
     The step's block tables and slots reach the attention layers as the forward argument ``paged_metadata``
     (Transformers hands its keyword arguments on to the attention function). Logits are computed only for the sample
     rows: the last token of each sequence that finishes its pending tokens this step (and each speculative guess it
-    verifies), then the prompt positions whose logprobs are asked for. Steps of at most ``native.max_tokens`` tokens go through
-    the `NativeDecoder` instead, when the model has one; on GPU, decode steps replay CUDA graphs (``graphs``, set by
-    `hf_paged.generation.cuda_graphs.decode_graphs`). Steps with LoRA-adapted tokens take the native decoder where it
-    takes their adapters, never the graphs (`hf_paged.lora`).
+    verifies), then the prompt positions whose logprobs are asked for. Steps of at most ``native.max_tokens`` tokens go
+    through the `NativeDecoder` instead, when the model has one; on GPU, decode steps replay CUDA graphs (``graphs``,
+    set by `hf_paged.generation.cuda_graphs.decode_graphs`). Steps with LoRA-adapted tokens take the native decoder
+    where it takes their adapters, never the graphs (`hf_paged.lora`).
     """
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVStorage, kv_manager: KVCacheManager,

@@ -84,21 +84,23 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs must set exactly one of json, regex, choice, grammar "
-                             f"and json_object, got {given or 'none'}")
+            raise InvalidParameter("structured_outputs", "SamplingParams.structured_outputs must set exactly one of "
+                                   f"json, regex, choice, grammar and json_object, got {given or 'none'}")
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
                 except (ValueError, RecursionError) as err:
-                    raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
+                    raise InvalidParameter("structured_outputs",
+                                           f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
             self._require(isinstance(schema, dict), "json", "a JSON schema (an object)")
             self._require(not json_too_deep(schema), "json", f"a JSON schema nested at most {MAX_JSON_DEPTH} levels")
             try:
                 json.dumps(schema)
             except (TypeError, ValueError) as err:
-                raise InvalidParameter("structured_outputs", f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
+                raise InvalidParameter("structured_outputs",
+                                       f"SamplingParams.structured_outputs.json is not valid JSON: {err}") from None
             object.__setattr__(self, "json", schema)
         self._require(self.regex is None or isinstance(self.regex, str), "regex", "a string")
         self._require(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()), "grammar",
@@ -375,7 +377,8 @@ class SamplingParams:
         if unmapped:
             raise ValueError(f"GenerationConfig options with no SamplingParams equivalent: {sorted(unmapped)}")
         if config.max_new_tokens is None and config.max_length not in (defaults.max_length, fallback.get("max_length")):
-            raise ValueError("GenerationConfig.max_length cannot be mapped (prompts differ in length): use max_new_tokens")
+            raise ValueError("GenerationConfig.max_length cannot be mapped (prompts differ in length): "
+                             "use max_new_tokens")
         sample, beams = bool(config.do_sample), (config.num_beams or 1) > 1
         if sample and beams:
             raise ValueError("GenerationConfig do_sample with num_beams > 1 (beam sampling) has no SamplingParams "

@@ -124,8 +124,8 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs[first_token:] if self.logprobs is not None else None,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None or self.request.params.use_beam_search
-            else None,
+            cumulative_logprob=(self.cumulative_logprob
+                                if self.logprobs is not None or self.request.params.use_beam_search else None),
         )
         if delta:
             self.num_sent_tokens, self.num_sent_chars = self.num_output_tokens, max(first_char, end)

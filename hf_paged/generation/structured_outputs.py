@@ -22,7 +22,7 @@ from .sampling_params import InvalidParameter, StructuredOutputsParams
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:42: " before a message
 _EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.M)  # a grammar with such a rule is EBNF, else Lark
-# Seconds a constraint may take to compile (vLLM sets none); past them it is refused. The usual ones take well under one.
+# Seconds a constraint may take to compile (vLLM sets none); past them it is refused. Usual ones take well under one.
 COMPILE_TIMEOUT_S = 30.0
 
 

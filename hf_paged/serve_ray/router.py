@@ -3,8 +3,8 @@
 A request carries its prompt's block hashes (``prefix=`` keyword, computed by the ingress). It goes to the replica
 that was last sent the longest prefix of them, when that prefix is more than half the prompt and that replica has at
 most ``max_imbalance`` requests in flight from this router beyond the least busy one's (`affinity_replica`);
-otherwise to the less loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only (the ingress reads each
-replica's metrics that way).
+otherwise to the less loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only
+(the ingress reads each replica's metrics that way).
 
 The router lives in the ingress's process; `registry.router_of(app_name)` finds it there, for its statistics.
 """

@@ -70,8 +70,11 @@ class PromptEncoder:
         ``max_chars_per_token`` characters more than its fields, since its template takes a token at least), or one
         that is not text."""
         check_text(prompt, param)
-        chars = extra_chars + (len(prompt) if isinstance(prompt, str) else
-                               sum(len(str(v)) for m in prompt for v in m.values()) + len(prompt) * self.chars_per_token)
+        if isinstance(prompt, str):
+            chars = extra_chars + len(prompt)
+        else:
+            fields = sum(len(str(value)) for message in prompt for value in message.values())
+            chars = extra_chars + fields + len(prompt) * self.chars_per_token
         if chars > self.max_chars:
             raise APIError(400, f"the prompt is {chars} characters long (a chat message counts "
                                 f"{self.chars_per_token} more), more than could fit this engine's context "

@@ -88,7 +88,8 @@ def calls_schema(functions: dict[str, dict], only: str | None = None) -> dict:
 
 
 _SCHEMA_DATA = frozenset({"const", "enum", "default", "examples"})  # values, not schemas: their "$ref" keys are data
-_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})  # name: schema
+# Their values map names to schemas:
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties", "dependentSchemas"})
 
 
 def _rebased(schema, root: str):
