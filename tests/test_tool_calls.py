@@ -384,6 +384,24 @@ def split_everywhere(parser: ToolCallParser, text: str) -> None:
         assert first[0] + second[0] + rest == (whole_content or ""), (text, cut)
 
 
+@pytest.mark.parametrize("step", [1, 5])
+def test_the_tags_inside_arguments_are_text_of_the_call(step):
+    """A call that writes the tags in its arguments (code that parses tool calls, say) is read whole: its block ends
+    at a tag outside the JSON strings, or outside the XML parameter values."""
+    code = 'PATTERN = "<tool_call>(.*?)</tool_call>"'
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    assert_calls_or_content(parser, {
+        '<tool_call>\n' + json.dumps({"name": "get_weather", "arguments": {"city": code}}) + '\n</tool_call>':
+            [("get_weather", {"city": code})],
+        xml_call("get_weather", city=code) + "\n" + CALL: [("get_weather", {"city": code}),
+                                                            ("get_weather", {"city": "Paris"})],
+    }, step)
+    text = 'I will call it.\n' + xml_call("get_weather", city=code + "\n") + ' Done.'
+    content, calls = parser.parse(text)
+    assert content == "I will call it. Done." and json.loads(calls[0].arguments) == {"city": code + "\n"}
+    assert_streams_as_whole(parser, text, step)
+
+
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "get_weather", "arguments": 1.5}</tool_call>',  # a number the tokenizer splits: "1", ".", "5"
     '<tool_call>{"name": "get_weather", "arguments": 1.}</tool_call>',  # not JSON: as written
@@ -393,7 +411,9 @@ def split_everywhere(parser: ToolCallParser, text: str) -> None:
     '[TOOL_CALLS]' + '\n' * 60 + '[{"name": "get_time", "arguments": {}}]',  # far after the prefix
     '{' + ' ' * 60 + '"name": "get_time", "parameters": {}}',
     '{"\\u006eame": "get_time", "parameters": {}}',  # a key no stream would take for a call's: content
-    '<tool_call>{"name": "get_time</tool_call> ok <tool_call>", "arguments": {}}',  # no call spans blocks
+    '<tool_call>{"name": "get_time</tool_call> ok <tool_call>", "arguments": {}}',  # tags in a string are its text
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "\\"</tool_call>\\\\"}}</tool_call> ok',  # escapes
+    '<tool_call>\n<function=get_weather>\n<parameter=city>\n</tool_call><tool_call>\n</function></tool_call>',
 ])
 def test_answers_streamed_in_any_two_pieces_read_as_whole(text):
     split_everywhere(ToolCallParser("auto", tools=[WEATHER, TIME]), text)

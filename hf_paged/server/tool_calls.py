@@ -30,11 +30,6 @@ from ..chat_template import CLOSE_TAG, NOT_JSON, OPEN_TAG
 from ..generation.sampling_params import MAX_JSON_DEPTH, json_too_deep
 from ..reasoning import partial_tag
 
-# A block ends at its closing tag, where the next block opens, or where the text ends (its text is the group, which
-# `_hermes_block_calls` strips: whitespace matched around a lazy group would make a long run of it cost quadratic time).
-_HERMES_CALL = re.compile(re.escape(OPEN_TAG) + r"((?:(?!" + re.escape(OPEN_TAG) + r").)*?)(?:"
-                          + re.escape(CLOSE_TAG) + r"|(?=" + re.escape(OPEN_TAG) + r")|$)", re.S)
-
 
 @dataclass
 class ToolCall:
@@ -127,8 +122,7 @@ class ToolCallParser:
             return self._parse_json(text)
         if self.response_template is not None:
             return self._parse_with_template(text)
-        calls = [call for match in _HERMES_CALL.finditer(text)
-                 for call in _hermes_block_calls(match.group(1), self.functions)]
+        calls = [call for _, block, _ in _hermes_blocks(text) for call in _hermes_block_calls(block, self.functions)]
         if calls:
             return _content_beside(text, self.functions) or None, calls
         calls = _json_object_calls(text, self.functions) or _pythonic_calls(text, self.functions)
@@ -174,9 +168,9 @@ class ToolCallStream:
         self.sent = 0  # characters of text sent as content
         self.holding = parser.mode == "json" or parser.response_template is not None  # no more content as it comes
         self.follow = parser.response_template is None  # follow calls as they are written
-        self.header = _JSON_HEADER if parser.mode == "json" else _HERMES_HEADER
         self.calls: list[ToolCall] = []  # announced so far
         self.scan = 0  # where the next call may start
+        self.block_start = 0  # where the text of the hermes block being followed starts
         self.args_start: int | None = None  # where the arguments of the last announced call start, while unfinished
         self.args_sent = 0
         self.ends = _BlockEnds()  # where the block being read ends, searched once per character
@@ -235,12 +229,16 @@ class ToolCallStream:
         """Go past the next call's start: announce a call to follow (``args_start`` set), or read a hermes block whole
         once it has ended. False when nothing can be decided yet."""
         if self.parser.mode == "json":
-            match = self.header.search(self.text, self.scan)
+            match = _JSON_HEADER.search(self.text, self.scan)
         else:
             start = self.text.find(OPEN_TAG, self.scan)
             if start < 0:
                 return False
-            match = self.header.match(self.text, start)
+            self.block_start = start + len(OPEN_TAG)
+            self.ends.find(self.text, self.block_start)  # reads past the whitespace the block's text begins with
+            if self.ends.kind is None and not final:
+                return False
+            match = _JSON_HEADER.match(self.text, self.ends.body) if self.ends.kind == "json" else None
         name = _json_string(match.group(1)) if match else None
         if name is None and self.parser.mode == "json":
             self.scan = match.end() if match else self.scan  # not a name JSON can hold: no call starts here
@@ -254,12 +252,12 @@ class ToolCallStream:
 
     def _read_block(self, start: int, entries: dict[int, dict], final: bool) -> bool:
         """Read the hermes block at ``start`` whole, once it has ended (it is a call or content)."""
-        if self.ends.find(self.text, start + len(OPEN_TAG)) < 0 and not final:
+        close = self.ends.find(self.text, start + len(OPEN_TAG))
+        if close < 0 and not final:
             return False  # it may yet turn out to be a call to follow
-        block = _HERMES_CALL.match(self.text, start)
-        for call in _hermes_block_calls(block.group(1), self.parser.functions):
+        block, self.scan = _block_at(self.text, start, close)
+        for call in _hermes_block_calls(block, self.parser.functions):
             self._announce(call, entries)
-        self.scan = block.end()
         return True
 
     def _announce(self, call: ToolCall, entries: dict[int, dict]) -> None:
@@ -270,7 +268,7 @@ class ToolCallStream:
         """The last announced call's arguments: ``(value, end, written)``. ``end`` is None while they are still being
         written; arguments that do not read as JSON by the end of their block (or of the text, when ``final``) are
         the text written there (``written``), as a whole answer reads them."""
-        close = self.ends.find(self.text, self.args_start) if self.parser.mode == "auto" else -1
+        close = self.ends.find(self.text, self.block_start) if self.parser.mode == "auto" else -1
         if close < 0 and not final and not self.value.may_end(self.text):
             return None, None, False  # an object, array or string still open: it cannot read as JSON yet
         text = self.text[:close] if close >= 0 else self.text
@@ -310,7 +308,6 @@ _AFTER_VALUE = frozenset(" \t\r\n,}]<")  # what may follow a whole number or lit
 # starts with "<" (where a tag may be) is none.
 _NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\<]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
-_HERMES_HEADER = re.compile(re.escape(OPEN_TAG) + r"\s*" + _NAME_THEN_ARGUMENTS)
 
 
 # What Llama 3, Llama 4 and Mistral write before calls (special tokens: in the text only if they are kept).
@@ -490,34 +487,88 @@ def _content_beside(text: str, functions: dict[str, dict], after: bool = False) 
     each with the whitespace before it (other blocks stay), and without whitespace at its end, nor at its start when
     nothing comes before the first block (or, ``after``, when this text follows content already sent)."""
     pieces, at = [], 0
-    for block in _HERMES_CALL.finditer(text):
-        if _hermes_block_calls(block.group(1), functions):
-            pieces.append(text[at:block.start()].rstrip())
-            at = block.end()
+    for start, block, end in _hermes_blocks(text):
+        if _hermes_block_calls(block, functions):
+            pieces.append(text[at:start].rstrip())
+            at = end
     content = "".join(pieces + [text[at:]]).rstrip()
     return content if after or text[:text.find(OPEN_TAG)].strip() else content.lstrip()
 
 
-def _block_end(text: str, start: int) -> int:
-    """Where the hermes block around ``start`` ends (its closing tag, or the next block's opening), or -1."""
-    ends = [i for i in (text.find(CLOSE_TAG, start), text.find(OPEN_TAG, start)) if i >= 0]
-    return min(ends, default=-1)
+def _hermes_blocks(text: str):
+    """Each hermes block of a whole answer: ``(start, its text, end)``."""
+    start = text.find(OPEN_TAG)
+    while start >= 0:
+        block, end = _block_at(text, start, _BlockEnds().find(text, start + len(OPEN_TAG)))
+        yield start, block, end
+        start = text.find(OPEN_TAG, end)
+
+
+def _block_at(text: str, start: int, close: int) -> tuple[str, int]:
+    """The text of the block opened at ``start`` whose end `_BlockEnds` found at ``close`` (-1: the text's end), and
+    where the block ends, its closing tag included."""
+    close = len(text) if close < 0 else close
+    return text[start + len(OPEN_TAG):close], close + len(CLOSE_TAG) if text.startswith(CLOSE_TAG, close) else close
+
+
+_TAGS = re.escape(OPEN_TAG) + "|" + re.escape(CLOSE_TAG)
+_PARAMETER = "<parameter="
+# What changes the reading of a block's text: in JSON, quotes and escapes; in Qwen3-Coder's XML, where values start
+# and end (as `_xml_calls` reads them); and the tags.
+_JSON_MARKS = re.compile(r'["\\]|' + _TAGS)
+_MARKS = {("json", False): _JSON_MARKS, ("json", True): _JSON_MARKS, ("text", False): re.compile(_TAGS),
+          ("xml", False): re.compile(re.escape(_PARAMETER) + "|" + _TAGS), ("xml", True): _XML_VALUE_END}
+_SPACE = re.compile(r"\s*")
+_LONGEST_MARK = max(len(OPEN_TAG), len(CLOSE_TAG), len("</parameter>"))
 
 
 class _BlockEnds:
-    """`_block_end` of a growing text from one start, each character searched once (the tags may straddle two
-    feeds)."""
+    """Where a hermes block ends, of a growing text read from the block's start (each character read once): at its
+    closing tag or where the next block opens, but not inside a JSON string nor a Qwen3-Coder parameter's value,
+    which may hold the tags (a file of code that parses them, say); -1 while it has not ended."""
 
     def __init__(self):
-        self.start, self.searched = -1, 0
+        self.start = -1
 
     def find(self, text: str, start: int) -> int:
         if start != self.start:
-            self.start, self.searched = start, start
-        end = _block_end(text, self.searched)
-        if end < 0:
-            self.searched = max(start, len(text) - max(len(OPEN_TAG), len(CLOSE_TAG)) + 1)
-        return end
+            self.start, self.at, self.kind, self.inside, self.escaped = start, start, None, False, False
+        if self.kind is None:
+            self.at = self.body = _SPACE.match(text, self.at).end()  # where the block's text begins
+            self.kind = _block_kind(text, self.at)
+        while self.kind is not None:
+            if self.escaped:  # the character after a backslash in a string
+                if self.at == len(text):
+                    break
+                self.at, self.escaped = self.at + 1, False
+            mark = _MARKS[self.kind, self.inside].search(text, self.at)
+            if mark is None:  # a tag may have begun in the last characters
+                self.at = max(self.at, len(text) - _LONGEST_MARK + 1)
+                break
+            if mark.group() in (OPEN_TAG, CLOSE_TAG) and not self.inside:
+                self.at = mark.start()
+                return mark.start()
+            self.at = mark.end()
+            self._read(mark.group())
+        return -1
+
+    def _read(self, mark: str) -> None:
+        if mark == "\\":
+            self.escaped = self.inside
+        elif mark == '"':
+            self.inside = not self.inside
+        elif mark in (_PARAMETER, "</parameter>", "</function>"):
+            self.inside = mark == _PARAMETER
+
+
+def _block_kind(text: str, at: int) -> str | None:
+    """How a block's text reads, from its first character after whitespace (at ``at``): JSON, XML functions, or text
+    (None: not decided yet)."""
+    if at == len(text) or "<function=".startswith(text[at:]):
+        return None
+    if text[at] in '{["':
+        return "json"
+    return "xml" if text.startswith("<function=", at) else "text"
 
 
 class _ValueScan:
