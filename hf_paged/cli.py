@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from .generation.config import EngineConfig, parse_memory  # noqa: F401  (parse_memory: part of the CLI's API)
 from .generation.sampling_params import InvalidParameter
 from .loading import DTYPES
+from .quantization import QUANTIZATIONS, check_quantization
 
 if TYPE_CHECKING:
     from .generation import ContinuousBatchGenerator
@@ -559,7 +560,7 @@ def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,
         path = resolve_model(args.model, args.revision, args.download_dir)
     except Exception as err:  # e.g. the default model's conversion failing
         parser.error(str(err))
-    _check_quantization(parser, path, getattr(args, "quantization", None), args.trust_remote_code)
+    _check_quantization(parser, path, getattr(args, "quantization", None))
     try:
         model, tokenizer = load_model(path, dtype=args.dtype, device=resolve_device(args.device),
                                       tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1,
@@ -690,27 +691,16 @@ def _listening_socket(parser: argparse.ArgumentParser, host: str, port: int) -> 
     return sock
 
 
-QUANTIZATIONS = ("gptq", "awq", "gptq_marlin", "awq_marlin")  # vLLM's names of the methods served here
 # vLLM's names of the tool-call formats read here (all of them are, always: `hf_paged.server.tool_calls`).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "llama4_pythonic", "qwen3_coder", "qwen3_xml")
 
 
-def _check_quantization(parser: argparse.ArgumentParser, path: str, asked: str | None, trust_remote_code: bool):
+def _check_quantization(parser: argparse.ArgumentParser, path: str, asked: str | None) -> None:
     """vLLM's ``--quantization``: the checkpoint must be quantized with that method (its weights load as they are)."""
-    if asked is None:
-        return
-    from transformers import AutoConfig
-
     try:
-        quant = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
-                        "quantization_config", None)
-    except Exception:  # noqa: BLE001 - loading the model names what is wrong with it
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    method = str(getattr(method, "value", method)).lower() if method is not None else None
-    if method != asked.removesuffix("_marlin"):
-        parser.error(f"--quantization {asked}: {path} is {f'quantized with {method}' if method else 'not quantized'}"
-                     "; a checkpoint's own quantization is what loads")
+        check_quantization(path, asked)
+    except ValueError as err:
+        parser.error(f"--{err}")
 
 
 def _check_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -819,7 +809,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         path = resolve_model(args.model, args.revision, args.download_dir)
         # A directory that holds no model is refused here, not on every replica.
         AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code)
-        _check_quantization(parser, path, args.quantization, args.trust_remote_code)
+        _check_quantization(parser, path, args.quantization)
         spec = ReplicaSpec(path, tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            serving_options(parser, args), args.device, server_limits(parser, args),

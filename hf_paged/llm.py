@@ -8,10 +8,12 @@ import weakref
 from .chat_template import CONTENT_FORMATS, TEMPLATE_PARAMETERS, content_format, render_prompt, template_messages
 from .generation import RequestOutput, SamplingParams
 from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .default_model import resolve_model
 from .local_ranks import start_engine
 from .lora import LoRARequest
 from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, ScoringOutput, ScoringRequestOutput,
                       check_dimensions, cosine_scores, embed, score_pairs)
+from .quantization import check_quantization
 
 
 def _beam_sequence(output: RequestOutput, beam, params: BeamSearchParams, decode) -> BeamSearchSequence:
@@ -32,7 +34,8 @@ class LLM:
     None: the embedded default) with paged attention and serves it with a `ContinuousBatchGenerator`
     (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
     ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; ``trust_remote_code`` and ``tokenizer`` are
-    `loading.load_model`'s; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
+    `loading.load_model`'s; ``quantization`` (vLLM's: "gptq", "awq", ...) must name the checkpoint's own
+    quantization, which loads whether it is given or not; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
     ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded.
 
     ``tensor_parallel_size=N`` shards the model over N ranks: this process is rank 0, and the others are local
@@ -41,7 +44,9 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
                  trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
-                 tensor_parallel_size: int = 1, **engine_options):
+                 tensor_parallel_size: int = 1, quantization: str | None = None, **engine_options):
+        if quantization is not None:
+            check_quantization(resolve_model(model), quantization)
         self.generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
                                              tensor_parallel_size)
         self._ranks = None if ranks is None else weakref.finalize(self, ranks.stop)

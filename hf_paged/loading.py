@@ -62,11 +62,25 @@ def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | t
 
     path = resolve_model(name_or_path)
     kwargs = quantized_load_kwargs(path, device, quant_backend)
-    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=_dtype(dtype),
-                                                 device_map=device, trust_remote_code=trust_remote_code, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=_dtype(dtype),
+                                                       device_map=device, trust_remote_code=trust_remote_code,
+                                                       output_loading_info=True, **kwargs)
+    _check_weights(path, info)
     if kwargs:
         run_dequantize_eagerly(model)
     return model.eval()
+
+
+def _check_weights(path: str, info: dict) -> None:
+    """Transformers fills the weights a checkpoint lacks with random ones, and the model then writes nonsense."""
+    missing = sorted(info.get("missing_keys") or ())
+    if not missing:
+        return
+    quantized = [key for key in info.get("unexpected_keys") or () if key.endswith(".qweight")]
+    hint = (f"; it holds quantized weights ({quantized[0]}, ...) that its config does not declare (no "
+            "quantization_config in config.json, no quantize_config.json beside it)") if quantized else ""
+    raise ValueError(f"{path} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+                     f"{', ...' if len(missing) > 3 else ''}){hint}: loaded, they would be random")
 
 
 def _random_model(path: str, dtype: str | torch.dtype, device: str, trust_remote_code: bool):

@@ -10,6 +10,9 @@ logits of SmolLM2-GPTQ, so token-exact comparisons use ``backend="torch"`` / ``"
 dequantize-and-matmul), which agree to 1e-4. The fused kernels take 4-bit weights in groups of up to 128 (AWQ: the
 GEMM format) only; other checkpoints get the plain torch kernels. Requires the ``quant`` extra
 (``pip install "hf-paged[quant]"``).
+
+A checkpoint declares its quantization in ``config.json`` (``quantization_config``) or, as AutoGPTQ and AutoAWQ wrote
+them, in ``quantize_config.json`` / ``quant_config.json`` beside it (vLLM reads those too).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import os
 from pathlib import Path
 
 QUANT_METHODS = ("gptq", "awq")
+QUANTIZATIONS = ("gptq", "awq", "gptq_marlin", "awq_marlin")  # vLLM's names of the methods served here
+_SETTINGS_FILES = ("quantize_config.json", "quant_config.json")
+_AUTOAWQ_KEYS = {"w_bit": "bits", "q_group_size": "group_size", "zero_point": "zero_point", "version": "version"}
 _FUSED_GROUP_SIZES = (-1, 16, 32, 64, 128)
 
 
@@ -27,14 +33,43 @@ def _set_cpu_workers() -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its own loader pool takes two, whatever the machine
 
 
+def quantization_settings(model_path: str | os.PathLike) -> tuple[dict | None, bool]:
+    """A checkpoint's quantization settings (None: not quantized), and whether they come from a file beside
+    ``config.json`` (which Transformers does not read)."""
+    folder = Path(model_path)
+    if not (folder / "config.json").exists():
+        return None, False
+    declared = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    if declared:
+        return declared, False
+    for name in _SETTINGS_FILES:
+        if (folder / name).exists():
+            settings = json.loads((folder / name).read_text())
+            if "w_bit" in settings:  # AutoAWQ's names
+                return {"quant_method": "awq", **{new: settings[old] for old, new in _AUTOAWQ_KEYS.items()
+                                                  if old in settings}}, True
+            return {"quant_method": settings.get("method", "gptq"), **settings}, True
+    return None, False
+
+
 def quantization_method(model_path: str | os.PathLike) -> str | None:
-    """``"gptq"``, ``"awq"`` or None, from the checkpoint's config."""
-    config_file = Path(model_path) / "config.json"
-    if not config_file.exists():
-        return None
-    config = json.loads(config_file.read_text()).get("quantization_config") or {}
-    method = config.get("quant_method")
+    """``"gptq"``, ``"awq"`` or None, from the checkpoint's settings."""
+    method = (quantization_settings(model_path)[0] or {}).get("quant_method")
     return method if method in QUANT_METHODS else None
+
+
+def check_quantization(model_path: str | os.PathLike, asked: str | None) -> None:
+    """vLLM's ``quantization`` option: the checkpoint must be quantized with that method (``ValueError`` otherwise);
+    its weights load as they are."""
+    if asked is None:
+        return
+    if asked not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {asked!r}")
+    method = (quantization_settings(model_path)[0] or {}).get("quant_method")
+    if method != asked.removesuffix("_marlin"):
+        raise ValueError(f"quantization {asked}: {model_path} is "
+                         f"{f'quantized with {method}' if method else 'not quantized'}; a checkpoint's own "
+                         "quantization is what loads")
 
 
 def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", backend: str | None = None) -> dict:
@@ -44,22 +79,38 @@ def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", ba
     kernels where the checkpoint fits them (4 bits, their group sizes, symmetric GPTQ: asymmetric zero points came
     out wrong in the fused GPTQ kernel), else the plain torch ones.
     """
+    config, beside = quantization_settings(model_path)
     method = quantization_method(model_path)
-    if method is None or str(device) != "cpu":
+    if method is None:
         return {}
+    if config.get("lm_head"):
+        raise ValueError(f"{model_path}: its output layer is quantized too (quantization_config.lm_head), which "
+                         "Transformers does not load (it would be random); quantize it with lm_head=False")
+    kwargs = {"config": _config_with(model_path, config)} if beside else {}
+    if str(device) != "cpu":
+        return kwargs
     _set_cpu_workers()
-    config = json.loads((Path(model_path) / "config.json").read_text())["quantization_config"]
     fused = config.get("bits") == 4 and config.get("group_size", 128) in _FUSED_GROUP_SIZES
     if method == "gptq":
         from transformers import GPTQConfig
 
         default = "torch_fused" if fused and config.get("sym", True) else "torch"
-        return {"quantization_config": GPTQConfig(bits=config["bits"], backend=backend or default)}
+        return {**kwargs, "quantization_config": GPTQConfig(bits=config["bits"], backend=backend or default)}
     from transformers import AwqConfig
 
     fused = fused and str(config.get("version", config.get("format", "gemm"))).lower() == "gemm"
     default = "torch_fused_awq" if fused else "torch_awq"
-    return {"quantization_config": AwqConfig(bits=config["bits"], backend=backend or default)}
+    return {**kwargs, "quantization_config": AwqConfig(bits=config["bits"], backend=backend or default)}
+
+
+def _config_with(model_path: str | os.PathLike, settings: dict):
+    """The model's config holding quantization ``settings`` read beside it, so that Transformers loads the weights as
+    quantized ones (a ``quantization_config`` argument alone would quantize them again)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config.quantization_config = settings
+    return config
 
 
 def run_dequantize_eagerly(model) -> int:

@@ -1,13 +1,14 @@
 """GPTQ and AWQ checkpoints (made here by tests/fixtures/quantized.py) through the paged backend and the generator."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
-from hf_paged import ContinuousBatchGenerator, SamplingParams
+from hf_paged import LLM, ContinuousBatchGenerator, SamplingParams
 from hf_paged.loading import load_model
-from hf_paged.quantization import quantized_load_kwargs, run_dequantize_eagerly
+from hf_paged.quantization import check_quantization, quantized_load_kwargs, run_dequantize_eagerly
 from fixtures.quantized import fixture_path
 from reference import generate_with
 
@@ -76,6 +77,52 @@ def test_asymmetric_gptq_checkpoints_load_with_the_plain_kernel(tmp_path, sym):
     quantization = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": sym}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": quantization}))
     assert str(quantized_load_kwargs(tmp_path)["quantization_config"].backend) == ("torch_fused" if sym else "torch")
+
+
+def _moved_settings(source, folder, layout: str):
+    """A copy of ``source`` whose quantization settings are in a file beside config.json, as AutoGPTQ wrote them
+    (quantize_config.json, no method named), or nowhere ("none")."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "quantize_config.json").unlink(missing_ok=True)
+    if layout == "autogptq":
+        kept = {key: settings[key] for key in ("bits", "group_size", "desc_act", "sym")}
+        (folder / "quantize_config.json").write_text(json.dumps(kept))
+    return folder
+
+
+def test_settings_beside_the_config_load_as_vllm_reads_them(tmp_path):
+    """AutoGPTQ's layout (quantize_config.json beside a config.json that declares nothing, which vLLM reads) loads
+    as the same quantized model, token for token; without any settings the checkpoint is refused, not loaded with
+    random weights where its quantized ones are."""
+    source = fixture_path("tiny-gptq-g128")
+    model, tokenizer = load_model(source, quant_backend="torch")
+    moved, _ = load_model(_moved_settings(source, tmp_path / "autogptq", "autogptq"), quant_backend="torch")
+    assert type(moved.model.layers[0].self_attn.q_proj) is type(model.model.layers[0].self_attn.q_proj)
+    ids = tokenizer(["The capital of France is"], return_tensors="pt").input_ids
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert torch.equal(moved.generate(ids, **kwargs), model.generate(ids, **kwargs))
+    check_quantization(tmp_path / "autogptq", "gptq")
+    with pytest.raises(ValueError, match="lacks 14 of the model's weights .*quantized weights .*does not declare"):
+        load_model(_moved_settings(source, tmp_path / "none", "none"))
+
+
+def test_what_transformers_would_not_load_is_refused(tmp_path):
+    """A quantized output layer (gptqmodel's lm_head=True) would load as random weights: refused, as is a
+    quantization option (vLLM's) that is not the checkpoint's."""
+    source = fixture_path("tiny-gptq-g128")
+    shutil.copytree(source, tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    config["quantization_config"]["lm_head"] = True
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="output layer is quantized too"):
+        load_model(tmp_path / "head")
+    with pytest.raises(ValueError, match="quantization awq: .* is quantized with gptq"):
+        LLM(source, quantization="awq")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(source, quantization="fp8")
 
 
 def test_the_exact_gptq_kernel_dequantizes_eagerly_on_cpu():

@@ -1263,9 +1263,9 @@ def test_vllms_quantization_flag_checks_the_checkpoints_method(tmp_path, capsys)
     config.save_pretrained(tmp_path)
     parser = argparse.ArgumentParser()
     for asked in ("gptq", "gptq_marlin", None):
-        _check_quantization(parser, str(tmp_path), asked, False)
+        _check_quantization(parser, str(tmp_path), asked)
     with pytest.raises(SystemExit):
-        _check_quantization(parser, str(tmp_path), "awq", False)
+        _check_quantization(parser, str(tmp_path), "awq")
     assert f"--quantization awq: {tmp_path} is quantized with gptq" in capsys.readouterr().err
 
 
