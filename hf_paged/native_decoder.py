@@ -272,6 +272,9 @@ class NativeDecoder:
             linear = _linear(module, dtype, f"layer {index}'s {name} projection")
             entry[name], entry[f"{name}_bias"] = _packed(linear.weight), _held(linear.bias)
             entry.setdefault("packed_from", []).append(linear.weight)
+        if attn.head_dim > cpu_decoder.MAX_HEAD_DIM:
+            raise Unsupported(f"layer {index}'s heads are of dim {attn.head_dim}, more than the native decoder's "
+                              f"{cpu_decoder.MAX_HEAD_DIM}")
         k_cache = kv.key_cache[index]
         if attn.head_dim != k_cache.shape[3] or attn.k_proj.weight.shape[0] != k_cache.shape[1] * attn.head_dim:
             raise Unsupported(f"layer {index}'s key heads do not match the KV cache")

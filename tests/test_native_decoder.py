@@ -325,6 +325,21 @@ def test_other_architectures_run_the_transformers_forward(arch, tokenizer):
     assert gen.runner.native is None
 
 
+def test_heads_wider_than_the_decoder_takes_run_the_transformers_forward(tokenizer):
+    """The native decoder takes heads of dim up to 512; a model of wider ones decodes, through Transformers."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_attention_heads=2, num_key_value_heads=1, head_dim=576, hidden_size=64,
+                         intermediate_size=128, **COMMON)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged").eval()
+    wide = generate(model, tokenizer, enforce_eager=True, max_tokens=8)
+    gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, block_size=4)
+    assert gen.runner.native is None
+    outputs = gen.run(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in wide]
+
+
 class LoraLikeLinear(nn.Linear):
     """A subclass of nn.Linear with a forward of its own, as adapters and quantized layers have."""
 

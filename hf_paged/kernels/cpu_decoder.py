@@ -13,6 +13,7 @@ from . import cpu_ops, native
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROWS = 8  # rows of one `linear` call (hf_paged_max_rows)
 MAX_TOKENS = 512  # tokens of one `decoder_forward` step (hf_paged_decoder_max_tokens)
+MAX_HEAD_DIM = 512  # the largest head dim `decoder_forward` takes (hf_paged_decoder_forward's check)
 PANEL = 48  # output rows of one panel of a packed weight (kPanel)
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
