@@ -133,15 +133,17 @@ class LLM:
         last token's, normalized), cut to its first ``dimensions`` if given (vLLM's ``PoolingParams.dimensions``).
         ``use_tqdm`` is taken and shows nothing; ``pooling_params`` and ``lora_request`` must be None."""
         _check_pooling_options(pooling_params, lora_request)
+        if self.generator.lockstep is not None:  # the forward would run on this rank alone and break the group
+            raise ValueError("embeddings are not served under tensor parallelism (tensor_parallel_size > 1)")
         prompts = _prompt_list(prompts)
         inputs, model = self.generator.inputs, self.generator.model
         check_dimensions(model, dimensions)
-        token_ids = [inputs.tokenize(prompt, truncate_prompt_tokens)[1] for prompt in prompts]
+        token_ids = [inputs.tokenize(prompt, truncate_prompt_tokens, pooling=True)[1] for prompt in prompts]
         for ids in token_ids:
             if not ids:
                 raise ValueError("a prompt to embed is empty")
             inputs.check_token_ids(ids)
-            inputs.check_prompt_length(len(ids))
+            inputs.check_prompt_length(len(ids), pooling=True)
         vectors = embed(model, token_ids, PoolingConfig.of_model(getattr(model, "name_or_path", None)), dimensions)
         return [EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(vector))
                 for i, (ids, vector) in enumerate(zip(token_ids, vectors))]

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -122,6 +124,31 @@ def test_llm_embed_as_vllms(smollm2_path, smollm2, reference):
             llm.embed(prompts, **options)
 
 
+def test_an_input_to_embed_may_fill_the_context_as_in_vllm(smollm2_path):
+    """Nothing is generated after an input to embed: it may be max_model_len tokens long (-1 keeps that many), and a
+    truncation past the context is refused, offline and served."""
+    from starlette.testclient import TestClient
+
+    from hf_paged import LLM
+
+    llm = LLM(smollm2_path, dtype="float32", num_blocks=16, max_model_len=32)
+    ids = list(range(100, 140))
+    assert llm.embed([ids[:32]])[0].prompt_token_ids == ids[:32]
+    assert llm.embed([ids], truncate_prompt_tokens=-1)[0].prompt_token_ids == ids[-32:]
+    for options, words in (({}, "the input is 40 tokens long"), ({"truncate_prompt_tokens": 33},
+                                                                    r"truncate_prompt_tokens \(33\) is more than")):
+        with pytest.raises(ValueError, match=words):
+            llm.embed([ids], **options)
+    with pytest.raises(ValueError, match="prompt and output together"):  # a prompt to generate from leaves room
+        llm.generate([{"prompt_token_ids": ids[:32]}], use_tqdm=False)
+    with TestClient(create_app(llm.generator, MODEL)) as client:
+        assert client.post("/v1/embeddings", json={"input": ids[:32]}).json()["usage"]["prompt_tokens"] == 32
+        cut = client.post("/v1/embeddings", json={"input": ids, "truncate_prompt_tokens": -1}).json()
+        assert cut["usage"]["prompt_tokens"] == 32
+        refused = client.post("/v1/embeddings", json={"input": "Hi", "truncate_prompt_tokens": 33})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 @pytest.fixture(scope="module")
 def server(smollm2):
     generator = ContinuousBatchGenerator(*smollm2, num_blocks=256)
@@ -146,6 +173,35 @@ def test_the_openai_client_gets_the_engines_embeddings(server, smollm2):
     assert abs(sum(v * v for v in floats["data"][0]["embedding"]) - 1) < 1e-5
     cut = client.embeddings.create(model=MODEL, input=[TEXTS[1]], dimensions=16).data[0].embedding
     torch.testing.assert_close(torch.tensor(cut), torch.tensor(floats["data"][0]["embedding"]), atol=1e-6, rtol=1e-5)
+
+
+def decoded(text: str, dtype: torch.dtype, endianness: str) -> torch.Tensor:
+    """A base64 embedding's numbers, written as ``dtype`` in that byte order."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    order = {"little": "<", "big": ">", "native": "="}[endianness]
+    raw = np.frombuffer(base64.b64decode(text), dtype=f"{order}{ {4: 'i4', 2: 'i2', 1: 'u1'}[width]}")
+    return torch.from_numpy(raw.astype(raw.dtype.newbyteorder("="))).view(dtype).float()
+
+
+def test_vllms_embedding_fields_choose_normalization_and_how_base64_writes_the_numbers(server):
+    def embedding(**fields):
+        answer = httpx.post(f"{server.base}/v1/embeddings", json={"input": TEXTS[0], **fields}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    plain = embedding(encoding_format="float")
+    assert plain["id"].startswith("embd-") and isinstance(plain["created"], int)
+    unit = torch.tensor(plain["data"][0]["embedding"])
+    raw = torch.tensor(embedding(encoding_format="float", normalize=False)["data"][0]["embedding"])
+    assert abs(raw.norm() - 1) > 0.1
+    torch.testing.assert_close(raw / raw.norm(), unit, atol=1e-6, rtol=1e-5)
+    for name, dtype in (("float32", torch.float32), ("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                        ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        for endianness in ("little", "big", "native"):
+            text = embedding(embed_dtype=name, endianness=endianness, encoding_format="base64")["data"][0]["embedding"]
+            assert torch.equal(decoded(text, dtype, endianness), unit.to(dtype).float()), (name, endianness)
+    refused = httpx.post(f"{server.base}/v1/embeddings", json={"input": "x", "embed_dtype": "int4"}, timeout=60)
+    assert refused.status_code == 400 and "embed_dtype" in refused.text
 
 
 def test_embeddings_interleave_with_generation_and_bad_inputs_are_named(server):

@@ -342,6 +342,9 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
     try:
         assert llm.generator.lockstep is not None and os.environ["WORLD_SIZE"] == "2"
         assert answers(llm) == expected
+        for pooled in (lambda: llm.embed("Hello"), lambda: llm.score("Hello", "Hi")):  # rank 0's forward alone
+            with pytest.raises(ValueError, match="embeddings are not served under tensor parallelism"):
+                pooled()
         with pytest.raises(ValueError, match="already a rank of a tensor-parallel group"):
             LLM(text_model, tensor_parallel_size=2)
         [rank1] = multiprocessing.active_children()

@@ -108,20 +108,25 @@ class InputProcessor:
         except ValueError:
             return params
 
-    def tokenize(self, prompt: Prompt, keep: int | None = None,
-                 add_special_tokens: bool | None = None) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt, keep: int | None = None, add_special_tokens: bool | None = None,
+                 pooling: bool = False) -> tuple[str | None, list[int]]:
         """The prompt's text and token ids (see `tokenize_prompt`), its last ``keep`` tokens only if given (vLLM's
-        ``truncate_prompt_tokens``; -1: as many as leave room for one new token), checked against the vocabulary."""
+        ``truncate_prompt_tokens``, see `truncated`), checked against the vocabulary."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
-        token_ids = self.truncated(token_ids, keep)
+        token_ids = self.truncated(token_ids, keep, pooling)
         self.check_token_ids(token_ids)
         return text, token_ids
 
-    def truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
-        """The last ``keep`` of ``token_ids`` (all when None; -1: as many as leave room for one new token)."""
+    def truncated(self, token_ids: list[int], keep: int | None, pooling: bool = False) -> list[int]:
+        """The last ``keep`` of ``token_ids`` (all when None; -1: as many as the context holds, leaving room for one
+        new token unless they are ``pooling``'s); more than the context holds is an error, as in vLLM."""
         if keep is None:
             return token_ids
-        return token_ids[len(token_ids) - min(len(token_ids), self.max_model_len - 1 if keep == -1 else keep):]
+        if keep > self.max_model_len:
+            raise InvalidParameter("truncate_prompt_tokens", f"truncate_prompt_tokens ({keep}) is more than this "
+                                   f"engine's context (max_model_len) of {self.max_model_len} tokens")
+        keep = self.max_model_len - (not pooling) if keep == -1 else keep
+        return token_ids[len(token_ids) - min(len(token_ids), keep):]
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """A tokenizer can know more tokens than the model embeds; a prompt of them would fail every step it joins."""
@@ -129,9 +134,12 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary (size {self.vocab_size})")
 
-    def check_prompt_length(self, num_tokens: int) -> None:
-        """A prompt must leave room for one new token in the context."""
-        if num_tokens >= self.max_model_len:
+    def check_prompt_length(self, num_tokens: int, pooling: bool = False) -> None:
+        """A prompt must leave room for one new token in the context (one to embed, ``pooling``, must fit it)."""
+        if pooling and num_tokens > self.max_model_len:
+            raise ValueError(f"the input is {num_tokens} tokens long but this engine's context (max_model_len) is "
+                             f"{self.max_model_len} tokens")
+        if not pooling and num_tokens >= self.max_model_len:
             raise ValueError(f"the prompt is {num_tokens} tokens long but this engine's context (max_model_len) is "
                              f"{self.max_model_len} tokens, prompt and output together")
 

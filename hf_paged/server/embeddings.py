@@ -7,10 +7,18 @@ Inputs are tokenized as completion prompts are; their forwards run on the engine
 from __future__ import annotations
 
 import base64
-import struct
+import sys
+import time
+import uuid
 from typing import Annotated, Literal
 
+import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+
+# vLLM's ``embed_dtype`` names: what a base64 embedding's numbers are written as.
+EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_SAME_WIDTH_INTEGERS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _truncation(keep: int | None) -> int | None:
@@ -33,6 +41,11 @@ class EmbeddingRequest(BaseModel):
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: TruncatePromptTokens = None
+    # vLLM's: normalize (None: as the model's pooling does), how base64 writes the numbers, the tokenizer's BOS.
+    normalize: bool | None = None
+    embed_dtype: Literal[tuple(EMBED_DTYPES)] = "float32"
+    endianness: Literal["native", "little", "big"] = "native"
+    add_special_tokens: bool = True
 
     def inputs(self) -> list[str | list[int]]:
         given = self.input
@@ -41,13 +54,21 @@ class EmbeddingRequest(BaseModel):
         return list(given)
 
 
-def embedding_response(vectors: list[list[float]], encoding_format: str, model: str, prompt_tokens: int) -> dict:
-    """OpenAI's answer: a list of ``embedding`` objects (float lists, or base64 of little-endian float32s)."""
+def embedding_response(vectors: list[list[float]], body: EmbeddingRequest, model: str, prompt_tokens: int) -> dict:
+    """OpenAI's answer: a list of ``embedding`` objects (float lists, or base64 of the numbers as ``embed_dtype`` and
+    ``endianness`` ask: by default float32 in this machine's order, which OpenAI's little-endian is here)."""
     def encoded(vector: list[float]):
-        if encoding_format == "float":
+        if body.encoding_format == "float":
             return vector
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+        return base64.b64encode(_packed(vector, body.embed_dtype, body.endianness)).decode("ascii")
 
     data = [{"object": "embedding", "index": i, "embedding": encoded(vector)} for i, vector in enumerate(vectors)]
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "data": data,
+            "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def _packed(vector: list[float], embed_dtype: str, endianness: str) -> bytes:
+    numbers = torch.tensor(vector, dtype=torch.float32).to(EMBED_DTYPES[embed_dtype])
+    raw = numbers.view(_SAME_WIDTH_INTEGERS[numbers.element_size()]).numpy()
+    order = sys.byteorder if endianness == "native" else endianness
+    return raw.astype(raw.dtype.newbyteorder("<" if order == "little" else ">")).tobytes()

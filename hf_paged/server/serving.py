@@ -4,6 +4,7 @@ its answer (a JSON body, or server-sent events when it streams). `app.create_app
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -139,11 +140,12 @@ class OpenAIServing:
             check_dimensions(self.generator.model, body.dimensions)
         except ValueError as err:
             raise APIError(400, str(err), param="dimensions") from None
-        token_ids = await self.embedding_inputs(body.inputs(), "input", body.truncate_prompt_tokens)
-        vectors = await self.embedded(token_ids, body.dimensions, request)
+        token_ids = await self.embedding_inputs(body.inputs(), "input", body.truncate_prompt_tokens,
+                                                body.add_special_tokens)
+        vectors = await self.embedded(token_ids, body.dimensions, request, body.normalize)
         if vectors is None:
             return Response(status_code=499)
-        answer = embedding_response(vectors, body.encoding_format, self.served_model_name, sum(map(len, token_ids)))
+        answer = embedding_response(vectors, body, self.served_model_name, sum(map(len, token_ids)))
         return JSONResponse(answer)
 
     async def score(self, body: ScoreRequest, request: Request) -> Response:
@@ -192,15 +194,17 @@ class OpenAIServing:
             return None, 0
         return cosine_scores(vectors[:len(sides[0])], vectors[len(sides[0]):], pairs), sum(map(len, ids))
 
-    async def embedded(self, token_ids: list[list[int]], dimensions: int | None,
-                       request: Request) -> list[list[float]] | None:
-        """The embeddings of ``token_ids`` (None if the client left between two batches)."""
+    async def embedded(self, token_ids: list[list[int]], dimensions: int | None, request: Request,
+                       normalize: bool | None = None) -> list[list[float]] | None:
+        """The embeddings of ``token_ids`` (None if the client left between two batches), normalized as the model's
+        pooling says unless ``normalize`` says otherwise."""
+        pooling = self.pooling if normalize is None else dataclasses.replace(self.pooling, normalize=normalize)
         vectors: list[list[float]] = [[]] * len(token_ids)
         for number, batch in enumerate(padded_batches([len(ids) for ids in token_ids])):
             if number and await request.is_disconnected():
                 return None
             prompts = [token_ids[i] for i in batch]
-            done = await self._on_engine(lambda prompts=prompts: embed(self.generator.model, prompts, self.pooling,
+            done = await self._on_engine(lambda prompts=prompts: embed(self.generator.model, prompts, pooling,
                                                                        dimensions))
             for index, vector in zip(batch, done):
                 vectors[index] = vector
@@ -210,7 +214,8 @@ class OpenAIServing:
                                 f"overflowed in {self.generator.model.dtype}", "server_error", code=500)
         return vectors
 
-    async def embedding_inputs(self, inputs: str | list, param: str, keep: int | None) -> list[list[int]]:
+    async def embedding_inputs(self, inputs: str | list, param: str, keep: int | None,
+                               add_special_tokens: bool = True) -> list[list[int]]:
         """The token ids of the text or the list of texts (or of token ids) ``inputs`` of the field ``param``, checked
         (a 400 naming the field, and which of its inputs)."""
         listed = [inputs] if isinstance(inputs, str) else inputs
@@ -219,15 +224,16 @@ class OpenAIServing:
         self.limits.check_embedding_inputs(len(listed), param)
         wheres = [param if listed is not inputs else f"input {i}" if param == "input" else f"{param}[{i}]"
                   for i in range(len(listed))]
-        return list(await asyncio.gather(*(self._embedding_input(text, param, where, keep)
+        return list(await asyncio.gather(*(self._embedding_input(text, param, where, keep, add_special_tokens)
                                            for text, where in zip(listed, wheres))))
 
-    async def _embedding_input(self, text: str | list[int], param: str, where: str, keep: int | None) -> list[int]:
+    async def _embedding_input(self, text: str | list[int], param: str, where: str, keep: int | None,
+                               add_special_tokens: bool) -> list[int]:
         try:
-            ids = await self.encoder.encode(text, param, keep)
+            ids = await self.encoder.encode(text, param, keep, add_special_tokens, pooling=True)
             self.generator.inputs.check_token_ids(ids)
         except APIError as err:
-            raise APIError(err.status, f"{where}: {err.message}", param=param) from None
+            raise APIError(err.status, f"{where}: {err.message}", param=err.param or param) from None
         except ValueError as err:
             raise APIError(400, f"{where}: {err}", param=param) from None
         if not ids:

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from jinja2 import TemplateError
 
-from ..generation import SamplingParams
+from ..generation import InvalidParameter, SamplingParams
 from ..generation.inputs import InputProcessor, Prompt
 from .protocol import APIError
 
@@ -50,20 +50,24 @@ class PromptEncoder:
         return processor
 
     async def encode(self, prompt: Prompt, param: str, keep: int | None = None,
-                     add_special_tokens: bool | None = None) -> list[int]:
+                     add_special_tokens: bool | None = None, pooling: bool = False) -> list[int]:
         """The prompt's token ids, its last ``keep`` only if given (``truncate_prompt_tokens``), with the tokenizer's
         special tokens as `tokenize_prompt` adds them; raises a 400 naming ``param`` for a prompt that is too long or
-        cannot render. A prompt to truncate is not measured before it is tokenized (the body's size bounds it)."""
+        cannot render (one to embed, ``pooling``, may fill the context). A prompt to truncate is not measured before
+        it is tokenized (the body's size bounds it)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            prompt = self.inputs.truncated(prompt, keep)
-            self._check_tokens(len(prompt), param)
+            try:
+                prompt = self.inputs.truncated(prompt, keep, pooling)
+            except InvalidParameter as err:
+                raise APIError(400, str(err), param=err.param) from None
+            self._check_tokens(len(prompt), param, pooling)
             return prompt
         if keep is None:
             self.check(prompt, param)
         else:
             check_text(prompt, param)
         return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param, keep,
-                                                                add_special_tokens)
+                                                                add_special_tokens, pooling)
 
     def check(self, prompt: str | list[dict], param: str, extra_chars: int = 0) -> None:
         """Refuse (a 400) a prompt of more characters than the context could hold (each chat message counts as
@@ -80,15 +84,17 @@ class PromptEncoder:
                                 f"{self.chars_per_token} more), more than could fit this engine's context "
                                 f"(max_model_len) of {self.max_model_len} tokens", param=param)
 
-    def _encode(self, prompt: str | list[dict], param: str, keep: int | None,
-                add_special_tokens: bool | None) -> list[int]:
+    def _encode(self, prompt: str | list[dict], param: str, keep: int | None, add_special_tokens: bool | None,
+                pooling: bool) -> list[int]:
         try:
-            _, token_ids = self.processor().tokenize(prompt, keep, add_special_tokens)
+            _, token_ids = self.processor().tokenize(prompt, keep, add_special_tokens, pooling)
         except TemplateError as err:
             raise APIError(400, f"the chat template cannot render these messages: {err}", param=param) from err
+        except InvalidParameter as err:
+            raise APIError(400, str(err), param=err.param) from err
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), param=param) from err
-        self._check_tokens(len(token_ids), param)
+        self._check_tokens(len(token_ids), param, pooling)
         return token_ids
 
     async def tokenize_bad_words(self, params: SamplingParams) -> None:
@@ -97,9 +103,9 @@ class PromptEncoder:
             await asyncio.get_running_loop().run_in_executor(
                 self.start(), lambda: params.bad_words_token_ids(self.processor().tokenizer))
 
-    def _check_tokens(self, num_tokens: int, param: str) -> None:
+    def _check_tokens(self, num_tokens: int, param: str, pooling: bool = False) -> None:
         try:
-            self.inputs.check_prompt_length(num_tokens)
+            self.inputs.check_prompt_length(num_tokens, pooling)
         except ValueError as err:
             raise APIError(400, str(err), param=param) from None
 
