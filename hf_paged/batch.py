@@ -96,5 +96,16 @@ def _custom_id(line: str) -> str | None:
     return custom_id if isinstance(custom_id, str) and custom_id else None
 
 
+def output_line(record: dict) -> str:
+    """A record as its output line: JSON as UTF-8 writes it, or escaped where it cannot (a ``custom_id`` holding a
+    lone surrogate, read from a ``"\\ud800"`` escape, is given back as it came)."""
+    text = json.dumps(record, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = json.dumps(record)
+    return text + "\n"
+
+
 def _record(custom_id, response: dict | None, error: dict | None) -> dict:
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}

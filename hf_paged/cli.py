@@ -486,7 +486,7 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     """``hf-paged run-batch``: the answers to a batch file's requests, in the input's order."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from .batch import run_batch
+        from .batch import output_line, run_batch
         from .server import create_app
     except ImportError as err:
         parser.error(f"run-batch needs the server extra: pip install 'hf-paged[server]' ({err})")
@@ -508,7 +508,7 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         records = asyncio.run(run_batch(app, lines, limits.max_concurrent_requests))
     finally:
         generator.stop_workers()
-    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    text = "".join(map(output_line, records))
     if args.output_file == "-":
         sys.stdout.write(text)
     else:

@@ -112,14 +112,16 @@ def test_the_run_batch_command_writes_the_answers(smollm2_path, tmp_path, capsys
     given.write_text("\n".join([line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}),
                                 line("b", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                                                                    "max_completion_tokens": 4}),
-                                line("c", "/v1/completions", {"prompt": "x", "n": 0})]) + "\n")
+                                line("c", "/v1/completions", {"prompt": "x", "n": 0}),
+                                line("d\ud800", "/v1/completions", {"prompt": "Hi", **GREEDY})]) + "\n")
     assert main(["run-batch", smollm2_path, "-i", str(given), "-o", str(answers), "--num-blocks", "64",
                  "--served-model-name", "smol"]) == 0
     records = [json.loads(text) for text in answers.read_text().split("\n") if text]
-    assert [(r["custom_id"], r["response"]["status_code"]) for r in records] == [("a", 200), ("b", 200), ("c", 400)]
+    assert [(r["custom_id"], r["response"]["status_code"]) for r in records] == [("a", 200), ("b", 200), ("c", 400),
+                                                                                ("d\ud800", 200)]
     assert records[0]["response"]["body"]["usage"]["completion_tokens"] == 8
     assert records[1]["response"]["body"]["model"] == "smol"
-    assert "3 requests, 2 answered, 1 refused or failed" in capsys.readouterr().err
+    assert "4 requests, 3 answered, 1 refused or failed" in capsys.readouterr().err
     latin = tmp_path / "latin1.jsonl"
     latin.write_bytes(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                                   "body": {"prompt": "caf\u00e9"}}, ensure_ascii=False).encode("latin-1"))
