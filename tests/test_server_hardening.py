@@ -334,6 +334,8 @@ def test_odd_bodies_are_400s_naming_their_field(served):
         ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": '
                                  b'[{"type": "function", "function": {"name": "f", "description": "\\ud800"}}]}',
          "tools", "surrogate"),
+        ("/v1/responses", b'{"model": "tiny", "input": "hi", "user": "\\ud800"}', "user", "surrogate"),
+        ("/v1/responses", b'{"model": "tiny", "input": "hi", "metadata": {"k": "\\udfff"}}', "metadata", "surrogate"),
         ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
          "messages cannot be set"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias",

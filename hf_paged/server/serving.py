@@ -107,6 +107,8 @@ class OpenAIServing:
 
     async def responses(self, body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API: the request runs as the chat request it makes, answered as output items."""
+        check_text(body.user or "", "user")  # both are given back in the answer
+        check_text(body.metadata or {}, "metadata")
         try:
             chat = body.to_chat()
         except ValueError as err:
