@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+import common  # noqa: F401  (first: it sets up the import path)
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

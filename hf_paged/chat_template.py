@@ -20,6 +20,8 @@ TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_
     "self", "kwargs"} | {"messages"}  # the template's own name for the conversation
 NOT_JSON = (ValueError, RecursionError)  # what reading JSON text raises: malformed, or nested too deep
 CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format
+# Mistral's templates refuse tool call ids that are not 9 letters and digits ("... with length 9!").
+_NINE_CHARACTER_IDS = re.compile(r"length\s*(?:!=|==)\s*9\b|length 9\b")
 # A template that loops over a message's content takes it as OpenAI's list of parts.
 _LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
@@ -58,6 +60,30 @@ def template_takes_tools(tokenizer, template: str | None = None) -> bool:
     """Whether the chat template (``template``, else the tokenizer's) renders tools itself."""
     template = template or tokenizer.chat_template
     return not isinstance(template, str) or "tools" in template
+
+
+def short_call_ids(tokenizer, template: str | None = None) -> bool:
+    """Whether the chat template (``template``, else the tokenizer's) takes only Mistral's tool call ids: 9 letters
+    and digits."""
+    template = template or tokenizer.chat_template
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(text, str) and _NINE_CHARACTER_IDS.search(text) for text in texts)
+
+
+def nine_character_id(call_id) -> str:
+    """A tool call id as Mistral's templates take it: its last 9 letters and digits (vLLM keeps the last 9
+    characters), zeros before fewer; the same id always gives the same one, so a call and its result still match."""
+    kept = "".join(char for char in str(call_id) if char.isascii() and char.isalnum())[-9:]
+    return kept.rjust(9, "0")
+
+
+def _with_nine_character_ids(message: dict) -> dict:
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [{**call, "id": nine_character_id(call.get("id"))}
+                                             if isinstance(call, dict) else call for call in message["tool_calls"]]}
+    if message.get("tool_call_id") is not None:
+        message = {**message, "tool_call_id": nine_character_id(message["tool_call_id"])}
+    return message
 
 
 def _hermes_call(call: dict) -> str:
@@ -112,6 +138,8 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, opt
     template (``add_generation_prompt=False``, ``continue_final_message=True``, its own variables). With
     ``content_parts`` the messages' content is OpenAI's list of text parts (what is written into it is a part too)."""
     native = template_takes_tools(tokenizer, (options or {}).get("chat_template"))
+    if short_call_ids(tokenizer, (options or {}).get("chat_template")):
+        messages = [_with_nine_character_ids(message) for message in messages]
     messages = [_for_template(message, native) for message in messages]
     if tools and not native:
         text = _tools_system_text(tools)

@@ -25,6 +25,12 @@ def run_script(name: str, *args: str, timeout: float) -> subprocess.CompletedPro
     return proc
 
 
+def test_the_script_without_a_smoke_run_starts():
+    """The other scripts run below (chaos.py is serve_load's); this one starts and explains itself (its import order
+    once broke it: ``benchmarks/kernels.py`` shadowed the package Transformers probes for)."""
+    assert "usage:" in run_script("random_heads_model.py", "--help", timeout=120).stdout
+
+
 @pytest.mark.slow
 def test_throughput_smoke_reports_every_engine(smollm2_path, tmp_path):
     out = tmp_path / "throughput.json"

@@ -57,6 +57,35 @@ def test_a_template_without_tools_gets_them_and_earlier_calls_in_the_hermes_form
     assert text.endswith("<|im_start|>tool\n18 C, sunny<|im_end|>\n<|im_start|>assistant\n")
 
 
+# Mistral's chat templates (v0.3, Nemo, Small 3) refuse tool call ids that are not 9 characters; this keeps that check.
+MISTRAL_IDS = ("{%- for m in messages %}{%- if m.tool_calls %}{%- for c in m.tool_calls %}{%- if c.id|length != 9 %}"
+               "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+               "[TOOL_CALLS]{{ c.id }}{{ c.function|tojson }}{%- endfor %}{%- elif m.role == 'tool' %}"
+               "[TOOL_RESULTS]{{ m.tool_call_id }}:{{ m.content }}{%- else %}{{ m.content }}{%- endif %}"
+               "{%- endfor %}{# tools #}")
+
+
+def test_mistrals_templates_get_and_give_tool_call_ids_of_nine_characters(tokenizer):
+    """As vLLM's mistral parser: calls read for such a template get 9-character ids, and ids written otherwise (an
+    OpenAI client's "call_..." ones) reach it as their last 9 letters and digits, a call and its result alike."""
+    from hf_paged.chat_template import short_call_ids
+
+    assert short_call_ids(tokenizer, MISTRAL_IDS) and not short_call_ids(tokenizer)
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_6e3ce3ea71244f8ab05d4df5", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_6e3ce3ea71244f8ab05d4df5", "content": "18 C"}]
+    text = render_prompt(tokenizer, messages, [WEATHER], {"chat_template": MISTRAL_IDS})
+    assert text == 'Weather?[TOOL_CALLS]ab05d4df5{"name": "get_weather", ' \
+        '"arguments": {"city": "Paris"}}[TOOL_RESULTS]ab05d4df5:18 C'
+    parser = ToolCallParser("auto", tools=[WEATHER], short_ids=True)
+    calls = [parser.parse(CALL)[1][0].id, stream_all(parser.stream(), CALL, 3)[1][0]["id"],
+             stream_all(parser.stream(), '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', 5)[1][0]["id"]]
+    assert all(len(id_) == 9 and id_.isalnum() for id_ in calls) and len(set(calls)) == 3
+    assert ToolCallParser("auto", tools=[WEATHER]).parse(CALL)[1][0].id.startswith("call_")
+
+
 def test_a_template_given_for_the_call_decides_whether_it_takes_the_tools(tokenizer):
     """The tokenizer's template knows no tools; one passed in (``LLM.chat(chat_template=...)``) that does gets them."""
     own = "{% for t in tools %}[TOOL {{ t.function.name }}]{% endfor %}{{ messages[0]['content'] }}"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from ..chat_template import TEMPLATE_PARAMETERS, template_content
+from ..chat_template import TEMPLATE_PARAMETERS, short_call_ids, template_content
 from ..generation import (
     CompletionOutput, InvalidParameter, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams,
 )
@@ -408,7 +408,7 @@ class ChatCompletionRequest(GenerationRequest):
         if mode == "none":
             return None
         return ToolCallParser("auto" if mode == "auto" else "json", tokenizer, prompt, self.tools,
-                              named=mode == "named")
+                              named=mode == "named", short_ids=short_call_ids(tokenizer))
 
     def constraints(self) -> list[Constraint]:
         asked = super().constraints()

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import ast
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -107,17 +109,29 @@ def _rebased(schema, root: str):
 # ------------------------------------------------------------------------------------------------- the output
 class ToolCallParser:
     """Reads calls out of one request's outputs; ``mode`` is ``"auto"`` (free text) or ``"json"`` (constrained),
-    ``named`` when ``tool_choice`` named the function."""
+    ``named`` when ``tool_choice`` named the function; ``short_ids``: the calls get ids of 9 letters and digits, which
+    Mistral's chat templates take back (`chat_template.short_call_ids`)."""
 
     def __init__(self, mode: str, tokenizer=None, prompt: str = "", tools: list[dict] | None = None,
-                 named: bool = False):
+                 named: bool = False, short_ids: bool = False):
         self.mode, self.tokenizer, self.prompt, self.tools, self.named = mode, tokenizer, prompt, tools, named
+        self.short_ids = short_ids
         self.response_template = getattr(tokenizer, "response_template", None) if mode == "auto" else None
         self.functions = tool_functions(tools) if tools and mode == "auto" else {}
         self.call_starts = _CALL_STARTS + _pythonic_starts(self.functions)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)``; text that holds no readable call is all content."""
+        content, calls = self._read(text)
+        for call in calls:
+            self.identify(call)
+        return content, calls
+
+    def identify(self, call: ToolCall) -> None:
+        if self.short_ids:
+            call.id = "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+    def _read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "json":
             return self._parse_json(text)
         if self.response_template is not None:
@@ -261,6 +275,7 @@ class ToolCallStream:
         return True
 
     def _announce(self, call: ToolCall, entries: dict[int, dict]) -> None:
+        self.parser.identify(call)
         self.calls.append(call)
         entries[len(self.calls) - 1] = call.to_dict(len(self.calls) - 1)
 
