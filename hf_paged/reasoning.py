@@ -11,12 +11,17 @@ with ``<think>`` (after blank space) reasons until ``</think>``, and one that do
 ``deepseek_r1``, as vLLM's, an answer reasons until ``</think>`` unless its prompt closed the block (DeepSeek-R1 may
 leave its ``<think>`` out). A message continued (``continue_final_message``) is inside a block it opened and did not
 close. An answer's own leading ``<think>`` is no part of its reasoning; one that never closes its block is all
-reasoning.
+reasoning. Qwen3.5 may call a tool without closing its block: a ``<tool_call>`` that opens Qwen3-Coder's XML
+(``<function=``) ends the reasoning too, as in vLLM, and the call is content.
 """
 
 from __future__ import annotations
 
+import re
+
 OPEN, CLOSE = "<think>", "</think>"
+_CALL, _FUNCTION = "<tool_call>", "<function="
+_CALL_ENDS_REASONING = re.compile(re.escape(_CALL) + r"\s*" + re.escape(_FUNCTION))
 PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -69,6 +74,14 @@ def _one_token(tokenizer, tag: str) -> int | None:
     """The token that spells ``tag``, where one does."""
     ids = tokenizer.encode(tag, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
+
+
+def _partial_call(text: str) -> int:
+    """Length of the end of ``text`` that may yet become a call that ends the reasoning (`_CALL_ENDS_REASONING`)."""
+    start = text.rfind(_CALL)
+    if start >= 0 and _FUNCTION.startswith(text[start + len(_CALL):].lstrip()):
+        return len(text) - start
+    return partial_tag(text, _CALL)
 
 
 def partial_tag(text: str, tag: str) -> int:
@@ -125,11 +138,14 @@ class ReasoningStream:
                 return "", text
         if self.state == "content":
             return "", text
-        end = text.find(CLOSE)
+        end, call = text.find(CLOSE), _CALL_ENDS_REASONING.search(text)
+        if call is not None and (end < 0 or call.start() < end):
+            self.state = "content"
+            return text[:call.start()], text[call.start():]
         if end >= 0:
             self.state = "content"
             return text[:end], text[end + len(CLOSE):]
-        keep = partial_tag(text, CLOSE)
+        keep = max(partial_tag(text, CLOSE), _partial_call(text))
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 

@@ -33,6 +33,10 @@ OPENS_THE_BLOCK = "<|im_start|>assistant\n<think>\n"
     # A message that quotes the tag does not open a block: only the prompt's end does.
     ("<|im_start|>user\nUse <think> tags<|im_end|>\n<|im_start|>assistant\n", "Sure.", (None, "Sure.")),
     ("<|im_start|>assistant\n", " <think>", ("", None)),  # opened, then cut
+    # Qwen3.5 may call a tool without closing its block: the call (Qwen3-Coder's XML) ends the reasoning, as vLLM's.
+    (OPENS_THE_BLOCK, "Call it.\n\n<tool_call>\n<function=f>\n</function>\n</tool_call>",
+     ("Call it.\n\n", "<tool_call>\n<function=f>\n</function>\n</tool_call>")),
+    (OPENS_THE_BLOCK, 'a <tool_call>{"name": "f"}</tool_call></think>b', ('a <tool_call>{"name": "f"}</tool_call>', "b")),
 ])
 def test_a_whole_answer_splits_by_its_prompt_and_tags(prompt, answer, expected):
     assert ReasoningParser(prompt).split(answer) == expected
@@ -59,7 +63,8 @@ def test_a_continued_message_is_inside_the_block_it_opened(parser):
         (None, " then")
 
 
-PIECES = ["<think>", "</think>", "<", "</", "<th", "</thi", "think>", "ink>", "a", " ", "\n", "Done."]
+PIECES = ["<think>", "</think>", "<", "</", "<th", "</thi", "think>", "ink>", "a", " ", "\n", "Done.", "<tool_call>",
+          "<tool", "_call>", "<function=", "<func", "tion="]
 
 
 @settings(max_examples=400, deadline=None)
