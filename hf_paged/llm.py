@@ -35,7 +35,9 @@ class LLM:
     (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
     ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; ``trust_remote_code`` and ``tokenizer`` are
     `loading.load_model`'s; ``quantization`` (vLLM's: "gptq", "awq", ...) must name the checkpoint's own
-    quantization, which loads whether it is given or not; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
+    quantization, which loads whether it is given or not; vLLM's ``runner``, ``task`` and ``convert`` are taken (an
+    LLM both generates and embeds), and its ``pooler_config`` (``{"pooling_type": "MEAN", "normalize": False}``)
+    decides `embed`'s pooling over the model directory's; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
     ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded.
 
     ``tensor_parallel_size=N`` shards the model over N ranks: this process is rank 0, and the others are local
@@ -44,7 +46,14 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
                  trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
-                 tensor_parallel_size: int = 1, quantization: str | None = None, **engine_options):
+                 tensor_parallel_size: int = 1, quantization: str | None = None, runner: str = "auto",
+                 task: str = "auto", convert: str = "auto", pooler_config: dict | None = None, **engine_options):
+        for name, value, allowed in (("runner", runner, ("auto", "generate", "pooling")),
+                                     ("task", task, ("auto", "generate", "embed")),
+                                     ("convert", convert, ("auto", "none", "embed"))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        self._pooling = None if pooler_config is None else PoolingConfig.from_vllm(pooler_config)
         if quantization is not None:
             check_quantization(resolve_model(model), quantization)
         self.generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
@@ -144,7 +153,8 @@ class LLM:
                 raise ValueError("a prompt to embed is empty")
             inputs.check_token_ids(ids)
             inputs.check_prompt_length(len(ids), pooling=True)
-        vectors = embed(model, token_ids, PoolingConfig.of_model(getattr(model, "name_or_path", None)), dimensions)
+        pooling = self._pooling or PoolingConfig.of_model(getattr(model, "name_or_path", None))
+        vectors = embed(model, token_ids, pooling, dimensions)
         return [EmbeddingRequestOutput(str(i), ids, EmbeddingOutput(vector))
                 for i, (ids, vector) in enumerate(zip(token_ids, vectors))]
 

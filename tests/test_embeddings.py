@@ -119,9 +119,18 @@ def test_llm_embed_as_vllms(smollm2_path, smollm2, reference):
     assert [len(o.outputs.embedding) for o in outputs] == [32, 32]
     assert outputs[0].outputs.embedding == outputs[1].outputs.embedding
     for prompts, options, words in (([""], {}, "empty"), ([[10 ** 7]], {}, "outside the model's vocabulary"),
-                                    (["x"], {"dimensions": 0}, "dimensions must be 1 to")):
+                                    (["x"], {"dimensions": 0}, "dimensions must be 1 to"),
+                                    (["x"], {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be >= 1")):
         with pytest.raises(ValueError, match=words):
             llm.embed(prompts, **options)
+    # vLLM's way to ask for an embedding model: its runner, task and convert are taken, its pooler_config decides.
+    config = PoolingConfig("mean", False)
+    pooled = LLM(smollm2_path, dtype="float32", num_blocks=16, runner="pooling", convert="embed",
+                 pooler_config={"pooling_type": "MEAN", "normalize": False})
+    torch.testing.assert_close(torch.tensor(pooled.embed(TEXTS[1])[0].outputs.embedding),
+                               expected(reference, one.prompt_token_ids, config), atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="runner must be one of"):
+        LLM(smollm2_path, runner="classify")
 
 
 def test_an_input_to_embed_may_fill_the_context_as_in_vllm(smollm2_path):

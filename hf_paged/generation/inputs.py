@@ -122,6 +122,9 @@ class InputProcessor:
         new token unless they are ``pooling``'s); more than the context holds is an error, as in vLLM."""
         if keep is None:
             return token_ids
+        if not isinstance(keep, int) or keep == 0 or keep < -1:
+            raise InvalidParameter("truncate_prompt_tokens", f"truncate_prompt_tokens must be >= 1, or -1 (what the "
+                                   f"context holds), got {keep!r}")
         if keep > self.max_model_len:
             raise InvalidParameter("truncate_prompt_tokens", f"truncate_prompt_tokens ({keep}) is more than this "
                                    f"engine's context (max_model_len) of {self.max_model_len} tokens")
