@@ -147,8 +147,10 @@ class OpenAIServing:
         vectors = await self.embedded(token_ids, body.dimensions, request, body.normalize)
         if vectors is None:
             return Response(status_code=499)
-        answer = embedding_response(vectors, body, self.served_model_name, sum(map(len, token_ids)))
-        return JSONResponse(answer)
+        tokens = sum(map(len, token_ids))
+        # Thousands of vectors take seconds to write as JSON: off the event loop every stream shares.
+        return await asyncio.to_thread(lambda: JSONResponse(embedding_response(vectors, body, self.served_model_name,
+                                                                               tokens)))
 
     async def score(self, body: ScoreRequest, request: Request) -> Response:
         """vLLM's ``/score`` (`scores`): the cosine similarity of each pair's embeddings."""
@@ -210,7 +212,8 @@ class OpenAIServing:
                                                                        dimensions))
             for index, vector in zip(batch, done):
                 vectors[index] = vector
-        broken = next((i for i, vector in enumerate(vectors) if not all(map(math.isfinite, vector))), None)
+        broken = await asyncio.to_thread(lambda: next((i for i, vector in enumerate(vectors)
+                                                       if not all(map(math.isfinite, vector))), None))
         if broken is not None:
             raise APIError(500, f"the embedding of input {broken} is not finite: the model's hidden states "
                                 f"overflowed in {self.generator.model.dtype}", "server_error", code=500)
