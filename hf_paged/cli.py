@@ -20,7 +20,9 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
+import urllib.request
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -463,9 +465,10 @@ def _add_run_batch(commands, parents: list[argparse.ArgumentParser]) -> None:
                     "(vLLM's run-batch). The answers keep the input's order. The HTTP options are the server's; "
                     "--host, --port and the API key play no part.")
     batch.add_argument("-i", "--input-file", required=True, metavar="FILE",
-                       help="the requests, one JSON object a line (-: standard input)")
+                       help="the requests, one JSON object a line (-: standard input; an http(s) URL: read with GET)")
     batch.add_argument("-o", "--output-file", required=True, metavar="FILE",
-                       help="where the answers go, one JSON object a line (-: standard output)")
+                       help="where the answers go, one JSON object a line (-: standard output; an http(s) URL: sent "
+                            "with PUT)")
     _limit_options(batch)
     batch.set_defaults(run=run_batch_file, check=_batch_settings, command_parser=batch)
 
@@ -473,10 +476,11 @@ def _add_run_batch(commands, parents: list[argparse.ArgumentParser]) -> None:
 def _batch_settings(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """``run-batch``'s options that need no model: the limits and answer options (a bad value exits with code 2)."""
     _check_vllm_flags(parser, args)
-    if args.input_file != "-" and not os.path.isfile(args.input_file):
+    if args.input_file != "-" and not _is_url(args.input_file) and not os.path.isfile(args.input_file):
         parser.error(f"--input-file: no such file: {args.input_file}")
     folder = os.path.dirname(os.path.abspath(args.output_file))
-    if args.output_file != "-" and (os.path.isdir(args.output_file) or not os.access(folder, os.W_OK) or (
+    if args.output_file != "-" and not _is_url(args.output_file) and (
+            os.path.isdir(args.output_file) or not os.access(folder, os.W_OK) or (
             os.path.exists(args.output_file) and not os.access(args.output_file, os.W_OK))):
         parser.error(f"--output-file: cannot write {args.output_file}")
     return server_limits(parser, args), serving_options(parser, args)
@@ -508,12 +512,8 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         records = asyncio.run(run_batch(app, lines, limits.max_concurrent_requests))
     finally:
         generator.stop_workers()
-    text = "".join(map(output_line, records))
-    if args.output_file == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output_file, "w", encoding="utf-8") as out:
-            out.write(text)
+    if not _write_answers(args.output_file, "".join(map(output_line, records))):
+        return 1
     answered = sum(record["response"] is not None and record["response"]["status_code"] == 200 for record in records)
     print(f"hf-paged run-batch: {len(records)} requests, {answered} answered, {len(records) - answered} refused or "
           f"failed", file=sys.stderr)
@@ -528,12 +528,45 @@ def _batch_lines(parser: argparse.ArgumentParser, path: str) -> list[str]:
     try:
         if path == "-":
             text = sys.stdin.buffer.read().decode("utf-8-sig")
+        elif _is_url(path):
+            with urllib.request.urlopen(path, timeout=BATCH_URL_TIMEOUT_S) as answer:
+                text = answer.read().decode("utf-8-sig")
         else:
             with open(path, encoding="utf-8-sig") as given:
                 text = given.read()
-    except (UnicodeDecodeError, OSError) as err:
+    except (UnicodeDecodeError, OSError, ValueError) as err:  # urllib's errors are OSErrors
         parser.error(f"--input-file: cannot read {path}: {err}")
     return [line.removesuffix("\r") for line in text.split("\n")]
+
+
+BATCH_URL_TIMEOUT_S = 60.0
+
+
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
+def _write_answers(path: str, text: str) -> bool:
+    """Write the answers to standard output, a file, or (PUT, as vLLM's run-batch) an http(s) URL; False when the URL
+    did not take them: the reason is printed, and the answers kept in a file it names."""
+    if path == "-":
+        sys.stdout.write(text)
+    elif not _is_url(path):
+        with open(path, "w", encoding="utf-8") as out:
+            out.write(text)
+    else:
+        upload = urllib.request.Request(path, data=text.encode(), method="PUT",
+                                        headers={"Content-Type": "application/jsonl"})
+        try:
+            urllib.request.urlopen(upload, timeout=BATCH_URL_TIMEOUT_S).close()
+        except (OSError, ValueError) as err:
+            kept, kept_path = tempfile.mkstemp(prefix="hf-paged-run-batch-", suffix=".jsonl")
+            with os.fdopen(kept, "w", encoding="utf-8") as out:
+                out.write(text)
+            print(f"hf-paged run-batch: error: --output-file: cannot send the answers to {path} ({err}); they are "
+                  f"in {kept_path}", file=sys.stderr)
+            return False
+    return True
 
 
 def load_generator(parser: argparse.ArgumentParser, args: argparse.Namespace,

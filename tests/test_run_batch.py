@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -132,6 +133,46 @@ def test_the_run_batch_command_writes_the_answers(smollm2_path, tmp_path, capsys
         with pytest.raises(SystemExit) as exit_info:
             main(["run-batch", smollm2_path, *argv, "--num-blocks", "64"])
         assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_run_batch_reads_and_sends_over_http_as_vllms(smollm2_path, tmp_path, capsys):
+    """vLLM's run-batch takes URLs: the requests are read with GET and the answers sent with PUT; a URL that does not
+    take them leaves them in a file the error names."""
+    import http.server
+    import threading
+
+    requests = (line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}) + "\n").encode()
+    received = {}
+
+    class Files(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(requests)
+
+        def do_PUT(self):  # noqa: N802
+            received[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200 if self.path == "/answers.jsonl" else 403)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    try:
+        assert main(["run-batch", smollm2_path, "-i", f"{base}/requests.jsonl", "-o", f"{base}/answers.jsonl",
+                     "--num-blocks", "64"]) == 0
+        [record] = [json.loads(text) for text in received["/answers.jsonl"].decode().split("\n") if text]
+        assert record["custom_id"] == "a" and record["response"]["body"]["usage"]["completion_tokens"] == 8
+        assert main(["run-batch", smollm2_path, "-i", f"{base}/requests.jsonl", "-o", f"{base}/refused.jsonl",
+                     "--num-blocks", "64"]) == 1
+        kept = re.search(r"they are in (\S+\.jsonl)", capsys.readouterr().err).group(1)
+        with open(kept) as answers:
+            assert json.loads(answers.readline())["custom_id"] == "a"
+    finally:
+        files.shutdown()
 
 
 def test_run_batch_fails_when_the_engine_dies(smollm2_path, tmp_path, capsys, monkeypatch):
