@@ -413,6 +413,18 @@ def split_everywhere(parser: ToolCallParser, text: str) -> None:
         assert first[0] + second[0] + rest == (whole_content or ""), (text, cut)
 
 
+@pytest.mark.parametrize("step", [1, 4])
+def test_calls_written_one_after_another_in_one_block_are_each_read(step):
+    """Some models write several calls in one hermes block: each is a call (none is dropped), streamed or not."""
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    assert_calls_or_content(parser, {
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '{"name": "get_time", "arguments": {}}\n</tool_call>': [("get_weather", {"city": "Paris"}), ("get_time", {})],
+        '<tool_call>{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Rome"}}'
+        '</tool_call>' + CALL: [("get_time", {}), ("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Paris"})],
+    }, step)
+
+
 @pytest.mark.parametrize("step", [1, 5])
 def test_the_tags_inside_arguments_are_text_of_the_call(step):
     """A call that writes the tags in its arguments (code that parses tool calls, say) is read whole: its block ends
@@ -443,6 +455,8 @@ def test_the_tags_inside_arguments_are_text_of_the_call(step):
     '<tool_call>{"name": "get_time</tool_call> ok <tool_call>", "arguments": {}}',  # tags in a string are its text
     '<tool_call>{"name": "get_weather", "arguments": {"city": "\\"</tool_call>\\\\"}}</tool_call> ok',  # escapes
     '<tool_call>\n<function=get_weather>\n<parameter=city>\n</tool_call><tool_call>\n</function></tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n{"name": "get_time", "arguments": 1}'
+    '\n</tool_call> ok',  # two calls in one block
 ])
 def test_answers_streamed_in_any_two_pieces_read_as_whole(text):
     split_everywhere(ToolCallParser("auto", tools=[WEATHER, TIME]), text)

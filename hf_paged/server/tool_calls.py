@@ -185,6 +185,7 @@ class ToolCallStream:
         self.calls: list[ToolCall] = []  # announced so far
         self.scan = 0  # where the next call may start
         self.block_start = 0  # where the text of the hermes block being followed starts
+        self.in_block = False  # a followed call's arguments are in a block that may hold another call after them
         self.args_start: int | None = None  # where the arguments of the last announced call start, while unfinished
         self.args_sent = 0
         self.ends = _BlockEnds()  # where the block being read ends, searched once per character
@@ -245,6 +246,10 @@ class ToolCallStream:
         if self.parser.mode == "json":
             match = _JSON_HEADER.search(self.text, self.scan)
         else:
+            if self.in_block:
+                followed = self._next_in_block(entries, final)
+                if followed is not None:
+                    return followed
             start = self.text.find(OPEN_TAG, self.scan)
             if start < 0:
                 return False
@@ -259,9 +264,27 @@ class ToolCallStream:
             return match is not None
         if name is None:
             return self._read_block(start, entries, final)
+        self._follow(name, match.end(), entries)
+        return True
+
+    def _follow(self, name: str, args_start: int, entries: dict[int, dict]) -> None:
         self._announce(ToolCall.of(name, ""), entries)
-        self.args_start = self.args_sent = match.end()
-        self.value = _ValueScan(match.end())
+        self.args_start = self.args_sent = args_start
+        self.value = _ValueScan(args_start)
+        self.in_block = self.parser.mode == "auto"
+
+    def _next_in_block(self, entries: dict[int, dict], final: bool) -> bool | None:
+        """After a followed call's arguments, once its block has ended: another call written after it in the same
+        block (`_NEXT_CALL`) is followed too (True); None when there is none, False until the block ends."""
+        close = self.ends.find(self.text, self.block_start)
+        if close < 0 and not final:
+            return False
+        self.in_block = False
+        match = _NEXT_CALL.match(self.text, self.scan, close if close >= 0 else len(self.text))
+        name = _json_string(match.group(1)) if match else None
+        if name is None:
+            return None
+        self._follow(name, match.end(), entries)
         return True
 
     def _read_block(self, start: int, entries: dict[int, dict], final: bool) -> bool:
@@ -323,6 +346,8 @@ _AFTER_VALUE = frozenset(" \t\r\n,}]<")  # what may follow a whole number or lit
 # starts with "<" (where a tag may be) is none.
 _NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\<]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
+# Another call after one in the same hermes block (some models write two objects in one block).
+_NEXT_CALL = re.compile(r"\s*\}\s*[,;]?\s*" + _NAME_THEN_ARGUMENTS)
 
 
 # What Llama 3, Llama 4 and Mistral write before calls (special tokens: in the text only if they are kept).
@@ -438,13 +463,19 @@ def _hermes_block_calls(block: str, functions: dict[str, dict]) -> list[ToolCall
         if isinstance(call, dict) and isinstance(call.get("name"), str):
             return [ToolCall.of(call["name"], call.get("arguments", {}))]
         return _xml_calls(block, functions)
-    try:
-        value, end = _DECODER.raw_decode(block, header.end())
-    except NOT_JSON:
-        end = None
-    if end is None or not _scalar_ends(block, header.end(), end, True):
-        return [ToolCall.of(name, block[header.end():])]  # cut short or malformed: as written, as OpenAI passes it on
-    return [ToolCall.of(name, value)]
+    calls = []
+    while name is not None:
+        try:
+            value, end = _DECODER.raw_decode(block, header.end())
+        except NOT_JSON:
+            end = None
+        if end is None or not _scalar_ends(block, header.end(), end, True):
+            # Cut short or malformed: as written, as OpenAI passes it on.
+            return [*calls, ToolCall.of(name, block[header.end():])]
+        calls.append(ToolCall.of(name, value))
+        header = _NEXT_CALL.match(block, end)
+        name = _json_string(header.group(1)) if header else None
+    return calls
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^<>\s]+)>")
