@@ -56,6 +56,7 @@ class AsyncLLM:
         self.tokenizer = copy.deepcopy(generator.tokenizer)
         self.engine = EngineLoop(generator)
         self.engine.start()
+        weakref.finalize(self, self.engine.release).atexit = False  # dropped without shutdown(): the thread ends
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | GenerationConfig | None = None,
                        request_id: str | None = None, lora_request: LoRARequest | None = None, priority: int = 0,

@@ -200,6 +200,17 @@ class EngineLoop:
                     return
             thread.join()  # outside the lock, which the ending step's delivery takes
 
+    def release(self, timeout: float = 10.0) -> None:
+        """End the thread after its current step: whoever served through this loop is gone (a finalizer calls this),
+        and the thread would keep the engine, its weights and its KV cache alive for ever. It is waited for (unless
+        this is the engine thread itself), so that the engine is not still being freed there when the process
+        exits (a native destructor then aborts it)."""
+        self._stopping = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def stop(self, timeout: float = 30.0, reason: str = "the server is shutting down") -> None:
         """Stop the thread after its current step; requests still in flight fail (`EngineStopping`, saying
         ``reason``) and, once the thread has ended, give back their blocks."""

@@ -29,6 +29,27 @@ def _collect_after_each_module():
         pass
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _collect_after_a_big_test():
+    """Within a file too: a test that grew the process by more than 512 MiB (a few engines, each with its own packed
+    weights) has what it left in reference cycles (FastAPI apps are cyclic) freed at once, not at some later
+    collection, for the next tests to reuse (the suite peaked at 10.8 GB resident without it)."""
+    if not os.path.exists("/proc/self/statm"):
+        yield
+        return
+    before = _resident_bytes()
+    yield
+    if _resident_bytes() - before > 512 << 20:
+        import gc
+
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from hf_paged.default_model import default_model_path

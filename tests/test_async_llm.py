@@ -178,3 +178,38 @@ def test_the_event_loop_never_uses_the_engine_threads_tokenizer(smollm2, chat_pr
     assert all(out[-1].finished and out[-1].outputs[0].text for out in outputs)
     assert threads and threading.get_ident() not in threads  # only the engine thread's detokenizing
     assert asyncio.run(engine.get_tokenizer()) is not generator.tokenizer
+
+
+def test_an_engine_dropped_without_shutdown_ends_its_thread_and_is_freed(smollm2):
+    """vLLM's AsyncLLM shuts itself down when dropped; an app served without its lifespan (httpx's ASGITransport)
+    starts its thread at the first request. Either way, dropping it must not leave the thread holding the engine
+    (its weights and KV cache) for the life of the process."""
+    import gc
+    import weakref
+
+    import httpx
+
+    from hf_paged.server import create_app
+
+    def engine_threads() -> int:
+        return sum(thread.name == "hf-paged-engine" for thread in threading.enumerate())
+
+    before = engine_threads()
+    engine = AsyncLLM.from_generator(ContinuousBatchGenerator(*smollm2, num_blocks=16))
+    generator = weakref.ref(engine.generator)
+    asyncio.run(_collect(engine, "Hi", SamplingParams(max_tokens=2)))
+    del engine
+    gc.collect()
+    assert generator() is None and engine_threads() == before
+
+    app = create_app(ContinuousBatchGenerator(*smollm2, num_blocks=16), "m")
+    generator = weakref.ref(app.state.serving.generator)
+
+    async def ask() -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+            return (await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})).status_code
+
+    assert asyncio.run(ask()) == 200 and engine_threads() == before + 1
+    del app
+    gc.collect()
+    assert generator() is None and engine_threads() == before

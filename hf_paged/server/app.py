@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -140,6 +141,8 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str | Seq
     app.include_router(routes)
     if runtime_lora_updating():
         app.include_router(lora_routes)
+    # An app run without its lifespan starts the thread at its first request; once the app is dropped, it ends.
+    weakref.finalize(app, engine.release).atexit = False
     return app
 
 
