@@ -268,12 +268,12 @@ class EngineLoop:
 
     def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, lora_request: LoRARequest | LoRAAdapter |
              None, priority: int) -> None:
-        if self.metrics is not None:  # before the request is queued: it may finish at once
-            self.metrics.observe_submitted(request_id, params.n, params.max_tokens)
+        # Observed before the request is queued: it may finish at once.
+        observed = self.metrics is not None and self.metrics.observe_submitted(request_id, params.n, params.max_tokens)
         try:
             self.generator.add_request(prompt, params, request_id, lora_request, priority)
         except BaseException:
-            if self.metrics is not None:
+            if observed:  # not when the id is another request's in flight: its entry stays
                 self.metrics.withdraw(request_id)
             raise
 

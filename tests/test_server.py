@@ -439,7 +439,8 @@ def test_a_finished_requests_phases_and_lengths_are_observed_as_vllms():
                            num_output_tokens=7)
     stats = EngineStats(0, 0, 0.0, 0, 16, 0, 0, 0, 0, 0, 0)
     metrics.observe_submitted("r", 2, None)
-    metrics.observe_submitted("q", 1, 50)
+    # An id in flight already (a request the engine then refuses) leaves the first one's entry as it was.
+    assert metrics.observe_submitted("q", 1, 50) and not metrics.observe_submitted("r", 9, 9)
     metrics.observe_step(stats, [RequestOutput("r", None, list(range(30)), [
         CompletionOutput(0, "", [5] * 4, None), CompletionOutput(1, "", [6] * 3, "length")], False, times)])
     done = RequestOutput("r", None, list(range(30)), [CompletionOutput(0, "", [5] * 3, "stop")], True, times)

@@ -124,9 +124,13 @@ class ServerMetrics:
                      registry=self.registry)
         info.labels(**{name: str(value) for name, value in config.items()}).set(1)
 
-    def observe_submitted(self, request_id: str, n: int, max_tokens: int | None) -> None:
-        """A request queued with these parameters (observed when it finishes, as vLLM's)."""
+    def observe_submitted(self, request_id: str, n: int, max_tokens: int | None) -> bool:
+        """A request queued with these parameters (observed when it finishes, as vLLM's); False where a request of
+        that id is in flight already (the engine refuses this one)."""
+        if request_id in self._params:
+            return False
         self._params[request_id] = n, max_tokens
+        return True
 
     def withdraw(self, request_id: str) -> None:
         """A request submitted but refused before it was queued."""
