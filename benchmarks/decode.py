@@ -79,7 +79,8 @@ def throughput_run(args, variant: str, dtype: str, batch: int) -> float:
             cmd += ["--device", args.device]
         if variant == "eager":
             cmd += ["--enforce-eager"]
-        env = dict(os.environ, PYTHONPATH=str(root))
+        # The tree first, before what the caller put on the path (a newer Transformers, say), which stays.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{variant} failed: {proc.stderr[-2000:]}")

@@ -16,6 +16,8 @@ from hf_paged import ContinuousBatchGenerator, SamplingParams
 from hf_paged.generation.cuda_graphs import DecodeGraphs, capture_sizes
 from tiny_models import tiny_model
 
+# The tests that run the Triton kernels take the GPU where there is one (they run interpreted on CPU tensors only).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Prompts of several lengths whose outputs end at different steps, so the batch shrinks through every bucket.
 PROMPTS = [[1, 5 + i, 9, 17 + 3 * i, 40, 3, 8][: 2 + i % 5] for i in range(7)]
 PARAMS = [SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True) for i in range(7)]
@@ -67,7 +69,7 @@ def eager_tokens(name, tokenizer, params=PARAMS):
     model and parameters (the interpreted kernels are slow)."""
     key = (name, repr(params))
     if key not in _eager:
-        _eager[key] = generate(tiny_model(name)[0], tokenizer, params=params)[0]
+        _eager[key] = generate(tiny_model(name)[0].to(DEVICE), tokenizer, params=params)[0]
     return _eager[key]
 
 
@@ -111,7 +113,7 @@ def test_a_graph_takes_steps_whose_sequences_have_equal_new_tokens(tokenizer):
 def test_a_verifying_graph_padded_with_empty_sequences_gives_the_eager_logits(tokenizer, monkeypatch):
     """Three sequences of two new tokens run the graph of four: the fourth attends to nothing and writes nothing."""
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
-    model, _ = tiny_model("llama")
+    model = tiny_model("llama")[0].to(DEVICE)
     gen = ContinuousBatchGenerator(model, tokenizer, enforce_eager=True, num_blocks=16, block_size=4)
     graphs = DecodeGraphs(gen.runner.forward, gen.kv_storage, capture_sizes(8), 16, max_query_len=2,
                           capture=ReplayOnCpu())
@@ -135,7 +137,7 @@ def test_decode_steps_from_graphs_give_the_eager_tokens(name, tokenizer, monkeyp
     monkeypatch.setenv("HF_PAGED_KERNELS", "triton")
     eager = eager_tokens(name, tokenizer)
     capture = ReplayOnCpu()
-    replayed, gen = generate(tiny_model(name)[0], tokenizer, capture)
+    replayed, gen = generate(tiny_model(name)[0].to(DEVICE), tokenizer, capture)
     assert replayed == eager
     graphs = gen.runner.graphs
     assert graphs.disabled is None and sorted(graphs.replays) == [(1, 1), (2, 1), (4, 1), (8, 1)]
@@ -154,7 +156,8 @@ def test_verifying_steps_replay_graphs_of_their_own(name, schedule, tokenizer, m
     params = PARAMS[:-2] + [PARAMS[-2].replace(max_tokens=20), PARAMS[-1].replace(max_tokens=36)]
     eager = eager_tokens(name, tokenizer, params)
     capture = ReplayOnCpu()
-    replayed, gen = generate(tiny_model(name)[0], tokenizer, capture, params=params, speculative_config=spec)
+    replayed, gen = generate(tiny_model(name)[0].to(DEVICE), tokenizer, capture, params=params,
+                             speculative_config=spec)
     assert replayed == eager
     graphs = gen.runner.graphs
     verifying = {shape for shape in graphs.replays if shape[1] > 1}
@@ -172,7 +175,7 @@ def test_a_forward_that_reads_tensors_on_the_host_turns_the_graphs_off(tokenizer
     monkeypatch.setattr(model_runner, "unpadded_mask", lambda n, device: torch.ones(1, n, dtype=torch.bool))
     capture = ReplayOnCpu()
     with caplog.at_level(logging.WARNING, logger="hf_paged.generation.cuda_graphs"):
-        replayed, gen = generate(tiny_model("llama")[0], tokenizer, capture)
+        replayed, gen = generate(tiny_model("llama")[0].to(DEVICE), tokenizer, capture)
     assert replayed == eager
     assert "is_nonzero" in gen.runner.graphs.disabled and capture.replays == 0
     assert "CUDA graphs are off" in caplog.text

@@ -306,11 +306,15 @@ def test_paged_layout_cache_views_match_torch():
     from hf_paged.kernels import torch_ops, triton_ops
     from kernel_cases import make_case
 
-    case = make_case([5, 19, 33], [1, 1, 1], 2, 3, 64, 8, paged_layout=True)
+    def on_device(case: dict) -> dict:  # strides kept: the caches stay transposed views
+        return {key: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for key, value in case.items()}
+
+    case = on_device(make_case([5, 19, 33], [1, 1, 1], 2, 3, 64, 8, paged_layout=True))
+    assert not case["k_cache"].is_contiguous()
     args = (case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], 0.125)
     torch.testing.assert_close(triton_ops.paged_decode_attention(*args), torch_ops.paged_decode_attention(*args),
                                rtol=1e-5, atol=1e-5)
-    case = make_case([5, 19, 33], [5, 4, 9], 2, 3, 64, 8, paged_layout=True)
+    case = on_device(make_case([5, 19, 33], [5, 4, 9], 2, 3, 64, 8, paged_layout=True))
     args = (case["query"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"],
             case["query_start_loc"], case["max_query_len"], 0.125)
     torch.testing.assert_close(triton_ops.paged_prefill_attention(*args), torch_ops.paged_prefill_attention(*args),

@@ -76,7 +76,8 @@ def paged_prefill_attention(
     Queries in another dtype than the cache are handled as in `paged_decode_attention`."""
     _check_sinks(sinks, query)
     q = query.to(k_cache.dtype)
-    native = max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1]) and _use_native(q, k_cache, v_cache)
+    # _use_native first: on a GPU it is False at once, and cpu_ops.max_query_len would build the CPU library.
+    native = _use_native(q, k_cache, v_cache) and max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1])
     impl = cpu_ops if native else _impl(q)
     out = impl.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap,
@@ -102,9 +103,9 @@ def paged_attention(
     as `PagedMetadata` packs them). Returns ``[T, Hq, D]``."""
     _check_sinks(sinks, query)
     q = query.to(k_cache.dtype)
-    rows_fit = (metadata.max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1])
-                and key.stride(-1) == value.stride(-1) == 1)
-    if rows_fit and _use_native(q, k_cache, v_cache):
+    native = (_use_native(q, k_cache, v_cache) and key.stride(-1) == value.stride(-1) == 1  # _use_native first: above
+              and metadata.max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1]))
+    if native:
         out = cpu_ops.paged_attention(q, key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache, metadata,
                                       scale, sliding_window, softcap, sinks)
         return out.to(query.dtype)
