@@ -61,7 +61,7 @@ def load_causal_lm(name_or_path: str | os.PathLike | None = None, dtype: str | t
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(name_or_path)
-    kwargs = quantized_load_kwargs(path, device, quant_backend)
+    kwargs = quantized_load_kwargs(path, device, quant_backend, trust_remote_code)
     model, info = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged", dtype=_dtype(dtype),
                                                        device_map=device, trust_remote_code=trust_remote_code,
                                                        output_loading_info=True, **kwargs)

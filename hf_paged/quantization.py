@@ -72,7 +72,8 @@ def check_quantization(model_path: str | os.PathLike, asked: str | None) -> None
                          "quantization is what loads")
 
 
-def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", backend: str | None = None) -> dict:
+def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", backend: str | None = None,
+                          trust_remote_code: bool = False) -> dict:
     """Extra `from_pretrained` arguments for a GPTQ/AWQ checkpoint (empty for anything else, or off CPU).
 
     ``backend`` overrides gptqmodel's kernel (e.g. ``"torch"`` for exact fp32 GPTQ math); by default the fused torch
@@ -86,7 +87,7 @@ def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", ba
     if config.get("lm_head"):
         raise ValueError(f"{model_path}: its output layer is quantized too (quantization_config.lm_head), which "
                          "Transformers does not load (it would be random); quantize it with lm_head=False")
-    kwargs = {"config": _config_with(model_path, config)} if beside else {}
+    kwargs = {"config": _config_with(model_path, config, trust_remote_code)} if beside else {}
     if str(device) != "cpu":
         return kwargs
     _set_cpu_workers()
@@ -103,12 +104,12 @@ def quantized_load_kwargs(model_path: str | os.PathLike, device: str = "cpu", ba
     return {**kwargs, "quantization_config": AwqConfig(bits=config["bits"], backend=backend or default)}
 
 
-def _config_with(model_path: str | os.PathLike, settings: dict):
+def _config_with(model_path: str | os.PathLike, settings: dict, trust_remote_code: bool):
     """The model's config holding quantization ``settings`` read beside it, so that Transformers loads the weights as
     quantized ones (a ``quantization_config`` argument alone would quantize them again)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     config.quantization_config = settings
     return config
 

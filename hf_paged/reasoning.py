@@ -21,7 +21,8 @@ import re
 
 OPEN, CLOSE = "<think>", "</think>"
 _CALL, _FUNCTION = "<tool_call>", "<function="
-_CALL_ENDS_REASONING = re.compile(re.escape(_CALL) + r"\s*" + re.escape(_FUNCTION))
+_CALL_SPACE = 16  # at most this much whitespace between the two (Qwen3.5 writes one newline): what is held is bounded
+_CALL_ENDS_REASONING = re.compile(re.escape(_CALL) + r"\s{0,%d}" % _CALL_SPACE + re.escape(_FUNCTION))
 PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -78,8 +79,9 @@ def _one_token(tokenizer, tag: str) -> int | None:
 
 def _partial_call(text: str) -> int:
     """Length of the end of ``text`` that may yet become a call that ends the reasoning (`_CALL_ENDS_REASONING`)."""
-    start = text.rfind(_CALL)
-    if start >= 0 and _FUNCTION.startswith(text[start + len(_CALL):].lstrip()):
+    start = text.rfind(_CALL, max(0, len(text) - len(_CALL) - _CALL_SPACE - len(_FUNCTION)))
+    after = text[start + len(_CALL):] if start >= 0 else ""
+    if start >= 0 and len(after) - len(after.lstrip()) <= _CALL_SPACE and _FUNCTION.startswith(after.lstrip()):
         return len(text) - start
     return partial_tag(text, _CALL)
 

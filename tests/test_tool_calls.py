@@ -425,6 +425,19 @@ def test_calls_written_one_after_another_in_one_block_are_each_read(step):
     }, step)
 
 
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_stray_quote_does_not_swallow_the_rest_of_the_answer(step):
+    """A JSON string that meets a raw newline before it closes was no string (JSON escapes newlines): the block ends
+    at the first tag in it, as it did before tags inside strings were the string's."""
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    text = ('Checking both.<tool_call>{"name": "get_weather", "arguments": {"city": "C:\\"}}</tool_call>\n\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    content, calls = parser.parse(text)
+    assert content == "Checking both." and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "C:\\"}}'), ("get_time", "{}")]
+    assert_streams_as_whole(parser, text, step)
+
+
 @pytest.mark.parametrize("step", [1, 5])
 def test_the_tags_inside_arguments_are_text_of_the_call(step):
     """A call that writes the tags in its arguments (code that parses tool calls, say) is read whole: its block ends
@@ -457,6 +470,10 @@ def test_the_tags_inside_arguments_are_text_of_the_call(step):
     '<tool_call>\n<function=get_weather>\n<parameter=city>\n</tool_call><tool_call>\n</function></tool_call>',
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n{"name": "get_time", "arguments": 1}'
     '\n</tool_call> ok',  # two calls in one block
+    '<tool_call>{"name": "get_time", "arguments": {}, "note": "<tool_call><function=get_weather><parameter=city>\n'
+    'Paris\n</parameter></function></tool_call>"}</tool_call>',  # a raw newline: that string was none
+    '<tool_call>{"name": "get_time", "arguments": {}}  \n  x"<tool_call>{"name": "get_weather", "arguments": 1}'
+    '</tool_call>',
 ])
 def test_answers_streamed_in_any_two_pieces_read_as_whole(text):
     split_everywhere(ToolCallParser("auto", tools=[WEATHER, TIME]), text)

@@ -231,6 +231,8 @@ class ToolCallStream:
             if end is None:  # what may yet begin the block's end, or whitespace before it, waits
                 held = max(partial_tag(self.text, CLOSE_TAG), partial_tag(self.text, OPEN_TAG))
                 upto = self.spaces.start(self.text, len(self.text) - held)
+                if self.ends.tag_in_string is not None:  # a tag that ends the block if its string is no string
+                    upto = min(upto, self.ends.tag_in_string[1])
             if upto > self.args_sent and (end is not None or not quoted):
                 entry = entries.setdefault(len(self.calls) - 1, {"index": len(self.calls) - 1,
                                                                  "function": {"arguments": ""}})
@@ -280,9 +282,11 @@ class ToolCallStream:
         if close < 0 and not final:
             return False
         self.in_block = False
-        match = _NEXT_CALL.match(self.text, self.scan, close if close >= 0 else len(self.text))
+        close = close if close >= 0 else len(self.text)
+        match = _NEXT_CALL.match(self.text, self.scan, close)
         name = _json_string(match.group(1)) if match else None
         if name is None:
+            self.scan = close  # the rest of the block is no call, whatever tags its strings hold
             return None
         self._follow(name, match.end(), entries)
         return True
@@ -343,11 +347,13 @@ class ToolCallStream:
 _DECODER = json.JSONDecoder()
 _AFTER_VALUE = frozenset(" \t\r\n,}]<")  # what may follow a whole number or literal
 # Ends where the arguments' value starts (so not until it has begun: whitespace may still be coming); a value that
-# starts with "<" (where a tag may be) is none.
-_NAME_THEN_ARGUMENTS = r'\{\s*"name"\s*:\s*"((?:[^"\\<]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=[^\s<])'
+# starts with "<" (where a tag may be) is none. A stream matches it again as the text grows, so its runs are bounded
+# (a name of at most 256 characters, at most 64 spaces between two parts; a call written otherwise is read whole).
+_NAME_THEN_ARGUMENTS = (r'\{\s{0,64}"name"\s{0,64}:\s{0,64}"((?:[^"\\<]|\\.){0,256})"\s{0,64},\s{0,64}"arguments"'
+                        r'\s{0,64}:\s{0,64}(?=[^\s<])')
 _JSON_HEADER = re.compile(_NAME_THEN_ARGUMENTS)
 # Another call after one in the same hermes block (some models write two objects in one block).
-_NEXT_CALL = re.compile(r"\s*\}\s*[,;]?\s*" + _NAME_THEN_ARGUMENTS)
+_NEXT_CALL = re.compile(r"\s*\}\s*(?:[,;]\s*)?" + _NAME_THEN_ARGUMENTS)  # one way to match: linear time
 
 
 # What Llama 3, Llama 4 and Mistral write before calls (special tokens: in the text only if they are kept).
@@ -561,8 +567,9 @@ _TAGS = re.escape(OPEN_TAG) + "|" + re.escape(CLOSE_TAG)
 _PARAMETER = "<parameter="
 # What changes the reading of a block's text: in JSON, quotes and escapes; in Qwen3-Coder's XML, where values start
 # and end (as `_xml_calls` reads them); and the tags.
-_JSON_MARKS = re.compile(r'["\\]|' + _TAGS)
-_MARKS = {("json", False): _JSON_MARKS, ("json", True): _JSON_MARKS, ("text", False): re.compile(_TAGS),
+# In a JSON string, a control character (a raw newline) is no JSON: the string was none (a stray quote).
+_MARKS = {("json", False): re.compile(r'["\\]|' + _TAGS), ("json", True): re.compile(r'["\\\x00-\x1f]|' + _TAGS),
+          ("text", False): re.compile(_TAGS),
           ("xml", False): re.compile(re.escape(_PARAMETER) + "|" + _TAGS), ("xml", True): _XML_VALUE_END}
 _SPACE = re.compile(r"\s*")
 _LONGEST_MARK = max(len(OPEN_TAG), len(CLOSE_TAG), len("</parameter>"))
@@ -571,14 +578,18 @@ _LONGEST_MARK = max(len(OPEN_TAG), len(CLOSE_TAG), len("</parameter>"))
 class _BlockEnds:
     """Where a hermes block ends, of a growing text read from the block's start (each character read once): at its
     closing tag or where the next block opens, but not inside a JSON string nor a Qwen3-Coder parameter's value,
-    which may hold the tags (a file of code that parses them, say); -1 while it has not ended."""
+    which may hold the tags (a file of code that parses them, say); -1 while it has not ended. A JSON string that
+    meets a control character (a raw newline) before it closes was no string (a stray quote): the block ends at the
+    first tag inside it (``tag_in_string``: that tag, and where the whitespace before it starts)."""
 
     def __init__(self):
         self.start = -1
+        self.tag_in_string: tuple[int, int] | None = None
 
     def find(self, text: str, start: int) -> int:
         if start != self.start:
             self.start, self.at, self.kind, self.inside, self.escaped = start, start, None, False, False
+            self.tag_in_string = None
         if self.kind is None:
             self.at = self.body = _SPACE.match(text, self.at).end()  # where the block's text begins
             self.kind = _block_kind(text, self.at)
@@ -594,17 +605,29 @@ class _BlockEnds:
             if mark.group() in (OPEN_TAG, CLOSE_TAG) and not self.inside:
                 self.at = mark.start()
                 return mark.start()
+            if self.kind == "json" and self.inside and mark.group() < " " and self.tag_in_string is not None:
+                self.at, self.inside = self.tag_in_string[0], False  # found again from there by the next search
+                self.tag_in_string = None
+                return self.at
             self.at = mark.end()
-            self._read(mark.group())
+            self._read(text, mark)
         return -1
 
-    def _read(self, mark: str) -> None:
-        if mark == "\\":
+    def _read(self, text: str, mark: re.Match) -> None:
+        found = mark.group()
+        if found == "\\":
             self.escaped = self.inside
-        elif mark == '"':
-            self.inside = not self.inside
-        elif mark in (_PARAMETER, "</parameter>", "</function>"):
-            self.inside = mark == _PARAMETER
+        elif found == '"' or (self.kind == "json" and found < " "):  # a control character ends what was no string
+            self.inside = found == '"' and not self.inside
+            self.tag_in_string = None
+        elif found in (OPEN_TAG, CLOSE_TAG):  # inside a string
+            if self.kind == "json" and self.tag_in_string is None:
+                spaces = mark.start()
+                while spaces > self.start and text[spaces - 1].isspace():
+                    spaces -= 1
+                self.tag_in_string = mark.start(), spaces
+        elif found in (_PARAMETER, "</parameter>", "</function>"):
+            self.inside = found == _PARAMETER
 
 
 def _block_kind(text: str, at: int) -> str | None:
