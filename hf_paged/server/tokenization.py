@@ -162,7 +162,8 @@ class TokenText:
         self._tokenizer, self._lock = tokenizer, threading.Lock()  # built on the event loop and on worker threads
         self._added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        decoder = json.dumps(json.loads(backend.to_str()).get("decoder")) if backend is not None else ""
+        # As written (ensure_ascii off): a Replace("\u2581", " ") decoder's pattern is the character itself.
+        decoder = "" if backend is None else json.dumps(json.loads(backend.to_str()).get("decoder"), ensure_ascii=False)
         self._byte_level, self._metaspace = "ByteLevel" in decoder, "\u2581" in decoder or "Metaspace" in decoder
         self._text = lru_cache(maxsize=1 << 16)(self._decode)
         self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
