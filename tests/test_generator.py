@@ -865,9 +865,12 @@ def test_vllms_other_sampling_fields(smollm2):
     assert [len(entry) for entry in entries] == [gen.vocab_size] * (2 + len(whole.prompt_token_ids) - 1)
     assert sum(math.exp(v) for v in entries[0].values()) == pytest.approx(1, abs=1e-3)
     [plain] = gen.run(["Hi there"], greedy, use_tqdm=False)
-    [ids_only] = gen.run(["Hi there"], greedy.replace(detokenize=False, extra_args={"k": 1}), use_tqdm=False)
+    [ids_only] = gen.run(["Hi there"], greedy.replace(detokenize=False, extra_args={"k": 1}, logprobs=1,
+                                                      prompt_logprobs=1), use_tqdm=False)
     assert ids_only.outputs[0].token_ids == plain.outputs[0].token_ids == whole.outputs[0].token_ids
     assert ids_only.outputs[0].text == "" != plain.outputs[0].text
+    untexted = ids_only.outputs[0].logprobs + ids_only.prompt_logprobs[1:]  # as vLLM's: no decoding asked, none done
+    assert untexted and all(lp.decoded_token is None for entry in untexted for lp in entry.values())
     for fields, words in (({"logits_processors": [lambda ids, logits: logits]}, "logits processors are not"),
                           ({"detokenize": False, "stop": ["x"]}, "empty when detokenize is False"),
                           ({"extra_args": [1]}, "extra_args must be a dict"), ({"logprobs": -2}, "or -1")):

@@ -407,11 +407,16 @@ class Scheduler:
         self._advance_searches(searches.values(), now)
         return list(changed.values())
 
+    def _token_text(self, params: SamplingParams):
+        """How a logprob's token gets its text (``decoded_token``): none where the request asked for no text, as in
+        vLLM (``detokenize=False`` costs no decoding)."""
+        return self.detokenizer.token_text if params.detokenize else _no_text
+
     def _add_prompt_logprobs(self, out: SchedulerOutput, sampled: SamplerOutput) -> None:
-        text = self.detokenizer.token_text
         for (seq, first, _), scores, ranks in zip(out.prompt_logprob_spans, sampled.prompt_logprobs,
                                                   sampled.prompt_ranks):
             tokens = seq.token_ids[first + 1 : first + 1 + len(scores)]
+            text = self._token_text(seq.request.params)
             seq.request.prompt_logprobs += [ranked_logprobs(entry, token, rank, text)
                                             for entry, token, rank in zip(scores, tokens, ranks)]
             seq.request.prompt_ranks += ranks
@@ -538,7 +543,7 @@ class Scheduler:
         if seq.logprobs is not None:
             top = dict(zip(sampled.top_ids[row][: params.logprobs], sampled.top_logprobs[row][: params.logprobs]))
             top[token] = sampled.sampled_logprobs[row]
-            seq.logprobs.append(ranked_logprobs(top, token, sampled.sampled_ranks[row], self.detokenizer.token_text))
+            seq.logprobs.append(ranked_logprobs(top, token, sampled.sampled_ranks[row], self._token_text(params)))
         if seq.logprobs is not None or params.use_beam_search:
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
         new_text = self._new_text(seq, params)
@@ -626,3 +631,7 @@ def _nothing_allowed(params, position: int) -> tuple[str, str]:
              if on]
     return (f"SamplingParams {', '.join(given)} together exclude every token at output position {position}: "
             "nothing is left to generate", (given or ["allowed_token_ids"])[0])
+
+
+def _no_text(token_id: int) -> None:
+    return None
