@@ -37,14 +37,13 @@ def quantization_settings(model_path: str | os.PathLike) -> tuple[dict | None, b
     """A checkpoint's quantization settings (None: not quantized), and whether they come from a file beside
     ``config.json`` (which Transformers does not read)."""
     folder = Path(model_path)
-    if not (folder / "config.json").exists():
-        return None, False
-    declared = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    if declared:
-        return declared, False
+    config = _read_json(folder / "config.json")
+    declared = config.get("quantization_config") if isinstance(config, dict) else None
+    if declared or config is None:  # no config.json, or one Transformers will name as malformed
+        return declared or None, False
     for name in _SETTINGS_FILES:
-        if (folder / name).exists():
-            settings = json.loads((folder / name).read_text())
+        settings = _read_json(folder / name)
+        if isinstance(settings, dict):
             if "w_bit" in settings:  # AutoAWQ's names
                 return {"quant_method": "awq", **{new: settings[old] for old, new in _AUTOAWQ_KEYS.items()
                                                   if old in settings}}, True
@@ -52,9 +51,22 @@ def quantization_settings(model_path: str | os.PathLike) -> tuple[dict | None, b
     return None, False
 
 
+def _read_json(path: Path):
+    """The JSON a file holds; None for no file or one that is not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _declared_method(model_path: str | os.PathLike) -> str | None:
+    method = (quantization_settings(model_path)[0] or {}).get("quant_method")
+    return None if method is None else str(method).lower()
+
+
 def quantization_method(model_path: str | os.PathLike) -> str | None:
     """``"gptq"``, ``"awq"`` or None, from the checkpoint's settings."""
-    method = (quantization_settings(model_path)[0] or {}).get("quant_method")
+    method = _declared_method(model_path)
     return method if method in QUANT_METHODS else None
 
 
@@ -65,7 +77,7 @@ def check_quantization(model_path: str | os.PathLike, asked: str | None) -> None
         return
     if asked not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {asked!r}")
-    method = (quantization_settings(model_path)[0] or {}).get("quant_method")
+    method = _declared_method(model_path)
     if method != asked.removesuffix("_marlin"):
         raise ValueError(f"quantization {asked}: {model_path} is "
                          f"{f'quantized with {method}' if method else 'not quantized'}; a checkpoint's own "

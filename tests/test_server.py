@@ -1273,6 +1273,13 @@ def test_vllms_quantization_flag_checks_the_checkpoints_method(tmp_path, capsys)
     with pytest.raises(SystemExit):
         _check_quantization(parser, str(tmp_path), "awq")
     assert f"--quantization awq: {tmp_path} is quantized with gptq" in capsys.readouterr().err
+    config.quantization_config = {"quant_method": "GPTQ", "bits": 4}  # as some exporters spell it
+    config.save_pretrained(tmp_path)
+    _check_quantization(parser, str(tmp_path), "gptq")
+    (tmp_path / "config.json").write_text("{not json")  # Transformers names that when it loads; no traceback here
+    with pytest.raises(SystemExit):
+        _check_quantization(parser, str(tmp_path), "gptq")
+    assert "is not quantized" in capsys.readouterr().err
 
 
 def test_vllms_answer_options_role_token_ids_request_logs_and_content_parts(smollm2, caplog):
