@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import re
 
+from .chat_template import OPEN_TAG as _CALL
+
 OPEN, CLOSE = "<think>", "</think>"
-_CALL, _FUNCTION = "<tool_call>", "<function="
+_FUNCTION = "<function="  # how Qwen3-Coder's XML call begins
 _CALL_SPACE = 16  # at most this much whitespace between the two (Qwen3.5 writes one newline): what is held is bounded
 _CALL_ENDS_REASONING = re.compile(re.escape(_CALL) + r"\s{0,%d}" % _CALL_SPACE + re.escape(_FUNCTION))
 PARSERS = ("deepseek_r1", "qwen3")

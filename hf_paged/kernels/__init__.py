@@ -35,6 +35,13 @@ def _use_native(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return not use_triton(query) and _forced() != "torch" and cpu_ops.supports(query, k_cache, v_cache)
 
 
+def _native_takes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_query_len: int) -> bool:
+    """Whether the CPU library attends these rows: `_use_native` first, which is False at once on a GPU, where
+    ``cpu_ops.max_query_len`` would build the CPU library."""
+    return _use_native(query, k_cache, v_cache) and max_query_len <= cpu_ops.max_query_len(query.dtype,
+                                                                                            query.shape[-1])
+
+
 def _impl(tensor: torch.Tensor):
     if use_triton(tensor):
         from . import triton_ops
@@ -76,9 +83,7 @@ def paged_prefill_attention(
     Queries in another dtype than the cache are handled as in `paged_decode_attention`."""
     _check_sinks(sinks, query)
     q = query.to(k_cache.dtype)
-    # _use_native first: on a GPU it is False at once, and cpu_ops.max_query_len would build the CPU library.
-    native = _use_native(q, k_cache, v_cache) and max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1])
-    impl = cpu_ops if native else _impl(q)
+    impl = cpu_ops if _native_takes(q, k_cache, v_cache, max_query_len) else _impl(q)
     out = impl.paged_prefill_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, softcap,
         sinks,
@@ -103,9 +108,7 @@ def paged_attention(
     as `PagedMetadata` packs them). Returns ``[T, Hq, D]``."""
     _check_sinks(sinks, query)
     q = query.to(k_cache.dtype)
-    native = (_use_native(q, k_cache, v_cache) and key.stride(-1) == value.stride(-1) == 1  # _use_native first: above
-              and metadata.max_query_len <= cpu_ops.max_query_len(q.dtype, q.shape[-1]))
-    if native:
+    if key.stride(-1) == value.stride(-1) == 1 and _native_takes(q, k_cache, v_cache, metadata.max_query_len):
         out = cpu_ops.paged_attention(q, key.to(k_cache.dtype), value.to(k_cache.dtype), k_cache, v_cache, metadata,
                                       scale, sliding_window, softcap, sinks)
         return out.to(query.dtype)
