@@ -7,6 +7,8 @@ per batch for prefill; points that would not fit in memory are skipped):
   relative error (norm of the difference over norm of the reference), on the points small enough for that reference;
 * speed: ``triton.testing.do_bench`` (median) of the Triton kernel on the paged cache against
   ``F.scaled_dot_product_attention`` on the same keys/values stored contiguously as ``[B, H, L, D]``;
+* the decode kernel's split of each sequence's keys over several programs (flash-decoding) against one program per
+  (sequence, kv head): the number of splits, and the unsplit kernel's time beside it;
 * achieved bandwidth: bytes of K and V read divided by the time, against a device-to-device copy (``dst.copy_(src)``,
   counted as bytes read + written).
 
@@ -171,9 +173,21 @@ def decode_point(args, batch: int, context: int, gen: torch.Generator) -> dict:
         row["rel_err"] = rel_err(triton_ops.paged_decode_attention(*paged), ref)
     grouped = query.view(batch, hkv, hq // hkv, args.head_dim)
     row["triton_ms"] = bench(lambda: triton_ops.paged_decode_attention(*paged))
+    row["splits"] = triton_ops._num_splits(batch, hkv, query.device)
+    row["unsplit_ms"] = bench(lambda: unsplit_decode(paged)) if row["splits"] > 1 else row["triton_ms"]
     row["sdpa_ms"] = bench(lambda: F.scaled_dot_product_attention(grouped, p["keys"], p["values"], scale=scale))
     row["kv_bytes"] = 2 * p["keys"].numel() * p["keys"].element_size()
     return row
+
+
+def unsplit_decode(paged: tuple) -> torch.Tensor:
+    """The decode kernel with one program per (sequence, kv head), as before the keys were split."""
+    chosen = triton_ops._num_splits
+    triton_ops._num_splits = lambda *args: 1
+    try:
+        return triton_ops.paged_decode_attention(*paged)
+    finally:
+        triton_ops._num_splits = chosen
 
 
 def prefill_point(args, batch: int, context: int, gen: torch.Generator) -> dict:
@@ -210,7 +224,7 @@ def finish_row(row: dict, args, copy_gbps: float) -> dict:
 def print_table(rows: list[dict], copy_gbps: float) -> None:
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print(f"{'kind':<8}{'B':>5}{'ctx':>7}{'triton ms':>11}{'sdpa ms':>10}{'triton GB/s':>12}{'sdpa GB/s':>11}"
-          f"{'% copy':>8}{'TFLOP/s tri/sdpa':>18}{'rel err':>10}  ok")
+          f"{'% copy':>8}{'TFLOP/s tri/sdpa':>18}{'rel err':>10}  ok  splits (1 split ms)")
     for r in rows:
         if "skipped" in r:
             print(f"{r['kind']:<8}{r['batch']:>5}{r['context']:>7}  skipped: {r['skipped']}")
@@ -219,7 +233,13 @@ def print_table(rows: list[dict], copy_gbps: float) -> None:
         err = "-" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
         print(f"{r['kind']:<8}{r['batch']:>5}{r['context']:>7}{r['triton_ms']:>11.3f}{r['sdpa_ms']:>10.3f}"
               f"{r['triton_gbps']:>12.1f}{r['sdpa_gbps']:>11.1f}{r['triton_vs_copy']:>8.0%}{tflops:>18}{err:>10}"
-              f"  {'yes' if r['ok'] else 'NO'}")
+              f"  {'yes' if r['ok'] else 'NO '}{split_note(r)}")
+
+
+def split_note(row: dict) -> str:
+    if row.get("splits", 1) == 1:
+        return ""
+    return f"  {row['splits']} ({row['unsplit_ms']:.3f}, {row['unsplit_ms'] / row['triton_ms']:.2f}x)"
 
 
 def main(argv=None) -> int:

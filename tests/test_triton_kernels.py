@@ -92,8 +92,17 @@ DECODE_CASES = [
 ]
 
 
+def _split_keys(ops, monkeypatch, splits):
+    """Decode over ``splits`` programs per (sequence, kv head); None keeps the kernels' own choice (one on CPU)."""
+    if splits is not None:
+        monkeypatch.setattr(ops, "_num_splits", lambda *args: splits)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("dtype, block_size, heads, head_dim, window, softcap, seq_lens", DECODE_CASES)
-def test_decode_matches_reference(ops, dtype, block_size, heads, head_dim, window, softcap, seq_lens):
+def test_decode_matches_reference(ops, monkeypatch, dtype, block_size, heads, head_dim, window, softcap, seq_lens,
+                                  splits):
+    _split_keys(ops, monkeypatch, splits)
     gen = torch.Generator().manual_seed(sum(seq_lens) * 31 + head_dim)
     num_heads, num_kv_heads = heads
     k_cache, v_cache, tables, lens = _paged_cache(gen, seq_lens, block_size, num_kv_heads, head_dim, dtype)
@@ -143,8 +152,10 @@ def test_prefill_matches_reference(ops, dtype, block_size, heads, head_dim, wind
     assert _rel_err(out, ref) < TOLERANCE[dtype]
 
 
-def test_decode_empty_sequence_outputs_zeros(ops):
+@pytest.mark.parametrize("splits", [None, 4])
+def test_decode_empty_sequence_outputs_zeros(ops, monkeypatch, splits):
     """A sequence with no keys (e.g. a padded batch slot) returns zeros; its neighbours are unaffected."""
+    _split_keys(ops, monkeypatch, splits)
     gen = torch.Generator().manual_seed(5)
     k_cache, v_cache, tables, lens = _paged_cache(gen, [0, 11, 0, 3], 8, 2, 64, torch.float32)
     query = _queries(gen, 4, 4, 2, 64, torch.float32, packed_qkv=False)
@@ -154,10 +165,12 @@ def test_decode_empty_sequence_outputs_zeros(ops):
     assert _rel_err(out[[1, 3]], ref[[1, 3]]) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("dtype, window", [(torch.float32, None), (torch.bfloat16, 6)])
-def test_attention_sinks_match_reference(ops, dtype, window):
+@pytest.mark.parametrize("dtype, window, splits", [(torch.float32, None, None), (torch.bfloat16, 6, None),
+                                                   (torch.float32, None, 5)])
+def test_attention_sinks_match_reference(ops, monkeypatch, dtype, window, splits):
     """A sink logit per query head in every row's softmax, decode and prefill; a sequence without keys still
     returns zeros."""
+    _split_keys(ops, monkeypatch, splits)
     gen = torch.Generator().manual_seed(11)
     seq_lens, q_lens = [0, 13, 40], [1, 5, 17]
     k_cache, v_cache, tables, lens = _paged_cache(gen, seq_lens, 8, 2, 64, dtype)
@@ -177,12 +190,14 @@ def test_attention_sinks_match_reference(ops, dtype, window):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_configurations(ops, seed):
+def test_random_configurations(ops, monkeypatch, seed):
     """Seeded random mixes of everything above, decode and prefill over the same pages."""
     rng = torch.Generator().manual_seed(1000 + seed)
 
     def pick(options):
         return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    _split_keys(ops, monkeypatch, pick([None, 2, 5, 16]))
 
     dtype = pick([torch.float32, torch.float32, torch.float16, torch.bfloat16])
     block_size, head_dim = pick([8, 16, 32]), pick([64, 80, 96, 128])

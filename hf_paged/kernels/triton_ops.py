@@ -8,10 +8,14 @@ keys ``[lo, hi)`` with ``hi = seq_len - q + j + 1`` and ``lo = max(0, hi - slidi
 Both attention kernels walk the keys in tiles of ``BLOCK_N`` positions and look every position up in the block
 table, so a tile may span several (small) cache blocks and the block size need not match the tile. Scores, the
 online softmax and the accumulator are fp32; the output is cast back to the query dtype. A query that sees no key
-returns zeros. The kernels run under ``TRITON_INTERPRET=1`` on CPU as well (the tests rely on that).
+returns zeros. At small batches decode splits each sequence's keys over several programs, whose pieces of the
+softmax a second kernel combines (flash-decoding), so a batch of one still fills the GPU. The kernels run under
+``TRITON_INTERPRET=1`` on CPU as well (the tests rely on that).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -21,6 +25,8 @@ __all__ = ["reshape_and_cache", "paged_decode_attention", "paged_prefill_attenti
 
 # Keys per tile. tl.dot needs every dimension >= 16, so the query-head and query-row tiles are >= 16 as well.
 _BLOCK_N = 64
+# The most programs one decode (sequence, kv head) is split over.
+_MAX_SPLITS = 16
 
 
 @triton.jit
@@ -116,42 +122,84 @@ def _with_sink(m_i, l_i, acc, sink):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, seq_lens_ptr, sinks_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
     stride_qs, stride_qh, stride_os, stride_oh, stride_table,
     stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
-    group_size, head_dim, block_size, scale, window, softcap,
-    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    group_size, num_heads, head_dim, block_size, scale, window, softcap, num_splits,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, UPCAST_DOT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per (sequence, kv head): the group's query heads attend together to the sequence's keys."""
+    """One program per (sequence, kv head, split of the keys): the group's query heads attend together to the
+    sequence's keys. Unsplit, the program writes the output; split, it writes its running max, sum and unnormalized
+    output for ``_combine_splits_kernel``."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     heads = kv_head * group_size + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    io_mask = (tl.arange(0, BLOCK_H)[:, None] < group_size) & (dims[None, :] < head_dim)
+    head_ok = tl.arange(0, BLOCK_H) < group_size
+    io_mask = head_ok[:, None] & (dims[None, :] < head_dim)
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=io_mask, other=0.0)
 
     hi = tl.load(seq_lens_ptr + seq)
     lo = tl.where(window > 0, tl.maximum(hi - window, 0), 0)
     row_lo = tl.zeros([BLOCK_H], dtype=tl.int32) + lo
     row_hi = tl.zeros([BLOCK_H], dtype=tl.int32) + hi
+    # Each split takes a whole number of tiles; the last ones may get none.
+    per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+    first = lo + split * per_split
+    last = tl.minimum(first + per_split, hi)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(first, last, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, row_lo, row_hi, start,
             k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_table, kv_head,
             stride_c_b, stride_c_t, stride_c_h, stride_vc_b, stride_vc_t, stride_vc_h,
             block_size, head_dim, scale, softcap, USE_SOFTCAP, UPCAST_DOT, BLOCK_N, BLOCK_D,
         )
+    if SPLIT:
+        row = (seq * num_heads + heads) * num_splits + split
+        tl.store(part_ml_ptr + 2 * row, m_i, mask=head_ok)
+        tl.store(part_ml_ptr + 2 * row + 1, l_i, mask=head_ok)
+        tl.store(part_acc_ptr + row[:, None] * head_dim + dims[None, :], acc, mask=io_mask)
+    else:
+        if USE_SINKS:
+            l_i, acc = _with_sink(m_i, l_i, acc, tl.load(sinks_ptr + heads, mask=head_ok, other=0.0))
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ml_ptr, part_acc_ptr, sinks_ptr, out_ptr, stride_os, stride_oh, num_heads, head_dim, num_splits,
+    USE_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, query head): the splits' softmax pieces rescaled to one max and summed."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < num_splits
+    row = (seq * num_heads + head) * num_splits + splits
+    m_s = tl.load(part_ml_ptr + 2 * row, mask=split_ok, other=float("-inf"))
+    l_s = tl.load(part_ml_ptr + 2 * row + 1, mask=split_ok, other=0.0)
+    acc_s = tl.load(part_acc_ptr + row[:, None] * head_dim + dims[None, :],
+                    mask=split_ok[:, None] & (dims[None, :] < head_dim), other=0.0)
+    m = tl.max(m_s, 0)
     if USE_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=tl.arange(0, BLOCK_H) < group_size, other=0.0)
-        l_i, acc = _with_sink(m_i, l_i, acc, sink)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        m = tl.maximum(m, tl.load(sinks_ptr + head))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key
+    weight = tl.exp(m_s - m_safe)
+    total = tl.sum(l_s * weight, 0)
+    if USE_SINKS:
+        total += tl.exp(tl.load(sinks_ptr + head) - m_safe)
+    out = tl.sum(acc_s * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < head_dim)
 
 
 @triton.jit
@@ -267,14 +315,28 @@ def paged_decode_attention(
         return out
     _check_inner(query, k_cache, v_cache)
     block_h, block_d = max(16, triton.next_power_of_2(group_size)), triton.next_power_of_2(head_dim)
-    _decode_kernel[(num_seqs, num_kv_heads)](
-        query, k_cache, v_cache, block_tables, seq_lens, _sinks(sinks, query), out,
+    num_splits = _num_splits(num_seqs, num_kv_heads, query.device)
+    # The splits' pieces: (max, sum) and the unnormalized output per (sequence, head, split), fp32.
+    part_ml = query.new_empty((num_seqs, num_heads, num_splits, 2) if num_splits > 1 else (0,), dtype=torch.float32)
+    part_acc = query.new_empty((num_seqs, num_heads, num_splits, head_dim) if num_splits > 1 else (0,),
+                               dtype=torch.float32)
+    sink_logits = _sinks(sinks, query)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, sink_logits, out, part_ml, part_acc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *_cache_strides(k_cache, v_cache),
-        group_size, head_dim, k_cache.shape[1], float(scale), int(sliding_window or 0), float(softcap or 0.0),
+        group_size, num_heads, head_dim, k_cache.shape[1], float(scale), int(sliding_window or 0),
+        float(softcap or 0.0), num_splits,
         USE_SOFTCAP=softcap is not None, USE_SINKS=sinks is not None, UPCAST_DOT=_upcast_dot(query),
-        BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_D=block_d, num_warps=_num_warps(block_h, block_d),
+        SPLIT=num_splits > 1, BLOCK_H=block_h, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        num_warps=_num_warps(block_h, block_d),
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            part_ml, part_acc, sink_logits, out, out.stride(0), out.stride(1), num_heads,
+            head_dim, num_splits, USE_SINKS=sinks is not None, BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+        )
     return out
 
 
@@ -315,6 +377,22 @@ def paged_prefill_attention(
         num_warps=_num_warps(block_m, triton.next_power_of_2(head_dim)),
     )
     return out
+
+
+def _num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many programs share each (sequence, kv head)'s keys: enough for two per multiprocessor, at most
+    ``_MAX_SPLITS``. One program per (sequence, kv head) leaves most of a GPU idle at small batches (three programs
+    for a batch of one with SmolLM2's three kv heads). It depends on shapes only, so a captured CUDA graph keeps it."""
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    return max(1, min(_MAX_SPLITS, 2 * _multiprocessors(device.index) // programs))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
 
 
 def _num_warps(rows: int, block_d: int) -> int:
