@@ -213,6 +213,37 @@ def test_vllms_embedding_fields_choose_normalization_and_how_base64_writes_the_n
     assert refused.status_code == 400 and "embed_dtype" in refused.text
 
 
+def test_a_conversation_is_embedded_as_its_template_renders_it_as_vllms(server, smollm2):
+    """vLLM's chat-style input: ``messages`` rendered by the chat template (no generation prompt unless asked, no
+    special tokens added), embedded as that text's tokens would be."""
+    model, tokenizer = smollm2
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
+
+    def embedded(body: dict) -> dict:
+        answer = httpx.post(f"{server.base}/v1/embeddings", json={"encoding_format": "float", **body}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    for options in ({}, {"add_generation_prompt": True}):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)["input_ids"]
+        answer = embedded({"messages": messages, **options})
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        torch.testing.assert_close(torch.tensor(answer["data"][0]["embedding"]),
+                                   torch.tensor(embed(model, [ids], PoolingConfig())[0]), atol=1e-6, rtol=1e-5)
+    short = embedded({"messages": messages, "truncate_prompt_tokens": 5})
+    assert short["usage"]["prompt_tokens"] == 5
+    for payload, param, words in (
+            ({"messages": messages, "input": "x"}, None, "one of the two"),
+            ({}, None, "one of the two"),
+            ({"messages": []}, None, "messages"),
+            ({"messages": messages, "add_generation_prompt": True, "continue_final_message": True},
+             "continue_final_message", "set add_generation_prompt to false")):
+        answer = httpx.post(f"{server.base}/v1/embeddings", json=payload, timeout=60)
+        assert answer.status_code == 400, (payload, answer.text)
+        error = answer.json()["error"]
+        assert words in error["message"] and (param is None or error["param"] == param), (payload, error)
+
+
 def test_embeddings_interleave_with_generation_and_bad_inputs_are_named(server):
     """A call of many inputs runs a few at a time between engine steps: a stream running beside it finishes too."""
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -13,7 +13,9 @@ import uuid
 from typing import Annotated, Literal
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+from .protocol import ChatCompletionRequest, ChatMessage
 
 # vLLM's ``embed_dtype`` names: what a base64 embedding's numbers are written as.
 EMBED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -32,11 +34,16 @@ TruncatePromptTokens = Annotated[int | None, Field(ge=-1), AfterValidator(_trunc
 
 
 class EmbeddingRequest(BaseModel):
-    """Body of ``POST /v1/embeddings``: one input (text or token ids) or a list of them."""
+    """Body of ``POST /v1/embeddings``: one input (text or token ids) or a list of them, or, as vLLM takes it, one
+    conversation in ``messages``, rendered by the chat template (with no generation prompt unless asked)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(default=None, ge=1)
     user: str | None = None
@@ -45,7 +52,21 @@ class EmbeddingRequest(BaseModel):
     normalize: bool | None = None
     embed_dtype: Literal[tuple(EMBED_DTYPES)] = "float32"
     endianness: Literal["native", "little", "big"] = "native"
-    add_special_tokens: bool = True
+    # None: added to an input's text, not to a rendered conversation (its template wrote its own)
+    add_special_tokens: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _one_kind_of_input(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give the text to embed in input, or a conversation in messages: one of the two")
+        return self
+
+    def chat(self) -> ChatCompletionRequest:
+        """The conversation as a chat request, which renders it as a chat completion's prompt is rendered."""
+        return ChatCompletionRequest(
+            messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message, chat_template_kwargs=self.chat_template_kwargs,
+            add_special_tokens=self.add_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def inputs(self) -> list[str | list[int]]:
         given = self.input

@@ -142,8 +142,11 @@ class OpenAIServing:
             check_dimensions(self.generator.model, body.dimensions)
         except ValueError as err:
             raise APIError(400, str(err), param="dimensions") from None
-        token_ids = await self.embedding_inputs(body.inputs(), "input", body.truncate_prompt_tokens,
-                                                body.add_special_tokens)
+        if body.messages is not None:
+            token_ids = [await self.conversation_input(body.chat())]
+        else:
+            token_ids = await self.embedding_inputs(body.inputs(), "input", body.truncate_prompt_tokens,
+                                                    body.add_special_tokens)
         vectors = await self.embedded(token_ids, body.dimensions, request, body.normalize)
         if vectors is None:
             return Response(status_code=499)
@@ -231,6 +234,16 @@ class OpenAIServing:
                   for i in range(len(listed))]
         return list(await asyncio.gather(*(self._embedding_input(text, param, where, keep, add_special_tokens)
                                            for text, where in zip(listed, wheres))))
+
+    async def conversation_input(self, chat: ChatCompletionRequest) -> list[int]:
+        """The token ids of a conversation to embed, rendered as a chat completion's prompt is."""
+        try:
+            messages = [message.to_template_dict(self.content_format) for message in chat.messages]
+        except ValueError as err:
+            raise _bad_request(err, "messages") from err
+        prompt = (await self.chat_prompt(chat, messages, None))[0]
+        return await self._embedding_input(prompt, "messages", "messages", chat.truncate_prompt_tokens,
+                                           chat.add_special_tokens)
 
     async def _embedding_input(self, text: str | list[int], param: str, where: str, keep: int | None,
                                add_special_tokens: bool) -> list[int]:
