@@ -332,9 +332,11 @@ def test_auto_reads_hermes_calls_out_of_free_text(client, stream):
 @pytest.mark.parametrize("written", [
     "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
     "\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>",
-    '[get_weather(city="Paris"), get_time(zone="UTC")]'], ids=["qwen3_coder", "pythonic"])
+    '[get_weather(city="Paris"), get_time(zone="UTC")]',
+    'get_weather{"city": "Paris"}get_time{"zone": "UTC"}'], ids=["qwen3_coder", "pythonic", "mistral_v11"])
 def test_auto_reads_calls_in_qwen3_coder_xml_and_pythonic_form(client, stream, written):
-    """Qwen3-Coder's XML calls in hermes blocks, and Llama 3.2's and 4's Python list of calls."""
+    """Qwen3-Coder's XML calls in hermes blocks, Llama 3.2's and 4's Python list of calls, and Mistral's calls from
+    its v11 tokenizers (their special tokens skipped)."""
     reply = chat(client, tools=[WEATHER, CLOCK], tool_choice="auto", temperature=0, max_tokens=150, stream=stream,
                  extra_body={"structured_outputs": {"choice": [written]}})
     content, calls, finish = reply_calls(reply, stream)

@@ -391,6 +391,38 @@ def test_pythonic_calls_are_read_as_llama_3_2_and_4_write_them(step):
     assert [stream.feed(piece)[0] for piece in ("[", "get_", "time", "(")] == ["", "", "", ""]  # held from "["
 
 
+@pytest.mark.parametrize("step", [1, 6])
+def test_calls_are_read_as_mistral_writes_them_from_its_v11_tokenizers(step):
+    """[TOOL_CALLS]NAME[ARGS]{...} per call (vLLM's mistral parser, v11 tokenizers on); with special tokens skipped,
+    as answers are by default, NAME{...}; anything else stays content, streamed or not."""
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    cases = {
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}': [("get_weather", {"city": "Paris"})],
+        'get_weather{"city": "Paris"}': [("get_weather", {"city": "Paris"})],
+        ' [TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{} ':
+            [("get_weather", {"city": "Rome"}), ("get_time", {})],
+        'get_weather{"city": "Rome"}get_time{}': [("get_weather", {"city": "Rome"}), ("get_time", {})],
+        'not_a_tool[ARGS]{}': [],
+        'get_weather[ARGS]["Paris"]': [],
+        'get_weather{"city": "Pa': [],  # cut short
+        'get_weather{"city": "Paris"} and more': [],
+        'get_weather {"city": "Paris"}': [],
+        "get_weather is a tool": [],
+    }
+    assert_calls_or_content(parser, cases, step)
+    assert ToolCallParser("auto").parse('get_time{}') == ('get_time{}', [])  # no tools, no calls to read
+    stream = parser.stream()
+    assert [stream.feed(piece)[0] for piece in ("get_", "time", "{")] == ["", "", ""]  # held while it may be one
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES + ["get_time{}", "get_time", "[ARGS]", "[TOOL_CALLS]", '{"city": "x"}', " ",
+                                          "get_weather"]), max_size=6), st.integers(1, 9))
+def test_with_tools_mistral_v11_text_streams_as_its_whole_answer_reads(pieces, step):
+    parser = ToolCallParser("auto", tools=[WEATHER, TIME])
+    assert_streams_as_whole(parser, "".join(pieces), step)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(PIECES + ["<function=plan>", "<parameter=days>", "\n3\n", "</parameter>",
                                           "</function>", "[get_time()]", "[get_time(", "x=1", ")]", "[", ", "]),

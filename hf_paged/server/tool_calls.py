@@ -14,7 +14,8 @@
   (``{"name": ..., "parameters": {...}}``, several separated by ``;``, after ``<|python_tag|>`` when special tokens
   are kept; vLLM's ``llama3_json``) or Mistral's (a JSON array of ``{"name": ..., "arguments": {...}}``, after
   ``[TOOL_CALLS]``), or a Python list of calls with literal keyword arguments, Llama 3.2's and 4's way
-  (``[get_weather(city="Paris")]``; vLLM's ``pythonic``).
+  (``[get_weather(city="Paris")]``; vLLM's ``pythonic``), or calls as Mistral writes them from its v11 tokenizers
+  on (``[TOOL_CALLS]NAME[ARGS]{...}`` per call).
 * ``tool_choice="none"`` reads no calls.
 """
 
@@ -118,7 +119,7 @@ class ToolCallParser:
         self.short_ids = short_ids
         self.response_template = getattr(tokenizer, "response_template", None) if mode == "auto" else None
         self.functions = tool_functions(tools) if tools and mode == "auto" else {}
-        self.call_starts = _CALL_STARTS + _pythonic_starts(self.functions)
+        self.call_starts = _CALL_STARTS + _pythonic_starts(self.functions) + _named_starts(self.functions)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """``(content, calls)``; text that holds no readable call is all content."""
@@ -139,7 +140,8 @@ class ToolCallParser:
         calls = [call for _, block, _ in _hermes_blocks(text) for call in _hermes_block_calls(block, self.functions)]
         if calls:
             return _content_beside(text, self.functions) or None, calls
-        calls = _json_object_calls(text, self.functions) or _pythonic_calls(text, self.functions)
+        calls = (_json_object_calls(text, self.functions) or _pythonic_calls(text, self.functions)
+                 or _named_calls(text, self.functions))
         return (None, calls) if calls else (text, [])
 
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -442,6 +444,37 @@ def _pythonic_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal, or not JSON's
             return []
     return read
+
+
+# Mistral's calls from its v11 tokenizers on: [TOOL_CALLS]NAME[ARGS]{...}, the tags special tokens (gone from the
+# text unless special tokens are kept).
+_ARGS_TAG = "[ARGS]"
+_NAMED_CALL = re.compile(r"\s*(?:\[TOOL_CALLS\]\s*)?([A-Za-z0-9_.:-]{1,256})(?:\[ARGS\])?(?=\{)")
+
+
+def _named_starts(functions: dict[str, dict]) -> tuple[str, ...]:
+    return tuple(f"{name}{tag}" for name in functions for tag in ("{", _ARGS_TAG))
+
+
+def _named_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
+    """The calls of an answer that is nothing but calls of ``functions`` as Mistral writes them from its v11
+    tokenizers on, ``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`` once per call (with its special tokens
+    skipped, ``get_weather{"city": "Paris"}``), or none."""
+    if not (functions and _calls_start(text, _named_starts(functions))):
+        return []
+    calls, at = [], 0
+    while at < len(text.rstrip()):
+        match = _NAMED_CALL.match(text, at)
+        if match is None or match.group(1) not in functions:
+            return []
+        try:
+            arguments, at = _DECODER.raw_decode(text, match.end())
+        except NOT_JSON:
+            return []
+        if not isinstance(arguments, dict):
+            return []
+        calls.append(ToolCall.of(match.group(1), arguments))
+    return calls
 
 
 def _calls_of(deltas: list[dict]) -> list[ToolCall]:
