@@ -310,7 +310,8 @@ _LIMITS = {
     "max_bad_words": ("--max-bad-words", int, "most bad_words per call, each of at most --max-stop-length "
                                               "characters (default: 64)"),
     "max_allowed_token_ids": ("--max-allowed-token-ids", int, "most allowed_token_ids per call (default: 65536)"),
-    "max_logprobs": ("--max-logprobs", int, "most logprobs / top_logprobs per token (default: 20)"),
+    "max_logprobs": ("--max-logprobs", int, "most logprobs / top_logprobs per token; -1: the whole vocabulary's, "
+                                            "which requests ask for with -1, as vLLM's (default: 20)"),
     "max_logprob_entries": ("--max-logprob-entries", int,
                             "most log-probabilities one call may return, n x (logprobs + 1) x new tokens over its "
                             "prompts (default: 1048576)"),

@@ -27,7 +27,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams, __version__  # noqa: E402
-from hf_paged.server import create_app  # noqa: E402
+from hf_paged.server import ServerLimits, create_app  # noqa: E402
+from live_server import live_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -617,9 +618,32 @@ def test_prompt_logprobs_field_scores_the_prompt_as_vllm_answers(server, smollm2
     streamed = post(server, "/v1/completions", {**body, "stream": True, "prompt_logprobs": 0})
     assert streamed.status_code == 200 and "prompt_logprobs" not in streamed.text
     assert_error(post(server, "/v1/completions", {**body, "stream": True}), 400, "prompt_logprobs", "stream")
-    assert_error(post(server, "/v1/completions", {**body, "prompt_logprobs": -1}), 400, "prompt_logprobs", ">= 0")
+    assert_error(post(server, "/v1/completions", {**body, "prompt_logprobs": -1}), 400, "prompt_logprobs",
+                 "at most 20 prompt_logprobs are allowed on this server (--max-logprobs), got 49152")
     assert_error(post(server, "/v1/completions", {**body, "prompt_logprobs": 21}), 400, "prompt_logprobs",
                  "--max-logprobs")
+    assert_error(post(server, "/v1/completions", {**body, "logprobs": -1}), 400, "logprobs", "got 49152")
+    assert_error(post(server, "/v1/completions", {**body, "logprobs": -2}), 400, "logprobs", "greater than")
+
+
+def test_max_logprobs_minus_one_serves_the_whole_vocabularys_as_vllm(smollm2):
+    """--max-logprobs -1 (vLLM's): a request's -1 asks for every token's log-probability, which are counted as
+    such against --max-logprob-entries."""
+    generator = ContinuousBatchGenerator(*smollm2, num_blocks=64)
+    vocab = generator.inputs.vocab_size
+    app = create_app(generator, MODEL, limits=ServerLimits(max_logprobs=-1, max_logprob_entries=3 * vocab))
+    with live_server(app) as live:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        answer = httpx.post(f"{live.base}/v1/completions", json={**body, "logprobs": -1}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        top = answer.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+        assert len(top) >= vocab - 1000  # tokens that decode alike share one key, as in vLLM's answer
+        chat = httpx.post(f"{live.base}/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": -1}, timeout=120)
+        assert chat.status_code == 200 and len(chat.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) \
+            == vocab
+        many = httpx.post(f"{live.base}/v1/completions", json={**body, "logprobs": -1, "max_tokens": 3}, timeout=60)
+        assert many.status_code == 400 and "--max-logprob-entries" in many.text
 
 
 def test_non_streaming_client_disconnect_aborts_the_request(server):

@@ -30,7 +30,7 @@ class ServerLimits:
     max_logit_bias: int = 300  # OpenAI's limit
     max_bad_words: int = 64  # each of at most max_stop_length characters
     max_allowed_token_ids: int = 65536
-    max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's max_logprobs)
+    max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's max_logprobs; -1: all)
     max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens of one call
     max_chars_per_token: int = 32  # prompts longer than max_model_len x this are refused before tokenizing
     max_constraint_size: int = 128 << 10  # characters of a structured-output constraint (its grammar compiles first)
@@ -41,7 +41,8 @@ class ServerLimits:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if not (value is None and field.name == "max_n") and (not isinstance(value, int) or value < 1):
+            unset = (value is None and field.name == "max_n") or (value == -1 and field.name == "max_logprobs")
+            if not unset and (not isinstance(value, int) or value < 1):
                 raise InvalidParameter(field.name, f"{field.name} must be a positive integer, got {value!r}")
 
     def resolved_max_n(self, max_num_seqs: int) -> int:
@@ -50,7 +51,7 @@ class ServerLimits:
             return self.max_n
         return max(1, min(OPENAI_MAX_N, max_num_seqs // 2))
 
-    def check_body(self, body: GenerationRequest, max_num_seqs: int) -> None:
+    def check_body(self, body: GenerationRequest, max_num_seqs: int, vocab_size: int) -> None:
         """The per-call limits that need only the body (before tokenization); raises a 400 naming the field."""
         max_n = self.resolved_max_n(max_num_seqs)
         if body.n is not None and body.n > max_n:
@@ -70,12 +71,9 @@ class ServerLimits:
         longest = max((len(word) for word in body.bad_words or ()), default=0)
         _at_most("bad_words", longest, self.max_stop_length, "characters in a bad word", "--max-stop-length")
         param, logprobs = body.logprobs_param()
-        _at_most(param, logprobs or 0, self.max_logprobs, f"{param}", "--max-logprobs")
-        if (body.prompt_logprobs or 0) < 0:
-            _refuse("prompt_logprobs", f"prompt_logprobs must be >= 0 here: -1 (the whole vocabulary's) is more than "
-                                       f"this server allows (--max-logprobs {self.max_logprobs})")
-        _at_most("prompt_logprobs", body.prompt_logprobs or 0, self.max_logprobs, "prompt_logprobs",
-                 "--max-logprobs")
+        most = vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        _at_most(param, logprobs or 0, most, f"{param}", "--max-logprobs")
+        _at_most("prompt_logprobs", body.prompt_logprobs or 0, most, "prompt_logprobs", "--max-logprobs")
 
     def check_constraint(self, param: str, text: str) -> None:
         """A constraint's canonical text (a schema's JSON, a regex, a grammar): its compile time grows faster than its

@@ -237,6 +237,13 @@ class GenerationRequest(BaseModel):
                               structured_outputs=constraint.spec if constraint else None,
                               prompt_logprobs=self._prompt_logprobs(), **values)
 
+    def count_whole_vocabulary(self, vocab_size: int) -> None:
+        """vLLM's -1 log-probabilities per token (the whole vocabulary's) as the number they are, so that limits and
+        answers count them as any other."""
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            if getattr(self, name, None) == -1:
+                setattr(self, name, vocab_size)
+
     def prompt_logprob_entries(self, n: int) -> int:
         """Log-probabilities the answer holds per prompt token: vLLM's ``prompt_logprobs``, in each of a prompt's
         ``n`` choices."""
@@ -290,7 +297,7 @@ class CompletionRequest(GenerationRequest):
     """Body of ``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # not true/false as token ids
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=-1)  # vLLM's -1: the whole vocabulary's
     echo: bool | None = False
     suffix: str | None = None
 
@@ -377,7 +384,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=-1)  # vLLM's -1: the whole vocabulary's
     tools: list[dict] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
