@@ -29,6 +29,7 @@ from .generation import (  # noqa: E402  (after registration: the generator reli
 )
 
 from .async_llm import AsyncLLM  # noqa: E402
+from .engine_args import AsyncEngineArgs, EngineArgs  # noqa: E402
 from .llm import LLM  # noqa: E402
 from .lora import LoRARequest  # noqa: E402
 
@@ -36,12 +37,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AsyncEngineArgs",
     "AsyncLLM",
     "BeamSearchOutput",
     "BeamSearchParams",
     "BlockPool",
     "CompletionOutput",
     "ContinuousBatchGenerator",
+    "EngineArgs",
     "EngineConfig",
     "EngineStats",
     "InvalidParameter",

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterable
 
 from transformers import GenerationConfig
 
+from .engine_args import EngineArgs
 from .engine_loop import EngineLoop
 from .generation import ContinuousBatchGenerator, RequestOutput, RequestOutputKind, SamplingParams
 from .generation.inputs import Prompt, tokenize_prompt
@@ -23,20 +24,28 @@ class AsyncLLM:
     """Serves requests from asyncio code, as vLLM's ``AsyncLLM``: each `generate` call is one request, batched with
     all others in flight by one engine thread that steps a `ContinuousBatchGenerator` while there is work.
 
-    ``AsyncLLM(model, dtype, device, **engine_options)`` loads a model as `LLM` does (``tensor_parallel_size`` too:
-    `shutdown` then ends the other ranks for good); `from_generator` serves a generator already built. Requests that
+    ``AsyncLLM(model, dtype, device, **engine_options)`` loads a model as `LLM` does (``tensor_parallel_size`` and
+    ``quantization`` too: `shutdown` then ends the other ranks for good); `from_engine_args` takes the same as vLLM's
+    `AsyncEngineArgs`, and `from_generator` serves a generator already built. Requests that
     fail while running yield an output with ``error`` set, as the generator's; `hf_paged.engine_loop.EngineError` is
     raised when the engine itself failed or was shut down under them.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
                  trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
-                 tensor_parallel_size: int = 1, **engine_options):
+                 tensor_parallel_size: int = 1, quantization: str | None = None, **engine_options):
         generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
-                                        tensor_parallel_size)
+                                        tensor_parallel_size, quantization)
         self._serve(generator)
         if ranks is not None:  # the engine thread's heartbeats stop before the ranks do
             self._ranks = weakref.finalize(self, _stop_ranks, self.engine, ranks)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
+        """vLLM's way to make one: the model and the engine options of an `AsyncEngineArgs` (or `EngineArgs`)."""
+        if not isinstance(engine_args, EngineArgs):
+            raise TypeError(f"from_engine_args takes hf_paged's AsyncEngineArgs, got {type(engine_args).__name__}")
+        return cls(**engine_args.keyword_arguments())
 
     @classmethod
     def from_generator(cls, generator: ContinuousBatchGenerator) -> "AsyncLLM":

@@ -8,12 +8,10 @@ import weakref
 from .chat_template import CONTENT_FORMATS, TEMPLATE_PARAMETERS, content_format, render_prompt, template_messages
 from .generation import RequestOutput, SamplingParams
 from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .default_model import resolve_model
 from .local_ranks import start_engine
 from .lora import LoRARequest
 from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, ScoringOutput, ScoringRequestOutput,
                       check_dimensions, cosine_scores, embed, score_pairs)
-from .quantization import check_quantization
 
 
 def _beam_sequence(output: RequestOutput, beam, params: BeamSearchParams, decode) -> BeamSearchSequence:
@@ -54,10 +52,8 @@ class LLM:
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         self._pooling = None if pooler_config is None else PoolingConfig.from_vllm(pooler_config)
-        if quantization is not None:
-            check_quantization(resolve_model(model), quantization)
         self.generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
-                                             tensor_parallel_size)
+                                             tensor_parallel_size, quantization)
         self._ranks = None if ranks is None else weakref.finalize(self, ranks.stop)
 
     def shutdown(self) -> None:

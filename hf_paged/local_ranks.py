@@ -34,12 +34,17 @@ def _rank_env(rank: int, size: int, port: int) -> dict[str, str]:
 
 
 def start_engine(model, dtype: str, device: str, trust_remote_code: bool, tokenizer, engine_options: dict,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, quantization: str | None = None):
     """``(generator, ranks)``: the engine `LLM` and `AsyncLLM` serve (see `loading.load_model` for the model's
-    arguments, `EngineConfig` for ``engine_options``), and with ``tensor_parallel_size > 1`` the `LocalRanks` it runs
-    on (None on one process)."""
+    arguments, `EngineConfig` for ``engine_options``, `quantization.check_quantization` for ``quantization``), and
+    with ``tensor_parallel_size > 1`` the `LocalRanks` it runs on (None on one process)."""
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    if quantization is not None:
+        from .default_model import resolve_model
+        from .quantization import check_quantization
+
+        check_quantization(resolve_model(model), quantization)
     load = functools.partial(_load_engine, None if model is None else os.fspath(model), dtype, device,
                              trust_remote_code, tokenizer, engine_options)
     if tensor_parallel_size == 1:

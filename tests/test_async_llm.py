@@ -213,3 +213,32 @@ def test_an_engine_dropped_without_shutdown_ends_its_thread_and_is_freed(smollm2
     del app
     gc.collect()
     assert generator() is None and engine_threads() == before
+
+
+def test_engine_args_make_an_llm_and_an_async_llm_as_vllms(smollm2_path, chat_prompts):
+    """vLLM's shapes: ``AsyncLLM.from_engine_args(AsyncEngineArgs(...))`` and ``LLM(**asdict(EngineArgs(...)))``
+    load the model with those options and decode alike; options are checked when the arguments are made."""
+    import dataclasses
+
+    from hf_paged import LLM, AsyncEngineArgs, EngineArgs
+
+    args = AsyncEngineArgs(model=smollm2_path, dtype="float32", device="cpu", num_blocks=64, max_num_seqs=3,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0, max_tokens=8)
+    engine = AsyncLLM.from_engine_args(args)
+    try:
+        assert engine.generator.config.max_num_seqs == 3 and engine.generator.config.num_blocks == 64
+        assert engine.generator.config.speculative_config.num_speculative_tokens == 2
+        final = params.replace(output_kind=RequestOutputKind.FINAL_ONLY)
+        streamed = asyncio.run(_collect(engine, chat_prompts[0], final))
+    finally:
+        engine.shutdown()
+    llm = LLM(**dataclasses.asdict(EngineArgs(**dataclasses.asdict(args))))
+    offline = llm.generate([chat_prompts[0]], params, use_tqdm=False)[0]
+    assert streamed[-1].outputs[0].token_ids == offline.outputs[0].token_ids and len(offline.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AsyncEngineArgs(max_num_seqs=0)
+    with pytest.raises(ValueError, match="gptq"):
+        AsyncLLM.from_engine_args(AsyncEngineArgs(model=smollm2_path, quantization="gptq"))
+    with pytest.raises(TypeError, match="AsyncEngineArgs"):
+        AsyncLLM.from_engine_args({"model": smollm2_path})
