@@ -8,9 +8,11 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import padding_mask, paged_attention_forward
 from .cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedCache, unpaged_layer_types
-from .cache.kv_storage import kv_head_dim
+from .cache.kv_storage import kv_head_dim, unserved_attention_types
 
 ATTN_IMPLEMENTATION = "paged"
+# Models whose attention does what no paged kernel computes, beyond what their config or layer types show.
+UNSERVED_MODELS = {"doge": "its attention adds a mask that it computes from the input (dynamic mask attention)"}
 # Tokens per row the cache `generate` builds starts with; it doubles when they run out, so a large max_length does
 # not reserve its worst case up front.
 INITIAL_TOKENS_PER_ROW = 512
@@ -83,6 +85,15 @@ def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kw
         text = self.config.get_text_config(decoder=True)
         if getattr(text, "qk_nope_head_dim", None) is not None:
             kv_head_dim(text)
+        if text.model_type in UNSERVED_MODELS:
+            raise NotImplementedError(f"{type(self).__name__}: {UNSERVED_MODELS[text.model_type]}, which paged "
+                                      "attention does not apply")
+        unserved = unserved_attention_types(text)
+        if unserved:
+            raise NotImplementedError(f"{type(self).__name__} has {unserved} layers, whose attention pattern (chunks "
+                                      "of the context, or a selection of its keys) no paged kernel computes")
+        if getattr(text, "num_attention_heads", None) is not None and not unpaged_layer_types(text):
+            KVCacheSpec.from_config(text)  # keys and values of one shape in every layer
     return applied
 
 

@@ -170,6 +170,43 @@ def test_models_the_backend_cannot_serve_are_refused_when_built():
         model.set_attn_implementation("paged")
 
 
+def test_a_model_whose_layers_differ_in_head_size_is_refused_when_built():
+    """Gemma 4's full-attention layers have wider heads than its sliding ones (512 and 256 in its checkpoints;
+    Transformers' per_layer_config): an ambiguous per-layer attribute inside Transformers before."""
+    from transformers import Gemma4TextConfig
+
+    config = Gemma4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
+    with pytest.raises(NotImplementedError, match="layers differ in the shape of their keys and values"):
+        AutoModelForCausalLM.from_config(config, attn_implementation="paged")
+
+
+@pytest.mark.parametrize("model_type, extra, words", [
+    ("doge", {}, "a mask that it computes from the input"),
+    ("llama4_text", {"intermediate_size_mlp": 128, "attention_chunk_size": 64}, r"\['chunked_attention'\] layers"),
+    ("hy_v4", {}, r"\['indexed_attention'\] layers"),
+])
+def test_models_whose_attention_no_kernel_computes_are_refused_when_built(model_type, extra, words):
+    """Each failed inside Transformers' own code (a mask indexed as 4-D, a missing cache), or only at the first
+    forward."""
+    with pytest.raises(NotImplementedError, match=words):
+        AutoModelForCausalLM.from_config(_small(model_type, **extra), attn_implementation="paged")
+
+
+def test_a_model_whose_layers_project_keys_of_different_shapes_is_refused():
+    """MiMo-V2-Flash's sliding layers have twice the KV heads of its full ones: refused by the cache, which holds one
+    shape (a first forward blamed JetMoe before)."""
+    from hf_paged.cache import KVCacheSpec
+
+    config = _small("mimo_v2_flash", v_head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="paged")
+    with pytest.raises(NotImplementedError, match="layers differ in the shape of their keys"):
+        KVCacheSpec.from_model(model)
+    with pytest.raises(NotImplementedError, match="layers differ in the shape of their keys"):
+        model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
 def test_latent_attention_with_one_head_size_matches_reference():
     """DeepSeek-V3's keys are 16 + 8 numbers per head (its config's head_dim says 8); values of 24 fit the blocks."""
     torch.manual_seed(0)

@@ -12,6 +12,11 @@ from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from .kv_cache_manager import BlockCopy
 
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Layers that attend over keys as paged ones do, but to a pattern no kernel here computes (Llama 4's chunks, sparse or
+# indexed selections of the keys): refused when the model is built, since even Transformers' cache cannot serve them
+# under paged attention. Linear attention keeps a recurrent state instead (a hybrid model's).
+_UNSERVED_ATTENTION = "attention"
+_RECURRENT_ATTENTION = ("linear_attention",)
 
 
 def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
@@ -19,6 +24,12 @@ def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
     hybrid models whose layers a paged KV cache cannot hold."""
     types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
     return sorted(set(types) - set(PAGED_LAYER_TYPES))
+
+
+def unserved_attention_types(config: PretrainedConfig) -> list[str]:
+    """The attention layer types of ``config`` whose keys the paged kernels cannot attend to (chunked, sparse or
+    indexed attention)."""
+    return [t for t in unpaged_layer_types(config) if t.endswith(_UNSERVED_ATTENTION) and t not in _RECURRENT_ATTENTION]
 
 
 def kv_head_dim(config: PretrainedConfig) -> int:
@@ -58,6 +69,24 @@ def local_kv_heads(model: torch.nn.Module, spec: "KVCacheSpec") -> int | None:
     return heads
 
 
+def _check_layers_alike(model: torch.nn.Module) -> None:
+    """Refuse (``NotImplementedError``) a model whose decoder layers project keys of different shapes (MiMo-V2-Flash's
+    sliding layers have twice the KV heads): its config describes one shape, and the cache holds one."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    shapes = set()
+    for module in decoder.modules():
+        k_proj, head_dim = getattr(module, "k_proj", None), getattr(module, "head_dim", None)
+        if isinstance(k_proj, torch.nn.Linear) and isinstance(head_dim, int) and hasattr(module, "layer_idx"):
+            weight = k_proj.weight
+            rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
+            shapes.add((rows // head_dim, head_dim))
+    if len(shapes) > 1:
+        raise NotImplementedError(
+            f"{type(model).__name__}'s layers differ in the shape of their keys (KV heads x head size: "
+            f"{', '.join(f'{h} x {d}' for h, d in sorted(shapes))}); the paged KV cache holds one shape for every "
+            "layer")
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     """The shape of a model's KV cache, read from its config.
@@ -78,8 +107,16 @@ class KVCacheSpec:
         if num_heads is None:
             raise NotImplementedError(f"{config.model_type} has no attention heads (a state-space or recurrent "
                                       "model): a paged KV cache has nothing to hold for it")
-        head_dim = kv_head_dim(config)
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        try:
+            head_dim = kv_head_dim(config)
+            num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        except RuntimeError as err:  # Transformers' per_layer_config: a KV shape that varies over the layers
+            if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+                raise
+            raise NotImplementedError(
+                f"{config.model_type}'s layers differ in the shape of their keys and values, as Gemma 4's "
+                f"full-attention layers have wider heads (Transformers: {str(err).split('.')[0]}); the paged KV cache "
+                "holds one head size and one number of KV heads for every layer") from None
         shared = getattr(config, "num_kv_shared_layers", None) or 0
         return cls(config.num_hidden_layers, num_kv_heads, head_dim, shared)
 
@@ -88,6 +125,7 @@ class KVCacheSpec:
         """The spec of ``model``'s cache on this rank: under tensor parallelism its attention layers see only their
         local KV heads, counted from the key projection this rank holds (not from the config)."""
         spec = cls.from_config(model.config)
+        _check_layers_alike(model)
         local = local_kv_heads(model, spec)
         return spec if local is None else replace(spec, num_kv_heads=local)
 
@@ -181,7 +219,7 @@ class PagedKVStorage:
                 f"layer {layer_idx} produced keys with {key.shape[1]} heads of dim {key.shape[3]}, but the KV cache "
                 f"was sized for {k_cache.shape[1]} heads of dim {k_cache.shape[3]} from the config "
                 "(num_key_value_heads, head_dim); a model whose attention gets other keys than its config describes "
-                "(JetMoe repeats them) cannot be paged"
+                "(JetMoe repeats them; other models size some layers' keys differently) cannot be paged"
             )
         return k_cache.transpose(1, 2), self.value_cache[layer_idx].transpose(1, 2)
 
