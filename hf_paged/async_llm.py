@@ -82,8 +82,9 @@ class AsyncLLM:
         # Tokenized here, not under the engine loop's lock (the bad words' tokens are kept in ``deltas``).
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         deltas.bad_words_token_ids(self.tokenizer)
-        if deltas.structured_outputs is not None:  # compiled off the event loop; an invalid one raises here
-            await asyncio.wrap_future(self.generator.grammars.compile(deltas.structured_outputs))
+        compiled = self.generator.compile_constraint(deltas.structured_outputs)
+        if compiled is not None:  # compiled off the event loop; an invalid one raises here
+            await asyncio.wrap_future(compiled)
         if lora_request is not None:  # read off the event loop, not under the engine loop's lock
             lora_request = await asyncio.to_thread(self.generator.load_lora, lora_request)
         stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,
@@ -105,7 +106,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop a request (or each of a list); its `generate` ends with ``finish_reason="abort"``."""
-        self.engine.end(request_id)
+        self.engine.abort(request_id)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load a LoRA adapter (off the event loop), as vLLM's; ``ValueError`` names what does not fit."""

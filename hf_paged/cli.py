@@ -868,7 +868,7 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         generator.run_worker()
         return 0
     try:
-        if generator.lockstep is None:
+        if not generator.is_tensor_parallel:
             return _stream_one(generator, args, params)
         with interrupts_deferred() as interrupted:  # never inside a step: the other ranks are in its collectives
             return _stream_one(generator, args, params, interrupted)
@@ -877,7 +877,7 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         return 0
     except KeyboardInterrupt:  # Ctrl+C: what was written stays, without a traceback
         sys.stdout.write("\n")
-        return 130 if generator.lockstep is None else 0  # a rank's 130 reads as a failure: the launcher says 130
+        return 130 if not generator.is_tensor_parallel else 0  # a rank's 130 reads as a failure: the launcher says 130
     finally:
         generator.stop_workers()
 

@@ -64,7 +64,7 @@ class RequestStream:
         waited = self.loop.time() - max(self.last_read, self.waiting_since)
         stalled = self.write_timeout is not None and waited > self.write_timeout
         if self.undelivered and stalled and self.error is None:
-            self.engine.abort(list(self.pending_ids))
+            self.engine.abandon(list(self.pending_ids))
             self.error = EngineError(f"the client read nothing for {self.write_timeout:g} s: its requests were "
                                      "aborted (--stream-write-timeout)")
         if isinstance(item, EngineError):
@@ -117,7 +117,7 @@ class RequestStream:
     def close(self) -> None:
         """Abort whatever has not finished (the client left, or the handler failed)."""
         if self.pending_ids:
-            self.engine.abort(list(self.pending_ids))
+            self.engine.abandon(list(self.pending_ids))
             self.pending_ids.clear()
 
 
@@ -315,13 +315,14 @@ class EngineLoop:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
 
-    def end(self, request_ids: str | list[str]) -> None:
+    def abort(self, request_ids: str | list[str]) -> None:
         """Abort these requests in the generator; their streams still get their last output (``"abort"``)."""
         self.generator.abort_request(request_ids)
         self._wake.set()  # an idle engine takes the aborts in at once
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Stop routing these requests and abort them in the generator (their blocks are freed at the next step)."""
+    def abandon(self, request_ids: list[str]) -> None:
+        """Stop routing these requests (nobody reads them any more) and abort them in the generator (their blocks are
+        freed at the next step)."""
         with self._lock:
             self._unroute(request_ids)
         self._wake.set()
@@ -362,12 +363,12 @@ class EngineLoop:
         if not generator.has_unfinished_requests():
             # Under tensor parallelism the other ranks wait for every step's inputs: an idle engine still steps now
             # and then, so they do not time out and a dead rank is found.
-            heartbeat = HEARTBEAT_S if generator.lockstep is not None else None
+            heartbeat = HEARTBEAT_S if generator.is_tensor_parallel else None
             self._wake.wait(heartbeat)
             self._wake.clear()
             if heartbeat is None or self._stopping:
                 return failures
-        generated = generator.scheduler.num_generated_tokens
+        generated = generator.num_generated_tokens
         try:
             outputs = generator.step()
         except DistributedError as err:
@@ -390,7 +391,7 @@ class EngineLoop:
             self._dispatch(outputs)
         except Exception:
             logger.exception("could not deliver the outputs of a step")
-        return 0 if generator.scheduler.num_generated_tokens > generated else failures
+        return 0 if generator.num_generated_tokens > generated else failures
 
     def _die(self, err: BaseException) -> None:
         self.fatal = err

@@ -138,7 +138,7 @@ class LLM:
         last token's, normalized), cut to its first ``dimensions`` if given (vLLM's ``PoolingParams.dimensions``).
         ``use_tqdm`` is taken and shows nothing; ``pooling_params`` and ``lora_request`` must be None."""
         _check_pooling_options(pooling_params, lora_request)
-        if self.generator.lockstep is not None:  # the forward would run on this rank alone and break the group
+        if self.generator.is_tensor_parallel:  # the forward would run on this rank alone and break the group
             raise ValueError("embeddings are not served under tensor parallelism (tensor_parallel_size > 1)")
         prompts = _prompt_list(prompts)
         inputs, model = self.generator.inputs, self.generator.model
@@ -147,7 +147,6 @@ class LLM:
         for ids in token_ids:
             if not ids:
                 raise ValueError("a prompt to embed is empty")
-            inputs.check_token_ids(ids)
             inputs.check_prompt_length(len(ids), pooling=True)
         pooling = self._pooling or PoolingConfig.of_model(getattr(model, "name_or_path", None))
         vectors = embed(model, token_ids, pooling, dimensions)

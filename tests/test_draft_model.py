@@ -199,8 +199,8 @@ def test_a_draft_that_fails_in_a_step_with_a_block_copy_leaves_the_copy_made(tok
     draft_run, failures = gen.speculator.draft.runner.run, []
     schedule = gen.scheduler.schedule
 
-    def schedule_and_arm():
-        out = schedule()
+    def schedule_and_arm(*args):
+        out = schedule(*args)
         gen.speculator.draft.runner.run = flaky if out.block_copies and not failures else draft_run
         return out
 
@@ -234,8 +234,8 @@ def test_the_draft_sits_out_a_large_batch_and_catches_up_after(tokenizer):
     draft, steps, drafted, sizes = gen.speculator.draft.runner, [], set(), []
     draft_run, schedule = draft.run, gen.scheduler.schedule
 
-    def scheduling():
-        out = schedule()
+    def scheduling(*args):
+        out = schedule(*args)
         steps.append(len(out.seqs) > 2 and not out.spec_token_ids)  # a step the draft may sit out
         return out
 

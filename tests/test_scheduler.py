@@ -307,8 +307,7 @@ def test_guesses_leave_a_token_for_every_later_sequence():
     step(scheduler)
     assert len(scheduler.running) == 2
     first, second = scheduler.running
-    first.spec_token_ids = [7, 8, 9]
-    out = scheduler.schedule()
+    out = scheduler.schedule({first.seq_id: [7, 8, 9]})
     assert dict(zip([s.seq_id for s in out.seqs], out.num_tokens)) == {first.seq_id: 3, second.seq_id: 1}
     assert out.spec_token_ids == {first.seq_id: [7, 8]}
 

@@ -111,8 +111,7 @@ def test_rejected_guesses_give_back_their_kv_and_are_never_indexed():
     seq = request.seqs[0]
     out = scheduler.schedule()
     scheduler.update(out, SamplerOutput([8]))  # prompt computed, token 8 pending: 8 tokens, 7 computed
-    seq.spec_token_ids = [9, 10, 11, 12, 13]  # fill block 1 and three slots of block 2, then one of block 3
-    out = scheduler.schedule()
+    out = scheduler.schedule({seq.seq_id: [9, 10, 11, 12, 13]})  # block 1, three slots of block 2, one of block 3
     assert out.num_tokens == [6] and out.spec_token_ids == {seq.seq_id: [9, 10, 11, 12, 13]}
     assert len(scheduler.kv_manager.block_table(seq.seq_id)) == 4 and out.draws == [(seq, 0)] and out.draw_rows == [0]
     assert len(scheduler.kv_manager._hashes[seq.seq_id]) == 2  # only blocks of real tokens are indexed, not guesses
@@ -120,7 +119,6 @@ def test_rejected_guesses_give_back_their_kv_and_are_never_indexed():
     scheduler.update(out, SamplerOutput([20], accepted=[[9]]))
     assert seq.token_ids[7:] == [8, 9, 20] and seq.num_computed_tokens == 9
     assert len(scheduler.kv_manager.block_table(seq.seq_id)) == 3  # the block that held only guesses is freed
-    seq.spec_token_ids = []
     out = scheduler.schedule()
     assert out.num_tokens == [1] and not out.spec_token_ids
     scheduler.update(out, SamplerOutput([21]))
@@ -134,10 +132,9 @@ def test_guesses_are_dropped_before_anyone_is_preempted():
     scheduler.add(b)
     out = scheduler.schedule()
     scheduler.update(out, SamplerOutput([8] * len(out.draws)))  # a: 8 tokens in 2 blocks, b: 9 tokens in 2 of 3
-    a.seqs[0].spec_token_ids = [9, 10]  # would take the last free block, which b needs for its next token
-    out = scheduler.schedule()
+    out = scheduler.schedule({a.seqs[0].seq_id: [9, 10]})  # would take the last free block, which b needs next
     assert scheduler.num_preemptions == 0 and out.seqs == [a.seqs[0], b.seqs[0]] and out.num_tokens == [1, 1]
-    assert not out.spec_token_ids and not a.seqs[0].spec_token_ids
+    assert not out.spec_token_ids
     assert [len(scheduler.kv_manager.block_table(s.seq_id)) for s in out.seqs] == [2, 3]
 
 
@@ -147,8 +144,7 @@ def test_a_stop_inside_the_kept_guesses_ends_the_sequence_there():
     scheduler.add(request)
     scheduler.update(scheduler.schedule(), SamplerOutput([8]))
     seq = request.seqs[0]
-    seq.spec_token_ids = [50, 51, 52]
-    out = scheduler.schedule()
+    out = scheduler.schedule({seq.seq_id: [50, 51, 52]})
     scheduler.update(out, SamplerOutput([53], accepted=[[50, 51, 52]]))
     assert seq.output_token_ids == [8, 50] and seq.finish_reason == "stop" and seq.stop_reason == 50
     assert not scheduler.has_work() and scheduler.kv_manager.pool.num_used_blocks == 0
@@ -199,7 +195,7 @@ def test_the_heuristic_schedule_follows_each_sequence_and_keeps_greedy_tokens(sm
 
     def recording(self, seq, drafts, kept):
         if drafts:  # a sequence's rows in a verifying step, without guesses of its own, leave its window
-            seen.setdefault(seq.seq_id, []).append((seq.spec_window, len(drafts), len(kept) - 1))
+            seen.setdefault(seq.seq_id, []).append((self.windows.get(seq.seq_id, 1), len(drafts), len(kept) - 1))
         record(self, seq, drafts, kept)
 
     monkeypatch.setattr(Speculator, "record", recording)
@@ -223,9 +219,9 @@ def test_speculation_is_off_while_the_batch_is_large(smollm2, chat_prompts, monk
     seen = []
     schedule = gen.scheduler.schedule
 
-    def recording_schedule():
+    def recording_schedule(*args):
         running = len(gen.scheduler.running)
-        out = schedule()
+        out = schedule(*args)
         seen.append((running, bool(out.spec_token_ids)))
         return out
 
@@ -330,7 +326,7 @@ def test_a_verification_counts_the_guesses_kept_before_the_models_own_token():
     from types import SimpleNamespace
 
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=64)
-    seq = SimpleNamespace(spec_window=1)
+    seq = SimpleNamespace(seq_id=0)
     speculator.record(seq, [1, 2, 3], [1, 9])  # kept the first guess, then the model's 9
     speculator.record(seq, [], [4])  # no guesses: no verification
     assert (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens) == (1, 3, 1)

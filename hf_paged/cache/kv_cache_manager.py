@@ -200,6 +200,10 @@ class KVCacheManager:
         if table:
             self.pool.free(table)
 
+    def reset_counters(self) -> None:
+        """Start the prefix cache's query and hit counts again (the engine's start-up probe is not counted)."""
+        self.prefix_queries = self.prefix_hits = 0
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False, nothing changed) while a sequence holds blocks."""
         if self.pool.num_used_blocks:

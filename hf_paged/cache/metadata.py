@@ -15,10 +15,11 @@ if TYPE_CHECKING:
 class PagedMetadata:
     """Everything the attention of one forward step needs, shared by all layers.
 
-    Tokens are packed without padding, sequences with one new token (decodes) first: tokens
-    ``[query_start_loc[s], query_start_loc[s + 1])`` belong to sequence ``s``, whose keys after this step are
-    ``seq_lens[s]`` tokens held in the blocks ``block_tables[s]``. ``slot_mapping`` is the flat slot each new token is
-    written to (``-1``: not written, a padding token). The first ``num_decodes`` sequences have one new token each.
+    Tokens are packed (the engine never pads; `generate`'s batches and CUDA-graph replays may), sequences with one new
+    token (decodes) first: tokens ``[query_start_loc[s], query_start_loc[s + 1])`` belong to sequence ``s``, whose
+    keys after this step are ``seq_lens[s]`` tokens held in the blocks ``block_tables[s]``. ``slot_mapping`` is the
+    flat slot each new token is written to (``-1``: not written, a padding token). The first ``num_decodes``
+    sequences have one new token each.
     ``kv`` holds the block tensors the step reads and writes.
     """
 

@@ -88,9 +88,9 @@ class DraftModel:
         for seq in out.seqs:
             self.computed[seq.seq_id] = self._first(seq)
 
-    def write_guesses(self, out: SchedulerOutput) -> None:
-        """Compute the step's tokens in the draft too, then write the guesses of its speculating sequences
-        (``out.spec_token_ids``, as many as the scheduler gave room for) before the target computes the step."""
+    def write_guesses(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Compute the step's tokens in the draft too, then guess for its speculating sequences (by seq_id, as many
+        tokens as ``out.spec_token_ids`` holds placeholders for), before the target computes the step."""
         self.kv.copy_blocks(out.block_copies)  # the draft's blocks follow the target's copy-on-write
         spans: list[Span] = []
         for seq, n in zip(out.seqs, out.num_tokens):
@@ -100,7 +100,7 @@ class DraftModel:
                 spans.append((seq.seq_id, first, [t if t < self.vocab_size else 0 for t in seq.token_ids[first:last]]))
                 self.computed[seq.seq_id] = last
         if not spans:
-            return
+            return {}
         spans = self._catch_up(spans)
         ends = dict(zip((seq_id for seq_id, _, _ in spans), itertools.accumulate(len(t) for _, _, t in spans)))
         speculating = [seq for seq in out.seqs if seq.seq_id in out.spec_token_ids]
@@ -113,8 +113,8 @@ class DraftModel:
             for i, token in zip(active, self._greedy(spans)):
                 guesses[i].append(token)
         for seq, tokens in zip(speculating, guesses):
-            out.spec_token_ids[seq.seq_id] = seq.spec_token_ids = tokens
             self.computed[seq.seq_id] = seq.num_tokens - 1 + len(tokens)  # through the last token and guesses[:-1]
+        return {seq.seq_id: tokens for seq, tokens in zip(speculating, guesses)}
 
     def _catch_up(self, spans: list[Span]) -> list[Span]:
         """Compute the spans' leading tokens in forwards of at most ``max_tokens`` until the rest fits one (each

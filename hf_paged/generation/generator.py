@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 import logging
 import os
 import queue
@@ -32,7 +33,7 @@ from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
-from .sampling_params import InvalidParameter, SamplingParams
+from .sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from .stats import EngineStats
@@ -124,7 +125,7 @@ class ContinuousBatchGenerator:
         self._claimed: set[str] = set()  # requests a `run` or `stream` is waiting for: `step` leaves their outputs
         self._interrupted: list[Request] = []  # failed when an interrupt cut their step short, not reported yet
         # One step at a time: `run` and `stream` called from several threads take turns stepping (each step serves
-        # every thread's requests); `add_request` and `abort_request` need no lock.
+        # every thread's requests); `add_request` and `abort_request` need not take this lock.
         self._stepping = threading.RLock()
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
@@ -221,10 +222,10 @@ class ContinuousBatchGenerator:
                 self.step()
         except TypeError as err:
             raise ValueError(f"{type(self.model).__name__} cannot run with the paged backend: {err}") from err
-        assert probe not in self.requests and self.kv_manager.pool.num_used_blocks == 0
-        self.kv_manager.pool.reset()
-        self.kv_manager.prefix_queries = self.kv_manager.prefix_hits = 0
-        self.scheduler.num_prompt_tokens = self.scheduler.num_generated_tokens = 0
+        assert probe not in self.requests
+        self.kv_manager.reset_prefix_cache()  # the probe's blocks are free: its prompt is forgotten
+        self.kv_manager.reset_counters()
+        self.scheduler.reset_counters()
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(
@@ -242,18 +243,24 @@ class ContinuousBatchGenerator:
         if lora_request is not None:
             request.lora = self.load_lora(lora_request)
             request.cache_salt = request.lora.cache_salt + (request.cache_salt or b"")
-        if request.params.structured_outputs is not None and self.lockstep is not None:
+        if request.params.structured_outputs is not None and self.is_tensor_parallel:
             # Ranks would admit it when their own compile ends, at different steps, and leave lockstep.
             raise InvalidParameter("structured_outputs", "SamplingParams.structured_outputs is not supported on a "
                                    "tensor-parallel engine yet")
-        if request.params.structured_outputs is not None:  # compiles on another thread; the request waits for it
-            request.grammar = self.grammars.compile(request.params.structured_outputs)
+        # On another thread; the request waits for it.
+        request.grammar = self.compile_constraint(request.params.structured_outputs)
         with self._ids_lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
         self._inbox.put(("add", request))
         return request_id
+
+    def compile_constraint(self, spec: StructuredOutputsParams | None) -> Future | None:
+        """Start compiling the grammar of a request's structured outputs (None without one): a future of the compiled
+        grammar, which raises ``ValueError`` for an invalid constraint. Compiles are cached: a caller may wait for
+        one (off its own event loop) before it adds the request, so that an invalid one is refused."""
+        return None if spec is None else self.grammars.compile(spec)
 
     def _priority(self, priority) -> int:
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -325,7 +332,7 @@ class ContinuousBatchGenerator:
                 self._workers_stopped = True
             elif action == "add":
                 if item.grammar is not None and item.grammar.cancelled():  # its other waiters left before it came
-                    item.grammar = self.grammars.compile(item.params.structured_outputs)
+                    item.grammar = self.compile_constraint(item.params.structured_outputs)
                 self.requests[item.request_id] = item
                 self.scheduler.add(item)
             elif item in self.requests and item not in asked and not self.requests[item].is_finished:
@@ -356,15 +363,11 @@ class ContinuousBatchGenerator:
         changed, self._interrupted = self._drain_inbox() + self._interrupted, []
         if self.scheduler.compiling:
             changed += self.scheduler.admit_compiled()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        out = self.scheduler.schedule() if self.scheduler.has_work() else None
+        guesses = self.speculator.propose(self.scheduler.running) if self.speculator is not None else None
+        out = self.scheduler.schedule(guesses) if self.scheduler.has_work() else None
         if out is not None:
             changed += out.failed
         if out is not None and out.seqs:
-            now = time.monotonic()
-            for seq in out.seqs:
-                seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
             try:  # nothing about a sequence changes until `update`; a step that raises is undone
                 self.runner.copy_blocks(out)
                 if self.speculator is not None:
@@ -444,6 +447,16 @@ class ContinuousBatchGenerator:
 
     # ------------------------------------------------------------------------------------ tensor parallelism
     @property
+    def is_tensor_parallel(self) -> bool:
+        """Whether this engine is one rank of a tensor-parallel model (see `hf_paged.distributed`)."""
+        return self.lockstep is not None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated since the engine started (every sequence's), a count that grows with each step's."""
+        return self.scheduler.num_generated_tokens
+
+    @property
     def is_driver(self) -> bool:
         """Whether requests enter here: always, except on the ranks other than 0 of a tensor-parallel model."""
         return self.lockstep is None or self.lockstep.is_driver
@@ -493,8 +506,9 @@ class ContinuousBatchGenerator:
             for prompt, params, lora, level in zip(prompts, per_prompt, loras, priorities):
                 try:
                     submitted.append((self.add_request(prompt, params, lora_request=lora, priority=level), None))
-                    if strict and getattr(params, "structured_outputs", None) is not None:
-                        self.grammars.compile(params.structured_outputs).result()  # the request's own compile
+                    compiled = self.compile_constraint(getattr(params, "structured_outputs", None)) if strict else None
+                    if compiled is not None:
+                        compiled.result()  # the request's own compile: an invalid constraint raises here
                 except ValueError as err:
                     if strict:
                         raise

@@ -73,7 +73,7 @@ class ModelRunner:
         """The linear layers the native decoder multiplies by with its own copy of their weights, where it takes
         steps of up to 512 tokens: they need no oneDNN copy as well (the Transformers forward of a longer step
         multiplies with torch's GEMM; a 4000-token fp32 prefill ran 0.94-0.97x as fast, for a copy of the weights
-        less). None where it takes shorter steps (fp32 on CPUs with AVX2 alone) or does not run."""
+        less). None (an empty list) where it takes shorter steps (fp32 on CPUs with AVX2 alone) or does not run."""
         if self.native is None or self.native.max_tokens < cpu_decoder.MAX_TOKENS:
             return []
         return self.native.linear_layers()

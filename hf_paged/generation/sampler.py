@@ -100,6 +100,10 @@ class SamplerOutput:
     # Per row, a beam search's candidates (`beam_search.beam_candidates`); None for other rows.
     beams: list | None = None
 
+    def new_tokens(self, row: int) -> list[int]:
+        """A draw's new tokens: the speculative guesses it kept, then its sampled token."""
+        return (self.accepted[row] if self.accepted else []) + [self.token_ids[row]]
+
 
 def build_sampling_batch(draws: list[tuple[Sequence, int]], device: torch.device,
                          offsets: list[int] | None = None) -> SamplingBatch:

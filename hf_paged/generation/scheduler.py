@@ -44,8 +44,9 @@ class SchedulerOutput:
     num_partial_prefills: int = 0  # prompt chunks that leave the rest of their prompt for later steps
     draws: list[tuple[Sequence, int]] = field(default_factory=list)
     draw_rows: list[int] = field(default_factory=list)
-    # Speculative guesses computed this step after a sequence's last token, by seq_id; ``num_tokens`` counts them and
-    # the logits have a row for each, after its sequence's draw row.
+    # Speculative guesses computed this step after a sequence's last token, by seq_id (as many of those proposed to
+    # `Scheduler.schedule` as the budget and the blocks allow); ``num_tokens`` counts them and the logits have a row
+    # for each, after its sequence's draw row.
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Prompt logprobs: ``(sequence, first position, count)``, positions whose logits score the prompt token after
     # them; their rows follow all the others, in this order.
@@ -84,6 +85,10 @@ class Scheduler:
         self.num_partial_prefills = 0  # prompt chunks that left the rest of their prompt for later steps
         self.num_prompt_tokens = 0  # of the requests whose prompt was computed (their first token came)
         self.num_generated_tokens = 0
+
+    def reset_counters(self) -> None:
+        """Start the token counts again (the engine's start-up probe is not counted)."""
+        self.num_prompt_tokens = self.num_generated_tokens = 0
 
     def add(self, request: Request) -> None:
         if request.grammar is not None:
@@ -150,10 +155,12 @@ class Scheduler:
                                    f"{carried[:40]!r} after </think>, which the constraint does not allow")
 
     # ------------------------------------------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, guesses: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """The next step; ``guesses`` are the speculative tokens proposed for running sequences, by seq_id, which
+        they compute after their last token where the budget and the free blocks allow."""
         out = SchedulerOutput()
         preemptions = self.num_preemptions
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, dict(guesses or {}))
         if self.num_preemptions == preemptions:  # admit only when nobody had to be preempted
             self._schedule_waiting(out, budget)
         out.num_partial_prefills = sum(n < s.num_tokens - s.num_computed_tokens for s, n in zip(out.seqs,
@@ -161,9 +168,12 @@ class Scheduler:
         order = sorted(range(len(out.seqs)), key=lambda i: out.num_tokens[i] != 1)
         out.seqs, out.num_tokens = [out.seqs[i] for i in order], [out.num_tokens[i] for i in order]
         self._plan_draws(out)
+        now = time.monotonic()
+        for seq in out.seqs:
+            seq.request.metrics.first_scheduled_time = seq.request.metrics.first_scheduled_time or now
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, proposed: dict[int, list[int]]) -> int:
         running, searches = list(self.running), set()
         for i, seq in enumerate(running):
             if budget == 0:
@@ -177,13 +187,13 @@ class Scheduler:
                 continue
             # Guesses take only the budget left once every later sequence has a token: they are optional.
             needed = seq.num_tokens - seq.num_computed_tokens
-            guesses = min(len(seq.spec_token_ids), max(0, budget - needed - (len(running) - 1 - i)))
-            n = min(needed + guesses, budget)
+            guesses = proposed.get(seq.seq_id, [])[: max(0, budget - needed - (len(running) - 1 - i))]
+            n = min(needed + len(guesses), budget)
             copies = self._grow(seq, n)
-            if copies is None and (seq.spec_token_ids or out.spec_token_ids):  # guesses never cost a preemption
-                seq.spec_token_ids = []
+            if copies is None and (guesses or out.spec_token_ids):  # guesses never cost a preemption
+                guesses = []
                 budget += self._drop_guesses(out)
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                n = min(needed, budget)
                 copies = self._grow(seq, n)
             while copies is None and seq.status is SequenceStatus.RUNNING:
                 self._preempt(self.running[-1])
@@ -191,6 +201,8 @@ class Scheduler:
                     copies = self._grow(seq, n)
             if copies is not None:
                 self._take(out, seq, n, copies)
+                if n > needed:
+                    out.spec_token_ids[seq.seq_id] = guesses[: n - needed]
                 budget -= n
         return budget
 
@@ -230,7 +242,6 @@ class Scheduler:
             if guesses:
                 out.num_tokens[i] -= len(guesses)
                 dropped += len(guesses)
-                seq.spec_token_ids = []
                 self.kv_manager.truncate(seq.seq_id, seq.num_tokens)
         return dropped
 
@@ -320,9 +331,6 @@ class Scheduler:
         out.seqs.append(seq)
         out.num_tokens.append(n)
         out.block_copies += copies
-        guesses = seq.num_computed_tokens + n - seq.num_tokens
-        if guesses > 0:
-            out.spec_token_ids[seq.seq_id] = seq.spec_token_ids[:guesses]
         if seq.request.scores_prompt:
             first = max(seq.num_computed_tokens, len(seq.request.prompt_logprobs) - 1)
             end = min(seq.num_computed_tokens + n, seq.request.num_prompt_tokens - 1)
@@ -389,7 +397,7 @@ class Scheduler:
                 request.beams.pending[seq.seq_id] = sampled.beams[row]
                 searches[request.request_id] = request
                 continue
-            tokens = self._new_tokens(row, sampled)
+            tokens = sampled.new_tokens(row)
             if tokens[-1] == NO_TOKEN:
                 self.fail(request, *_nothing_allowed(request.params, seq.num_output_tokens))
                 continue
@@ -511,11 +519,6 @@ class Scheduler:
         self._run(child)
         return child
 
-    @staticmethod
-    def _new_tokens(row: int, sampled: SamplerOutput) -> list[int]:
-        """A draw's new tokens: the speculative guesses it kept, then its sampled token."""
-        return (sampled.accepted[row] if sampled.accepted else []) + [sampled.token_ids[row]]
-
     def _settle_guesses(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Give back the KV of a sequence's rejected guesses: it counts as computed only up to its kept tokens, and
         blocks past them are freed (their slots are overwritten later, nothing is copied)."""
@@ -537,18 +540,33 @@ class Scheduler:
         return self.detokenizer.step(seq, params.skip_special_tokens) if params.detokenize else ""
 
     def _append(self, seq: Sequence, token: int, row: int, sampled: SamplerOutput, now: float) -> None:
+        """Append ``token`` (drawn at ``row`` of ``sampled``) to ``seq``: count it, record its logprobs, decode its
+        text, advance the constraint, and finish ``seq`` if it stops here."""
         params = seq.request.params
         seq.token_ids.append(token)
         self._count_token(seq, now)
+        self._record_logprobs(seq, token, row, sampled)
+        new_text = self._new_text(seq, params)
+        stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
+                          seq.request.stop_ids, self.max_model_len, seq.request.eos_token_id)
+        stop = self._advance_constraint(seq, token, new_text, stop)
+        if stop is not None:
+            if stop.text_end is not None:
+                seq.text = seq.text[: stop.text_end]
+            self.finish(seq, stop.finish_reason, stop.stop_reason, now)
+
+    def _record_logprobs(self, seq: Sequence, token: int, row: int, sampled: SamplerOutput) -> None:
+        params = seq.request.params
         if seq.logprobs is not None:
             top = dict(zip(sampled.top_ids[row][: params.logprobs], sampled.top_logprobs[row][: params.logprobs]))
             top[token] = sampled.sampled_logprobs[row]
             seq.logprobs.append(ranked_logprobs(top, token, sampled.sampled_ranks[row], self._token_text(params)))
         if seq.logprobs is not None or params.use_beam_search:
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
-        new_text = self._new_text(seq, params)
-        stop = check_stop(token, seq.num_output_tokens, seq.num_tokens, seq.text, len(new_text), params,
-                          seq.request.stop_ids, self.max_model_len, seq.request.eos_token_id)
+
+    def _advance_constraint(self, seq: Sequence, token: int, new_text: str, stop: Stop | None) -> Stop | None:
+        """Move ``seq``'s grammar (and its reasoning block) past ``token``; returns how ``seq`` stops now, which a
+        completed grammar decides where the stop checks did not."""
         opener, seq.reasoning_opener = seq.reasoning_opener, None
         if token == opener:  # the first token opened a reasoning block: the grammar waits for its end
             seq.in_reasoning, seq.matcher = True, None
@@ -556,13 +574,11 @@ class Scheduler:
         if ended and (stop is None or stop.finish_reason == "length"):
             # The grammar is complete: its end token came (min_tokens cannot hold it back, and it is the reason even
             # as the last token max_tokens allows); its text goes, as EOS's.
-            stop = Stop("stop", None, None if params.include_stop_str_in_output else len(seq.text) - len(new_text))
+            keep = seq.request.params.include_stop_str_in_output
+            stop = Stop("stop", None, None if keep else len(seq.text) - len(new_text))
         if seq.in_reasoning and self.reasoning_end.ended(token, seq.text, len(new_text)):
             self._start_grammar(seq)
-        if stop is not None:
-            if stop.text_end is not None:
-                seq.text = seq.text[: stop.text_end]
-            self.finish(seq, stop.finish_reason, stop.stop_reason, now)
+        return stop
 
     # ---------------------------------------------------------------------------------------- finish and undo
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,

@@ -35,8 +35,6 @@ class Sequence:
         self.index = index
         self.token_ids = token_ids
         self.num_computed_tokens = 0
-        self.spec_token_ids: list[int] = []  # guesses of its next tokens, for the next step to verify
-        self.spec_window = 1  # the most guesses the heuristic schedule gives its next step (`next_window`)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -1,6 +1,6 @@
 """Speculative decoding: cheap guesses of a sequence's next tokens, verified by the model in one step.
 
-A running sequence with proposals (``spec_token_ids``) computes its last token and its ``k`` guesses in one step, and
+A running sequence with proposals (`Speculator.propose`) computes its last token and its ``k`` guesses in one step, and
 the model's logits at those ``k + 1`` positions decide how many guesses it keeps (`verify_drafts`):
 
 * greedy rows keep guesses while each equals the model's argmax, then take the argmax where they differ (or after
@@ -82,6 +82,8 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_per_position = [0] * config.num_speculative_tokens  # guesses kept at each position
+        # Per running sequence (seq_id), the most guesses the heuristic schedule gives its next step (`next_window`).
+        self.windows: dict[int, int] = {}
 
     def budget(self, seq: Sequence) -> int:
         """How many guesses ``seq`` may take now: none while it is prefilling, is a beam, asks for logprobs,
@@ -100,23 +102,25 @@ class Speculator:
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         heuristic = self.config.num_speculative_tokens_schedule == "heuristic"
-        return max(0, min(seq.spec_window if heuristic else self.config.num_speculative_tokens, room))
+        window = self.windows.get(seq.seq_id, 1)
+        return max(0, min(window if heuristic else self.config.num_speculative_tokens, room))
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Before the step is scheduled: set each running sequence's ``spec_token_ids`` (none while the batch is
-        large). A draft model's are placeholders, as many as the sequence may take, that `write_drafts` fills."""
+    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """Before the step is scheduled: the guesses of the running sequences that speculate, by seq_id (none while
+        the batch is large), for `Scheduler.schedule`. A draft model's are placeholders, as many as the sequence may
+        take, that `write_drafts` fills."""
         large = len(running) > self.config.disable_by_batch_size
-        c = self.config
-        for seq in running:
-            k = 0 if large else self.budget(seq)
-            if not k:
-                seq.spec_token_ids = []
-            elif self.draft is None:
-                seq.spec_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
-            else:
-                seq.spec_token_ids = [0] * k
+        self.windows = {seq.seq_id: self.windows[seq.seq_id] for seq in running if seq.seq_id in self.windows}
         if self.draft is not None:
             self.draft.retain(running)
+        c, guesses = self.config, {}
+        for seq in [] if large else running:
+            k = self.budget(seq)
+            proposal = [0] * k if self.draft is not None else propose_ngram(seq.token_ids, k, c.prompt_lookup_min,
+                                                                            c.prompt_lookup_max)
+            if proposal:
+                guesses[seq.seq_id] = proposal
+        return guesses
 
     def write_drafts(self, out: SchedulerOutput) -> None:
         """After the step is scheduled, before it is computed: the draft model's guesses (nothing for ngram). A step
@@ -124,7 +128,7 @@ class Speculator:
         if self.draft is None:
             return
         if out.spec_token_ids or len(out.seqs) <= self.config.disable_by_batch_size:
-            self.draft.write_guesses(out)
+            out.spec_token_ids.update(self.draft.write_guesses(out))  # as many as the scheduler took, in place
         else:
             self.draft.skip(out)
 
@@ -133,8 +137,7 @@ class Speculator:
         if not out.spec_token_ids:
             return
         for row, (seq, _) in enumerate(out.draws):
-            kept = (sampled.accepted[row] if sampled.accepted else []) + [sampled.token_ids[row]]
-            self.record(seq, out.spec_token_ids.get(seq.seq_id, []), kept)
+            self.record(seq, out.spec_token_ids.get(seq.seq_id, []), sampled.new_tokens(row))
 
     def record(self, seq: Sequence, drafts: list[int], kept: list[int]) -> None:
         """Count a verification: ``kept`` is what ``seq`` took from its ``drafts``, then the model's own token."""
@@ -144,8 +147,8 @@ class Speculator:
             self.num_accepted_tokens += len(kept) - 1
             for position in range(len(kept) - 1):
                 self.num_accepted_per_position[position] += 1
-            seq.spec_window = next_window(seq.spec_window, len(drafts), len(kept) - 1,
-                                          self.config.num_speculative_tokens)
+            self.windows[seq.seq_id] = next_window(self.windows.get(seq.seq_id, 1), len(drafts), len(kept) - 1,
+                                                   self.config.num_speculative_tokens)
 
 
 def verify_drafts(logits: torch.Tensor, out: SchedulerOutput) -> SamplerOutput:

@@ -81,10 +81,6 @@ class GrammarMatcher:
         """Advance by text that tokens already carried (no change, and False, if the grammar does not allow it)."""
         return self._matcher.accept_string(text)
 
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
-        self._matcher.rollback(num_tokens)
-
     def fork(self) -> "GrammarMatcher":
         return GrammarMatcher(self._matcher.fork(), self.vocab_size)
 

@@ -110,7 +110,7 @@ def create_app(generator: ContinuousBatchGenerator, served_model_name: str | Seq
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     metrics = ServerMetrics(model_name=names[0], max_model_len=generator.max_model_len,
                             prefix=options.metrics_prefix)
-    metrics.set_cache_config(block_size=generator.config.block_size, num_gpu_blocks=generator.kv_storage.num_blocks,
+    metrics.set_cache_config(block_size=generator.config.block_size, num_gpu_blocks=generator.stats().num_blocks,
                              cache_dtype=generator.config.kv_cache_dtype or "auto",
                              enable_prefix_caching=generator.config.enable_prefix_caching)
     engine = EngineLoop(generator, metrics, limits.max_num_waiting, limits.stream_write_timeout,

@@ -178,7 +178,7 @@ class OpenAIServing:
         if self.check_model(model) is not None:
             raise APIError(400, "embeddings are of the served model: LoRA adapters do not apply to them",
                            param="model")
-        if self.generator.lockstep is not None:
+        if self.generator.is_tensor_parallel:
             raise APIError(400, "embeddings are not served under tensor parallelism", param="model")
         if isinstance(self.pooling, ValueError):
             raise APIError(400, f"embeddings of this model are not served: {self.pooling} (--pooler-config chooses "
@@ -328,7 +328,7 @@ class OpenAIServing:
         if constraint is not None:
             self.limits.check_constraint(constraint.param, constraint.spec.key[1])
             try:
-                await asyncio.wrap_future(self.generator.grammars.compile(constraint.spec))
+                await asyncio.wrap_future(self.generator.compile_constraint(constraint.spec))
             except ValueError as err:
                 # The compile is cached, and its one error raised again for every request repeating the constraint
                 # would keep each raise's frames (request bodies included) in its traceback: a copy goes on.
