@@ -19,7 +19,7 @@ def _beam_sequence(output: RequestOutput, beam, params: BeamSearchParams, decode
     a beam early)."""
     token_ids, stop_reason = beam.token_ids, beam.stop_reason
     if beam.finish_reason == "stop" and token_ids:
-        stop_reason = token_ids[-1]
+        stop_reason = token_ids[-1]  # vLLM's beam_search names the token, EOS too (its generate: None for EOS)
         token_ids = token_ids if params.include_stop_str_in_output else token_ids[:-1]
     tokens = output.prompt_token_ids + token_ids
     return BeamSearchSequence(tokens=tokens, cum_logprob=beam.cumulative_logprob,

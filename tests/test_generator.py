@@ -510,20 +510,20 @@ def test_n_samples_start_from_the_prompt(smollm2, chat_prompts):
 
 
 def test_a_step_that_fails_after_the_forward_changes_nothing(smollm2, chat_prompts, monkeypatch):
-    import hf_paged.generation.generator as generator_module
+    import hf_paged.generation.model_runner as runner_module
 
     params = SamplingParams(temperature=0, max_tokens=6)
     gen = make_generator(smollm2)
     expected = gen.run(chat_prompts[:3], params, use_tqdm=False)
     ids = [gen.add_request(p, params) for p in chat_prompts[:3]]
     gen.step()
-    real_sample = generator_module.sample
+    real_sample = runner_module.sample
 
     def fail_once(*args, **kwargs):
-        monkeypatch.setattr(generator_module, "sample", real_sample)
+        monkeypatch.setattr(runner_module, "sample", real_sample)
         raise RuntimeError("sampling failed")
 
-    monkeypatch.setattr(generator_module, "sample", fail_once)
+    monkeypatch.setattr(runner_module, "sample", fail_once)
     with pytest.raises(RuntimeError, match="sampling failed"):
         gen.step()
     outputs = {}

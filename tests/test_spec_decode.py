@@ -335,12 +335,12 @@ def test_a_verification_counts_the_guesses_kept_before_the_models_own_token():
 def test_a_step_undone_after_its_verification_counts_it_once(smollm2, monkeypatch):
     """A step that fails after its guesses were verified (here in its prompt logprobs) is undone and computed again:
     its verification counts once, in the stats and in the sequence's window."""
-    import hf_paged.generation.generator as generator_module
+    import hf_paged.generation.model_runner as runner_module
 
     model, tokenizer = smollm2  # the target drafts for itself: every guess is kept
     spec = dict(method="draft_model", model=model, num_speculative_tokens=4, disable_by_batch_size=8)
     gen = ContinuousBatchGenerator(model, tokenizer, num_blocks=64, speculative_config=spec)
-    real, failed = generator_module.prompt_logprobs, []
+    real, failed = runner_module.prompt_logprobs, []
 
     def flaky(*args, **kwargs):
         if gen.speculator.num_drafts and not failed:
@@ -348,7 +348,7 @@ def test_a_step_undone_after_its_verification_counts_it_once(smollm2, monkeypatc
             raise RuntimeError("transient")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(generator_module, "prompt_logprobs", flaky)
+    monkeypatch.setattr(runner_module, "prompt_logprobs", flaky)
     gen.add_request("The alphabet: A B C D", SamplingParams(temperature=0, max_tokens=21, ignore_eos=True))
     late = None
     while gen.has_unfinished_requests():

@@ -339,7 +339,7 @@ def test_the_draws_of_one_matcher_fill_its_row_once(smollm2):
 
 def test_a_rolled_back_step_forgets_its_grammar_time(generator, monkeypatch):
     """The retried step fills the same bitmask again: the failed step's work must not count toward the limit."""
-    from hf_paged.generation import generator as generator_module
+    from hf_paged.generation import model_runner as runner_module
 
     def failing_sample(*args):
         raise RuntimeError("injected after the bitmask was filled")
@@ -349,7 +349,7 @@ def test_a_rolled_back_step_forgets_its_grammar_time(generator, monkeypatch):
     seq = generator.requests["timed"].seqs[0]
     while seq.num_output_tokens == 0:
         generator.step()  # its grammar compiles, then its prompt runs: it has a matcher
-    monkeypatch.setattr(generator_module, "sample", failing_sample)
+    monkeypatch.setattr(runner_module, "sample", failing_sample)
     with pytest.raises(RuntimeError, match="injected"):
         generator.step()
     assert seq.matcher.spent == 0.0

@@ -24,7 +24,6 @@ from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..lora import LoRAAdapter, LoRAAdapters, LoRARequest
 from ..native_decoder import NativeDecoder
-from .beam_search import beam_candidates
 from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, cpu_kv_space
 from .cuda_graphs import decode_graphs
 from .detokenizer import Detokenizer
@@ -32,12 +31,11 @@ from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
-from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
 from .stats import EngineStats
-from .spec_decode import Speculator, verify_drafts
+from .spec_decode import Speculator
 from .structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -372,7 +370,7 @@ class ContinuousBatchGenerator:
                 self.runner.copy_blocks(out)
                 if self.speculator is not None:
                     self.speculator.write_drafts(out)
-                sampled = self._sample(out, self._forward(out))
+                sampled = self.runner.sample(out, self._forward(out))
                 if sampled is not None and self.lockstep is not None:
                     self.lockstep.check_tokens(sampled.token_ids)
             except BaseException:
@@ -427,23 +425,6 @@ class ContinuousBatchGenerator:
                 raise
             # Its collectives may have failed, or run on some ranks only: the ranks cannot be known to agree.
             raise DistributedError(f"a tensor-parallel forward failed on this rank: {err!r}") from err
-
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | None:
-        scored = out.num_prompt_logprob_rows
-        if scored:
-            logits, prompt_logits = logits[: logits.shape[0] - scored], logits[logits.shape[0] - scored :]
-        if not out.draws:
-            sampled = SamplerOutput([]) if scored else None
-        elif out.spec_token_ids:
-            sampled = verify_drafts(logits, out)
-        else:
-            rows = logits if len(out.draw_rows) == logits.shape[0] else logits[out.draw_rows]
-            sampled = sample(rows, build_sampling_batch(out.draws, logits.device))
-        if out.draws:
-            sampled.beams = beam_candidates(logits, out.draws, out.draw_rows)
-        if scored:
-            sampled.prompt_logprobs, sampled.prompt_ranks = prompt_logprobs(prompt_logits, out.prompt_logprob_spans)
-        return sampled
 
     # ------------------------------------------------------------------------------------ tensor parallelism
     @property

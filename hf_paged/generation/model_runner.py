@@ -15,8 +15,11 @@ from ..integration import uses_paged_attention
 from ..kernels import cpu_decoder
 from ..lora import LoRAAdapter, LoRAStacks, LoRAStep
 from ..native_decoder import NativeDecoder
+from .beam_search import beam_candidates
 from .long_rope import LongRope
+from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .scheduler import SchedulerOutput
+from .spec_decode import verify_drafts
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphs
@@ -91,13 +94,13 @@ class ModelRunner:
         needs_lens = self.native is not None or self.long_rope is not None
         prompt_lens = [seq.request.num_prompt_tokens for seq in out.seqs] if needs_lens else None
         row_of_first: dict[int, int] = {}  # each sequence's first token's row, where its start position is
-        for seq, n in zip(out.seqs, out.num_tokens):
+        for i, (seq, n) in enumerate(zip(out.seqs, out.num_tokens)):
             start = seq.num_computed_tokens
             guesses = out.spec_token_ids.get(seq.seq_id, [])  # speculative guesses, computed after its last token
             spans.append((seq.seq_id, start, seq.token_ids[start : start + n] + guesses))
             row_of_first[seq.seq_id] = num_tokens - start
             num_tokens += n
-            if start + n >= seq.num_tokens:  # its last token's logits, and each guess's
+            if out.samples(i):  # its last token's logits, and each guess's
                 sample_rows += range(num_tokens - 1 - len(guesses), num_tokens)
         for seq, first, count in out.prompt_logprob_spans:  # after every sampled row
             sample_rows += range(row_of_first[seq.seq_id] + first, row_of_first[seq.seq_id] + first + count)
@@ -145,6 +148,27 @@ class ModelRunner:
             raise RuntimeError(f"the model's attention was switched to {implementation!r} after the engine was built: "
                                "switch it back with model.set_attn_implementation('paged')")
         return self.run(self.prepare(out))
+
+    @staticmethod
+    def sample(out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | None:
+        """The step's draws from its ``logits`` (`execute`'s): sampled, or verified against their guesses
+        (`verify_drafts`), with each beam search's candidates and the prompt logprobs asked for; None for a step
+        that draws nothing and scores no prompt."""
+        scored = out.num_prompt_logprob_rows
+        if scored:
+            logits, prompt_logits = logits[: logits.shape[0] - scored], logits[logits.shape[0] - scored :]
+        if not out.draws:
+            sampled = SamplerOutput([]) if scored else None
+        elif out.spec_token_ids:
+            sampled = verify_drafts(logits, out)
+        else:
+            rows = logits if len(out.draw_rows) == logits.shape[0] else logits[out.draw_rows]
+            sampled = sample(rows, build_sampling_batch(out.draws, logits.device))
+        if out.draws:
+            sampled.beams = beam_candidates(logits, out.draws, out.draw_rows)
+        if scored:
+            sampled.prompt_logprobs, sampled.prompt_ranks = prompt_logprobs(prompt_logits, out.prompt_logprob_spans)
+        return sampled
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor:

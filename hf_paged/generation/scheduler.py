@@ -20,7 +20,7 @@ from .detokenizer import Detokenizer
 from .outputs import ranked_logprobs
 from .sampler import NO_TOKEN, SamplerOutput
 from .sequence import Request, Sequence, SequenceStatus
-from .stopping import Stop, check_stop, stop_reason
+from .stopping import Stop, check_stop, token_stop
 from .sampling_params import InvalidParameter, SamplingParams
 from .structured_outputs import GrammarMatcher
 
@@ -56,6 +56,13 @@ class SchedulerOutput:
     @property
     def num_prompt_logprob_rows(self) -> int:
         return sum(count for _, _, count in self.prompt_logprob_spans)
+
+    def samples(self, i: int) -> bool:
+        """Whether the step computes ``seqs[i]``'s last known token, so that the next is drawn from its logits. The
+        runner's logits hold, in step order, one row for each such sequence and one for each of its guesses, then
+        the prompt-logprob rows."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_tokens[i] >= seq.num_tokens
 
 
 class Scheduler:
@@ -342,8 +349,8 @@ class Scheduler:
     @staticmethod
     def _plan_draws(out: SchedulerOutput) -> None:
         row = 0
-        for seq, n in zip(out.seqs, out.num_tokens):
-            if seq.num_computed_tokens + n >= seq.num_tokens:  # its last known token is computed: sample the next
+        for i, seq in enumerate(out.seqs):
+            if out.samples(i):
                 for k in range(seq.num_draws):
                     out.draws.append((seq, k))
                     out.draw_rows.append(row)
@@ -480,11 +487,11 @@ class Scheduler:
         new_text = self._new_text(seq, params)
         self._count_token(seq, now)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
-        if choice.token in source.request.stop_ids:  # its text goes, as a stop token's (see `check_stop`)
-            seq.finish_reason = "stop"
-            seq.stop_reason = stop_reason(choice.token, params, source.request.eos_token_id)
-            if not params.include_stop_str_in_output:
-                seq.text = seq.text[: len(seq.text) - len(new_text)]
+        if choice.token in source.request.stop_ids:
+            stop = token_stop(choice.token, seq.text, len(new_text), params, source.request.eos_token_id)
+            seq.finish_reason, seq.stop_reason = stop.finish_reason, stop.stop_reason
+            if stop.text_end is not None:
+                seq.text = seq.text[: stop.text_end]
         return Hypothesis(seq, choice.score)
 
     def _rebeam(self, live: list[Sequence], choices: list[Choice]) -> list[Sequence]:

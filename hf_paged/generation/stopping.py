@@ -37,6 +37,13 @@ def stop_reason(token: int, params: SamplingParams, eos_token_id: int | None) ->
     return None if token == eos_token_id and not params.ignore_eos else token
 
 
+def token_stop(token: int, text: str, num_new_chars: int, params: SamplingParams, eos_token_id: int | None) -> Stop:
+    """How a sequence stops at stop token ``token``, whose text is the last ``num_new_chars`` characters of ``text``:
+    that text is cut from the output unless ``include_stop_str_in_output`` (its id stays)."""
+    text_end = None if params.include_stop_str_in_output else len(text) - num_new_chars
+    return Stop("stop", stop_reason(token, params, eos_token_id), text_end)
+
+
 def check_stop(
     token: int, num_output_tokens: int, num_tokens: int, text: str, num_new_chars: int, params: SamplingParams,
     stop_ids: frozenset[int], max_model_len: int, eos_token_id: int | None = None,
@@ -58,8 +65,7 @@ def check_stop(
         if stop is not None:
             return stop
     if stop_token:
-        text_end = None if params.include_stop_str_in_output else len(text) - num_new_chars
-        return Stop("stop", stop_reason(token, params, eos_token_id), text_end)
+        return token_stop(token, text, num_new_chars, params, eos_token_id)
     if (params.max_tokens is not None and num_output_tokens >= params.max_tokens) or num_tokens >= max_model_len:
         return Stop("length")
     return None
