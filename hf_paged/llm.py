@@ -8,6 +8,7 @@ import weakref
 from .chat_template import CONTENT_FORMATS, TEMPLATE_PARAMETERS, content_format, render_prompt, template_messages
 from .generation import RequestOutput, SamplingParams
 from .generation.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .generation.inputs import prompt_list
 from .local_ranks import start_engine
 from .lora import LoRARequest
 from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolingConfig, ScoringOutput, ScoringRequestOutput,
@@ -140,7 +141,7 @@ class LLM:
         _check_pooling_options(pooling_params, lora_request)
         if self.generator.is_tensor_parallel:  # the forward would run on this rank alone and break the group
             raise ValueError("embeddings are not served under tensor parallelism (tensor_parallel_size > 1)")
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         inputs, model = self.generator.inputs, self.generator.model
         check_dimensions(model, dimensions)
         token_ids = [inputs.tokenize(prompt, truncate_prompt_tokens, pooling=True)[1] for prompt in prompts]
@@ -158,7 +159,7 @@ class LLM:
         """vLLM's ``LLM.score`` with an embedding model: the cosine similarity of the embeddings (`embed`) of each
         pair, ``data_1`` (one prompt, or a list) against each of ``data_2``, or the two lists pair by pair."""
         _check_pooling_options(pooling_params, lora_request)
-        data_1, data_2 = _prompt_list(data_1), _prompt_list(data_2)
+        data_1, data_2 = prompt_list(data_1), prompt_list(data_2)
         pairs = score_pairs(len(data_1), len(data_2), ("data_1", "data_2"))
         first = self.embed(data_1, truncate_prompt_tokens=truncate_prompt_tokens)
         second = self.embed(data_2, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -178,8 +179,4 @@ def _check_pooling_options(pooling_params, lora_request) -> None:
         raise ValueError("embeddings are of the served model: LoRA adapters do not apply to them")
 
 
-def _prompt_list(prompts) -> list:
-    """One prompt (a string, token ids or a prompt dict) as a list of it; a list of prompts as it is."""
-    single = isinstance(prompts, (str, dict)) or (bool(prompts) and isinstance(prompts[0], int))
-    return [prompts] if single else list(prompts)
 

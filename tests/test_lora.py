@@ -109,8 +109,8 @@ def test_max_loras_holds_requests_of_other_adapters_until_a_seat_frees(smollm2_p
     generator = engine(smollm2_path, max_loras=1, max_cpu_loras=3)
     schedule, seen = generator.scheduler.schedule, []
 
-    def watched():
-        out = schedule()
+    def watched(*args):
+        out = schedule(*args)
         seen.append({seq.request.lora_id for seq in generator.scheduler.running} - {None})
         return out
 

@@ -43,8 +43,8 @@ def test_a_batch_file_is_answered_in_order_as_the_server_answers(smollm2_path):
     app = create_app(generator, MODEL, limits=ServerLimits(max_concurrent_requests=4))
     schedule, running = generator.scheduler.schedule, []
 
-    def watched():
-        out = schedule()
+    def watched(*args):
+        out = schedule(*args)
         running.append(len(generator.scheduler.running))
         return out
 

@@ -28,7 +28,7 @@ from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, Engin
 from .cuda_graphs import decode_graphs
 from .detokenizer import Detokenizer
 from .draft_model import DraftModel
-from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt
+from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt, per_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from .sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
@@ -479,12 +479,12 @@ class ContinuousBatchGenerator:
         """Add every prompt; one refused (a ``ValueError``) gets a failed output, or with ``strict`` is raised, as
         any other error is, once the prompts added before it are withdrawn (``strict`` waits for each constraint's
         compile, so that an invalid one is raised too)."""
-        prompts, per_prompt = one_params_per_prompt(prompts, sampling_params)
-        loras = _per_prompt(lora_request, prompts, "LoRA requests")
-        priorities = _per_prompt(0 if priority is None else priority, prompts, "priorities")
+        prompts, params_each = one_params_per_prompt(prompts, sampling_params)
+        loras = per_prompt(lora_request, prompts, "LoRA requests")
+        priorities = per_prompt(0 if priority is None else priority, prompts, "priorities")
         submitted = []
         try:
-            for prompt, params, lora, level in zip(prompts, per_prompt, loras, priorities):
+            for prompt, params, lora, level in zip(prompts, params_each, loras, priorities):
                 try:
                     submitted.append((self.add_request(prompt, params, lora_request=lora, priority=level), None))
                     compiled = self.compile_constraint(getattr(params, "structured_outputs", None)) if strict else None
@@ -649,12 +649,3 @@ def _interrupt_after_step(hold: bool):
         previous(signal.SIGINT, caught[-1])
     elif caught and previous in (signal.SIG_DFL, None):
         signal.raise_signal(signal.SIGINT)
-
-
-def _per_prompt(value, prompts: list, what: str) -> list:
-    """``value`` for each prompt: a list of one per prompt as it is, anything else repeated."""
-    if not isinstance(value, (list, tuple)):
-        return [value] * len(prompts)
-    if len(value) != len(prompts):
-        raise ValueError(f"{len(value)} {what} for {len(prompts)} prompts")
-    return list(value)

@@ -192,21 +192,30 @@ def _with_model_defaults(config: GenerationConfig, model_config: GenerationConfi
     return merged
 
 
-def one_params_per_prompt(prompts, sampling_params) -> tuple[list[Prompt], list]:
-    """``prompts`` as a list (one prompt alone is wrapped: a string, token ids, one conversation or one vLLM prompt
-    dict), with its parameters: one for all, or a list (or tuple) of one each."""
+def prompt_list(prompts) -> list[Prompt]:
+    """``prompts`` as a list: one prompt alone is wrapped (a string, token ids, one conversation or one vLLM prompt
+    dict)."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and (
             isinstance(prompts[0], int) or (isinstance(prompts[0], dict) and not is_prompt_dict(prompts[0])))):
-        prompts = [prompts]
+        return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise ValueError(f"prompts must be one prompt or a list of them; a prompt is {PROMPT_KINDS}")
-    if isinstance(sampling_params, tuple):
-        sampling_params = list(sampling_params)
-    if not isinstance(sampling_params, list):
-        return prompts, [sampling_params] * len(prompts)
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
-    return prompts, sampling_params
+    return list(prompts)
+
+
+def per_prompt(value, prompts: list, what: str) -> list:
+    """``value`` for each prompt: a list (or tuple) of one per prompt as it is, anything else repeated."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * len(prompts)
+    if len(value) != len(prompts):
+        raise ValueError(f"{len(value)} {what} for {len(prompts)} prompts")
+    return list(value)
+
+
+def one_params_per_prompt(prompts, sampling_params) -> tuple[list[Prompt], list]:
+    """``prompts`` as a list (`prompt_list`), with its parameters: one for all, or a list (or tuple) of one each."""
+    prompts = prompt_list(prompts)
+    return prompts, per_prompt(sampling_params, prompts, "sampling params")
 
 
 def model_eos_token_ids(model, tokenizer) -> set[int]:
