@@ -7,13 +7,16 @@ import os
 from dataclasses import dataclass
 
 from .generation.config import EngineConfig
+from .quantization import QUANTIZATIONS
 
 
 @dataclass(frozen=True)
 class EngineArgs(EngineConfig):
-    """What `LLM` and `AsyncLLM` take, as one value checked when it is made: the model and how to load it (``model``
-    None: the embedded default), and the `EngineConfig` fields. Code written for vLLM keeps its shape:
-    ``LLM(**dataclasses.asdict(args))``, ``AsyncLLM.from_engine_args(args)``."""
+    """What `LLM` and `AsyncLLM` take, as one value whose options are checked when it is made (the checkpoint is
+    read when the engine loads): the model and how to load it (``model`` None: the embedded default), and the
+    `EngineConfig` fields. Code written for vLLM keeps its shape: ``AsyncLLM.from_engine_args(args)``, and
+    ``LLM(**dataclasses.asdict(args))`` (which copies what the fields hold, a draft model object too:
+    ``LLM(**args.keyword_arguments())`` does not)."""
 
     model: str | os.PathLike | None = None
     tokenizer: str | os.PathLike | None = None
@@ -22,6 +25,14 @@ class EngineArgs(EngineConfig):
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"EngineArgs.tensor_parallel_size must be a positive integer, got {size!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"EngineArgs.quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     def keyword_arguments(self) -> dict:
         """The fields as keyword arguments of `LLM` or `AsyncLLM` (nested configs kept as they are)."""

@@ -92,7 +92,8 @@ def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kw
         if unserved:
             raise NotImplementedError(f"{type(self).__name__} has {unserved} layers, whose attention pattern (chunks "
                                       "of the context, or a selection of its keys) no paged kernel computes")
-        if getattr(text, "num_attention_heads", None) is not None and not unpaged_layer_types(text):
+        decoder = all(getattr(text, name, None) is not None for name in ("num_attention_heads", "num_hidden_layers"))
+        if decoder and not unpaged_layer_types(text):  # not an encoder of other inputs (Phi-4-multimodal's audio)
             KVCacheSpec.from_config(text)  # keys and values of one shape in every layer
     return applied
 

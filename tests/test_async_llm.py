@@ -238,6 +238,10 @@ def test_engine_args_make_an_llm_and_an_async_llm_as_vllms(smollm2_path, chat_pr
     assert streamed[-1].outputs[0].token_ids == offline.outputs[0].token_ids and len(offline.outputs[0].token_ids) == 8
     with pytest.raises(ValueError, match="max_num_seqs"):
         AsyncEngineArgs(max_num_seqs=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="int3")
     with pytest.raises(ValueError, match="gptq"):
         AsyncLLM.from_engine_args(AsyncEngineArgs(model=smollm2_path, quantization="gptq"))
     with pytest.raises(TypeError, match="AsyncEngineArgs"):

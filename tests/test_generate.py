@@ -194,6 +194,14 @@ def test_models_whose_attention_no_kernel_computes_are_refused_when_built(model_
         AutoModelForCausalLM.from_config(_small(model_type, **extra), attn_implementation="paged")
 
 
+def test_a_multimodal_model_builds_when_an_encoder_config_has_heads_but_no_layers():
+    """Phi-4-multimodal's audio encoder config has attention heads and no num_hidden_layers: the build-time check of
+    the keys' shape is for decoders (an AttributeError refused the whole model)."""
+    model = AutoModelForCausalLM.from_config(_small("phi4_multimodal"), attn_implementation="paged").eval()
+    out = model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
 def test_a_model_whose_layers_project_keys_of_different_shapes_is_refused():
     """MiMo-V2-Flash's sliding layers have twice the KV heads of its full ones: refused by the cache, which holds one
     shape (a first forward blamed JetMoe before)."""

@@ -195,7 +195,7 @@ def test_the_heuristic_schedule_follows_each_sequence_and_keeps_greedy_tokens(sm
 
     def recording(self, seq, drafts, kept):
         if drafts:  # a sequence's rows in a verifying step, without guesses of its own, leave its window
-            seen.setdefault(seq.seq_id, []).append((self.windows.get(seq.seq_id, 1), len(drafts), len(kept) - 1))
+            seen.setdefault(seq.seq_id, []).append((self.windows.get(seq, 1), len(drafts), len(kept) - 1))
         record(self, seq, drafts, kept)
 
     monkeypatch.setattr(Speculator, "record", recording)
@@ -322,14 +322,31 @@ def test_n_samples_of_a_prompt_whose_last_chunk_is_one_token_start_without_guess
     assert outputs[0] == outputs[1]
 
 
-def test_a_verification_counts_the_guesses_kept_before_the_models_own_token():
-    from types import SimpleNamespace
+class _Seq:
+    """Stands for a sequence where only its identity matters (the speculator's windows are kept per sequence)."""
 
+
+def test_a_verification_counts_the_guesses_kept_before_the_models_own_token():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=64)
-    seq = SimpleNamespace(seq_id=0)
+    seq = _Seq()
     speculator.record(seq, [1, 2, 3], [1, 9])  # kept the first guess, then the model's 9
     speculator.record(seq, [], [4])  # no guesses: no verification
     assert (speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens) == (1, 3, 1)
+
+
+def test_a_sequence_keeps_its_window_while_preempted_and_drops_it_with_itself():
+    import gc
+
+    config = SpeculativeConfig(num_speculative_tokens=5, num_speculative_tokens_schedule="heuristic")
+    speculator, seq = Speculator(config, max_model_len=64), _Seq()
+    for window in (1, 3, 5):  # every guess kept: the window grows by two, up to 5
+        assert speculator.windows.get(seq, 1) == window
+        speculator.record(seq, [1] * window, [1] * window + [2])
+    speculator.propose([])  # a step in which it waits, preempted
+    assert speculator.windows[seq] == 5
+    del seq
+    gc.collect()
+    assert len(speculator.windows) == 0
 
 
 def test_a_step_undone_after_its_verification_counts_it_once(smollm2, monkeypatch):

@@ -220,8 +220,8 @@ class ContinuousBatchGenerator:
                 self.step()
         except TypeError as err:
             raise ValueError(f"{type(self.model).__name__} cannot run with the paged backend: {err}") from err
-        assert probe not in self.requests
-        self.kv_manager.reset_prefix_cache()  # the probe's blocks are free: its prompt is forgotten
+        if probe in self.requests or not self.kv_manager.reset_prefix_cache():  # its prompt is forgotten too
+            raise RuntimeError("the engine's start-up step left its request or its KV blocks behind")
         self.kv_manager.reset_counters()
         self.scheduler.reset_counters()
 

@@ -17,6 +17,7 @@ which then writes them once the step's blocks are allocated.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence as TokenList
 from typing import TYPE_CHECKING
 
@@ -82,8 +83,9 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_per_position = [0] * config.num_speculative_tokens  # guesses kept at each position
-        # Per running sequence (seq_id), the most guesses the heuristic schedule gives its next step (`next_window`).
-        self.windows: dict[int, int] = {}
+        # Per sequence, the most guesses the heuristic schedule gives its next step (`next_window`); an entry goes
+        # with its sequence (a preempted one keeps its window).
+        self.windows: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
 
     def budget(self, seq: Sequence) -> int:
         """How many guesses ``seq`` may take now: none while it is prefilling, is a beam, asks for logprobs,
@@ -102,7 +104,7 @@ class Speculator:
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         heuristic = self.config.num_speculative_tokens_schedule == "heuristic"
-        window = self.windows.get(seq.seq_id, 1)
+        window = self.windows.get(seq, 1)
         return max(0, min(window if heuristic else self.config.num_speculative_tokens, room))
 
     def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
@@ -110,7 +112,6 @@ class Speculator:
         the batch is large), for `Scheduler.schedule`. A draft model's are placeholders, as many as the sequence may
         take, that `write_drafts` fills."""
         large = len(running) > self.config.disable_by_batch_size
-        self.windows = {seq.seq_id: self.windows[seq.seq_id] for seq in running if seq.seq_id in self.windows}
         if self.draft is not None:
             self.draft.retain(running)
         c, guesses = self.config, {}
@@ -147,8 +148,8 @@ class Speculator:
             self.num_accepted_tokens += len(kept) - 1
             for position in range(len(kept) - 1):
                 self.num_accepted_per_position[position] += 1
-            self.windows[seq.seq_id] = next_window(self.windows.get(seq.seq_id, 1), len(drafts), len(kept) - 1,
-                                                   self.config.num_speculative_tokens)
+            self.windows[seq] = next_window(self.windows.get(seq, 1), len(drafts), len(kept) - 1,
+                                            self.config.num_speculative_tokens)
 
 
 def verify_drafts(logits: torch.Tensor, out: SchedulerOutput) -> SamplerOutput:

@@ -386,13 +386,13 @@ def _num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
-    return max(1, min(_MAX_SPLITS, 2 * _multiprocessors(device.index) // programs))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(_MAX_SPLITS, 2 * _multiprocessors(index) // programs))
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
-                                            ).multi_processor_count
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _num_warps(rows: int, block_d: int) -> int:

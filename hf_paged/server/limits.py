@@ -51,8 +51,10 @@ class ServerLimits:
             return self.max_n
         return max(1, min(OPENAI_MAX_N, max_num_seqs // 2))
 
-    def check_body(self, body: GenerationRequest, max_num_seqs: int, vocab_size: int) -> None:
-        """The per-call limits that need only the body (before tokenization); raises a 400 naming the field."""
+    def check_body(self, body: GenerationRequest, max_num_seqs: int, vocab_size: int,
+                   whole: set[str] = frozenset()) -> None:
+        """The per-call limits that need only the body (before tokenization); raises a 400 naming the field.
+        ``whole``: the fields that asked for the whole vocabulary's logprobs (-1), now counted as ``vocab_size``."""
         max_n = self.resolved_max_n(max_num_seqs)
         if body.n is not None and body.n > max_n:
             _refuse("n", f"n must be at most {max_n} on this server (--max-n; by default half of max_num_seqs="
@@ -72,8 +74,9 @@ class ServerLimits:
         _at_most("bad_words", longest, self.max_stop_length, "characters in a bad word", "--max-stop-length")
         param, logprobs = body.logprobs_param()
         most = vocab_size if self.max_logprobs == -1 else self.max_logprobs
-        _at_most(param, logprobs or 0, most, f"{param}", "--max-logprobs")
-        _at_most("prompt_logprobs", body.prompt_logprobs or 0, most, "prompt_logprobs", "--max-logprobs")
+        for name, value in ((param, logprobs or 0), ("prompt_logprobs", body.prompt_logprobs or 0)):
+            asked = f"-1 (the whole vocabulary's, {value})" if name in whole else value
+            _at_most(name, value, most, name, "--max-logprobs", asked)
 
     def check_constraint(self, param: str, text: str) -> None:
         """A constraint's canonical text (a schema's JSON, a regex, a grammar): its compile time grows faster than its
@@ -102,9 +105,10 @@ class ServerLimits:
                            f"call ({self.max_logprob_entries}, --max-logprob-entries): lower max_tokens, n or {param}")
 
 
-def _at_most(param: str, value: int, limit: int, what: str, option: str) -> None:
+def _at_most(param: str, value: int, limit: int, what: str, option: str, asked: object = None) -> None:
     if value > limit:
-        _refuse(param, f"at most {limit} {what} are allowed on this server ({option}), got {value}")
+        _refuse(param, f"at most {limit} {what} are allowed on this server ({option}), got "
+                       f"{value if asked is None else asked}")
 
 
 def _refuse(param: str, message: str) -> None:

@@ -237,12 +237,13 @@ class GenerationRequest(BaseModel):
                               structured_outputs=constraint.spec if constraint else None,
                               prompt_logprobs=self._prompt_logprobs(), **values)
 
-    def count_whole_vocabulary(self, vocab_size: int) -> None:
+    def count_whole_vocabulary(self, vocab_size: int) -> set[str]:
         """vLLM's -1 log-probabilities per token (the whole vocabulary's) as the number they are, so that limits and
-        answers count them as any other."""
-        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
-            if getattr(self, name, None) == -1:
-                setattr(self, name, vocab_size)
+        answers count them as any other; returns the fields that asked so."""
+        whole = {name for name in ("logprobs", "top_logprobs", "prompt_logprobs") if getattr(self, name, None) == -1}
+        for name in whole:
+            setattr(self, name, vocab_size)
+        return whole
 
     def prompt_logprob_entries(self, n: int) -> int:
         """Log-probabilities the answer holds per prompt token: vLLM's ``prompt_logprobs``, in each of a prompt's

@@ -319,8 +319,8 @@ class OpenAIServing:
             logger.warning("request fields ignored (not known to this server): %r", ignored[:20])
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        body.count_whole_vocabulary(self.generator.inputs.vocab_size)
-        self.limits.check_body(body, self.generator.config.max_num_seqs, self.generator.inputs.vocab_size)
+        whole = body.count_whole_vocabulary(self.generator.inputs.vocab_size)
+        self.limits.check_body(body, self.generator.config.max_num_seqs, self.generator.inputs.vocab_size, whole)
 
     async def compile_constraint(self, body: GenerationRequest) -> None:
         """Compile the request's structured-output grammar (off the loop) so that an invalid one is a 400."""

@@ -462,8 +462,8 @@ def _named_calls(text: str, functions: dict[str, dict]) -> list[ToolCall]:
     skipped, ``get_weather{"city": "Paris"}``), or none."""
     if not (functions and _calls_start(text, _named_starts(functions))):
         return []
-    calls, at = [], 0
-    while at < len(text.rstrip()):
+    calls, at, end = [], 0, len(text.rstrip())
+    while at < end:
         match = _NAMED_CALL.match(text, at)
         if match is None or match.group(1) not in functions:
             return []
