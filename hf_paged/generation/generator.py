@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future
 import logging
 import os
 import queue
@@ -12,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Hashable, Iterable, Iterator
+from concurrent.futures import Future
 
 import torch
 from tqdm.auto import tqdm

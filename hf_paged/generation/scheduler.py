@@ -167,7 +167,7 @@ class Scheduler:
         they compute after their last token where the budget and the free blocks allow."""
         out = SchedulerOutput()
         preemptions = self.num_preemptions
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens, dict(guesses or {}))
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, guesses or {})
         if self.num_preemptions == preemptions:  # admit only when nobody had to be preempted
             self._schedule_waiting(out, budget)
         out.num_partial_prefills = sum(n < s.num_tokens - s.num_computed_tokens for s, n in zip(out.seqs,

@@ -117,6 +117,8 @@ class Speculator:
         c, guesses = self.config, {}
         for seq in [] if large else running:
             k = self.budget(seq)
+            if not k:
+                continue
             proposal = [0] * k if self.draft is not None else propose_ngram(seq.token_ids, k, c.prompt_lookup_min,
                                                                             c.prompt_lookup_max)
             if proposal:
