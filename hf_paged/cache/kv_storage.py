@@ -12,10 +12,7 @@ from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from .kv_cache_manager import BlockCopy
 
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
-# Layers that attend over keys as paged ones do, but to a pattern no kernel here computes (Llama 4's chunks, sparse or
-# indexed selections of the keys): refused when the model is built, since even Transformers' cache cannot serve them
-# under paged attention. Linear attention keeps a recurrent state instead (a hybrid model's).
-_UNSERVED_ATTENTION = "attention"
+# Linear attention keeps a recurrent state (a hybrid model's layers), not keys to attend to.
 _RECURRENT_ATTENTION = ("linear_attention",)
 
 
@@ -27,9 +24,10 @@ def unpaged_layer_types(config: PretrainedConfig) -> list[str]:
 
 
 def unserved_attention_types(config: PretrainedConfig) -> list[str]:
-    """The attention layer types of ``config`` whose keys the paged kernels cannot attend to (chunked, sparse or
-    indexed attention)."""
-    return [t for t in unpaged_layer_types(config) if t.endswith(_UNSERVED_ATTENTION) and t not in _RECURRENT_ATTENTION]
+    """The attention layer types of ``config`` whose keys the paged kernels cannot attend to in their pattern (Llama 4's
+    chunks, sparse or indexed selections of the keys): refused when the model is built, since even Transformers'
+    cache cannot serve them under paged attention."""
+    return [t for t in unpaged_layer_types(config) if t.endswith("attention") and t not in _RECURRENT_ATTENTION]
 
 
 def kv_head_dim(config: PretrainedConfig) -> int:
@@ -57,9 +55,7 @@ def local_kv_heads(model: torch.nn.Module, spec: "KVCacheSpec") -> int | None:
     for module in model.modules():
         k_proj = getattr(module, "k_proj", None)
         if isinstance(k_proj, torch.nn.Linear):
-            weight = k_proj.weight
-            rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
-            return rows // getattr(module, "head_dim", spec.head_dim)
+            return _local_rows(k_proj) // getattr(module, "head_dim", spec.head_dim)
     from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 
     heads = get_kv_heads_per_rank(model.tp_plan, spec.num_kv_heads, tp_size)
@@ -67,6 +63,12 @@ def local_kv_heads(model: torch.nn.Module, spec: "KVCacheSpec") -> int | None:
         raise NotImplementedError(f"{type(model).__name__}'s {spec.num_kv_heads} KV heads do not split over "
                                   f"{tp_size} ranks")
     return heads
+
+
+def _local_rows(linear: torch.nn.Linear) -> int:
+    """The output rows of ``linear`` this process holds (a tensor-parallel shard's, or all)."""
+    weight = linear.weight
+    return (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
 
 
 def _check_layers_alike(model: torch.nn.Module) -> None:
@@ -77,9 +79,7 @@ def _check_layers_alike(model: torch.nn.Module) -> None:
     for module in decoder.modules():
         k_proj, head_dim = getattr(module, "k_proj", None), getattr(module, "head_dim", None)
         if isinstance(k_proj, torch.nn.Linear) and isinstance(head_dim, int) and hasattr(module, "layer_idx"):
-            weight = k_proj.weight
-            rows = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0]
-            shapes.add((rows // head_dim, head_dim))
+            shapes.add((_local_rows(k_proj) // head_dim, head_dim))
     if len(shapes) > 1:
         raise NotImplementedError(
             f"{type(model).__name__}'s layers differ in the shape of their keys (KV heads x head size: "

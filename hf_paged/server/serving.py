@@ -237,13 +237,17 @@ class OpenAIServing:
 
     async def conversation_input(self, chat: ChatCompletionRequest) -> list[int]:
         """The token ids of a conversation to embed, rendered as a chat completion's prompt is."""
+        return await self._embedding_input(await self.rendered_chat(chat), "messages", "messages",
+                                           chat.truncate_prompt_tokens, chat.add_special_tokens)
+
+    async def rendered_chat(self, chat: ChatCompletionRequest) -> list:
+        """The prompt a chat request's messages make (with its tools and template options), as `chat_prompt`
+        renders it: token ids, or the messages where the engine renders them itself."""
         try:
             messages = [message.to_template_dict(self.content_format) for message in chat.messages]
         except ValueError as err:
             raise _bad_request(err, "messages") from err
-        prompt = (await self.chat_prompt(chat, messages, None))[0]
-        return await self._embedding_input(prompt, "messages", "messages", chat.truncate_prompt_tokens,
-                                           chat.add_special_tokens)
+        return (await self.chat_prompt(chat, messages, None))[0]
 
     async def _embedding_input(self, text: str | list[int], param: str, where: str, keep: int | None,
                                add_special_tokens: bool) -> list[int]:
@@ -285,11 +289,7 @@ class OpenAIServing:
         as the tokenizer spells it."""
         self.check_model(body.model)
         if isinstance(body, ChatCompletionRequest):
-            try:
-                messages = [message.to_template_dict(self.content_format) for message in body.messages]
-            except ValueError as err:
-                raise _bad_request(err, "messages") from err
-            prompt, param = (await self.chat_prompt(body, messages, None))[0], "messages"
+            prompt, param = await self.rendered_chat(body), "messages"
         else:
             prompt, param = body.prompt, "prompt"
         token_ids = await self.encoder.encode(prompt, param, None, body.add_special_tokens)
