@@ -999,7 +999,7 @@ def test_a_stream_left_after_its_request_ended_frees_the_id(smollm2, chat_prompt
     while gen.has_unfinished_requests():
         gen.step()  # the paused stream's request ends here: its last output is held for the stream
     stream.close()
-    assert not gen._held and not gen._live_ids and not gen._unread
+    assert gen._router.is_empty
     assert_no_leak(gen)
 
 
@@ -1170,7 +1170,7 @@ def test_run_from_two_threads_at_once_gives_each_its_own_outputs(smollm2, prompt
         thread.join(300)
     assert not errors and results[0] == reference[:8] and results[8] == reference[8:]
     assert_no_leak(gen)
-    assert not gen._held and not gen._claimed
+    assert gen._router.is_empty
 
 
 def test_an_interrupt_while_a_step_is_applied_fails_that_steps_requests_only(smollm2, chat_prompts, monkeypatch):

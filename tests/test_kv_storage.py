@@ -24,24 +24,25 @@ def test_kv_memory_from_vllms_settings(monkeypatch):
     import pytest
 
     from hf_paged.generation import EngineConfig
+    from hf_paged.generation.kv_sizing import kv_memory
 
     gib = 1 << 30
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (6 * gib, 16 * gib))
-    assert EngineConfig().kv_memory(cuda) == 3 * gib  # half the free memory
-    assert EngineConfig(gpu_memory_utilization=0.9).kv_memory(cuda) == int(0.9 * 16 * gib) - 10 * gib
+    assert kv_memory(EngineConfig(), cuda) == 3 * gib  # half the free memory
+    assert kv_memory(EngineConfig(gpu_memory_utilization=0.9), cuda) == int(0.9 * 16 * gib) - 10 * gib
     with pytest.raises(ValueError, match="10 GiB are in use already"):
-        EngineConfig(gpu_memory_utilization=0.5).kv_memory(cuda)
+        kv_memory(EngineConfig(gpu_memory_utilization=0.5), cuda)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    assert EngineConfig(gpu_memory_utilization=0.5).kv_memory(cpu) == 2 * gib
+    assert kv_memory(EngineConfig(gpu_memory_utilization=0.5), cpu) == 2 * gib
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1.5")
-    assert EngineConfig().kv_memory(cpu) == int(1.5 * gib)
-    assert EngineConfig(kv_cache_memory="1MiB").kv_memory(cpu) == 1 << 20  # the option wins
+    assert kv_memory(EngineConfig(), cpu) == int(1.5 * gib)
+    assert kv_memory(EngineConfig(kv_cache_memory="1MiB"), cpu) == 1 << 20  # the option wins
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's "default"
-    assert EngineConfig().kv_memory(cpu) == 2 * gib
+    assert kv_memory(EngineConfig(), cpu) == 2 * gib
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
     with pytest.raises(ValueError, match=r"\$VLLM_CPU_KVCACHE_SPACE is the CPU KV cache's size in GiB"):
-        EngineConfig().kv_memory(cpu)
+        kv_memory(EngineConfig(), cpu)
     for bad in (0, 1.5, True, "0.9"):
         with pytest.raises(ValueError, match="gpu_memory_utilization is a fraction"):
             EngineConfig(gpu_memory_utilization=bad)

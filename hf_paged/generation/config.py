@@ -15,7 +15,6 @@ import torch
 from ..cache import DEFAULT_BLOCK_SIZE
 from ..reasoning import PARSERS
 
-DEFAULT_CPU_KV_MEMORY = 2 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,21 +40,6 @@ def parse_token_count(text: str) -> int:
     if match is None or ("." in match.group(1) and match.group(2) in ("", "K", "M", "G")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count: write e.g. 4096, 4k (4000) or 4K (4096)")
     return int(round(float(match.group(1)) * _COUNT_UNITS[match.group(2)]))
-
-
-CPU_KV_SPACE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
-
-
-def cpu_kv_space() -> int | None:
-    """vLLM's ``$VLLM_CPU_KVCACHE_SPACE``: the CPU KV cache's size in GiB (None when unset or 0, vLLM's default)."""
-    text = os.environ.get(CPU_KV_SPACE_VARIABLE, "").strip()
-    try:
-        gib = float(text or 0)
-    except ValueError:
-        gib = -1
-    if gib < 0:
-        raise ValueError(f"${CPU_KV_SPACE_VARIABLE} is the CPU KV cache's size in GiB, not {text!r}")
-    return int(gib * 2**30) or None
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -267,25 +251,6 @@ class EngineConfig:
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] if self.kv_cache_dtype else model_dtype
-
-    def kv_memory(self, device: torch.device) -> int | None:
-        """The KV cache's bytes: ``kv_cache_memory``, else (unless ``num_blocks`` sizes it) on CPU
-        ``$VLLM_CPU_KVCACHE_SPACE`` GiB or 2 GiB, on GPU what ``gpu_memory_utilization`` leaves of the device's
-        memory with everything on it now (the loaded model's weights, other processes), or half the free memory."""
-        if self.num_blocks is not None or self.kv_cache_memory is not None:
-            return self.kv_cache_memory
-        if device.type != "cuda":
-            return cpu_kv_space() or DEFAULT_CPU_KV_MEMORY
-        free, total = torch.cuda.mem_get_info(device)
-        if self.gpu_memory_utilization is None:
-            return free // 2
-        left = int(self.gpu_memory_utilization * total) - (total - free)
-        if left <= 0:
-            raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization} allows "
-                             f"{self.gpu_memory_utilization * total / 2**30:.3g} GiB of the GPU, but "
-                             f"{(total - free) / 2**30:.3g} GiB are in use already (the weights, other processes): "
-                             "nothing is left for the KV cache")
-        return left
 
     # --------------------------------------------------------------------------------------------- command line
     @classmethod

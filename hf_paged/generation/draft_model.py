@@ -27,7 +27,6 @@ from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers
 from ..native_decoder import NativeDecoder
 from .config import EngineConfig
-from .cuda_graphs import decode_graphs
 from .model_runner import ModelRunner, Span
 from .sampler import greedy_tokens
 from .scheduler import SchedulerOutput
@@ -60,11 +59,10 @@ class DraftModel:
                                  spec=KVCacheSpec.from_model(model))
         self.kv.allocate(self.kv.dtype, model.device)
         native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv)
-        self.runner = ModelRunner(model, self.kv, kv_manager, native)
+        self.runner = ModelRunner(model, self.kv, kv_manager, native, config, max_model_len)
         self.max_tokens = config.max_num_batched_tokens  # per draft forward
         if config.prepack_weights and model.device.type == "cpu":
             prepack_linear_layers(model, keep_plain=self.runner.native_linear_layers())
-        self.runner.graphs = decode_graphs(self.runner, config, max_model_len)
         self.computed: dict[int, int] = {}  # seq_id -> leading tokens whose draft keys and values are written
 
     @staticmethod

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import signal
 import threading
@@ -17,20 +16,21 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..cache import KVCacheManager, KVCacheSpec, PagedKVStorage
+from ..cache import KVCacheManager
 from ..distributed import (DistributedError, Lockstep, check_engine_config, is_tensor_parallel,
-                           prepack_sharded_linear_layers, smallest_over_ranks)
+                           prepack_sharded_linear_layers)
 from ..integration import switch_to_paged_attention
 from ..kernels.cpu_linear import prepack_linear_layers, unpack_linear_layers
 from ..lora import LoRAAdapter, LoRAAdapters, LoRARequest
 from ..native_decoder import NativeDecoder
-from .config import CPU_KV_SPACE_VARIABLE, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, cpu_kv_space
-from .cuda_graphs import decode_graphs
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .detokenizer import Detokenizer
 from .draft_model import DraftModel
 from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt, per_prompt
+from .kv_sizing import kv_storage_for
 from .model_runner import ModelRunner
-from .outputs import RequestMetrics, RequestOutput, RequestOutputKind
+from .output_router import OutputRouter
+from .outputs import RequestMetrics, RequestOutput
 from .sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request
@@ -64,17 +64,6 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
     return config.replace(max_num_batched_tokens=max(budget, config.max_num_seqs))
 
 
-def _check_memory(size: int, option: str, device: torch.device) -> None:
-    """Refuse a KV cache larger than the machine's memory (on CPU; a GPU's allocator says so itself): the zeroed
-    blocks would be overcommitted, then the process killed, or a bare MemoryError raised."""
-    if device.type != "cpu":
-        return
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if size > total:
-        raise ValueError(f"{option} asks for a {size / 2**30:.3g} GiB KV cache, more than this machine's "
-                         f"{total / 2**30:.3g} GiB of memory")
-
-
 class ContinuousBatchGenerator:
     """Serves many requests at once over one model: requests join the running batch at every step and leave when done.
 
@@ -103,7 +92,7 @@ class ContinuousBatchGenerator:
     def _build(self, model: torch.nn.Module, tokenizer, config: EngineConfig) -> None:
         self.model = model  # left in its mode: each step runs in eval mode (see ModelRunner.run)
         self.tokenizer = tokenizer
-        self.kv_storage = self._kv_storage(model, config)
+        self.kv_storage = kv_storage_for(model, config)
         self.kv_manager = KVCacheManager(self.kv_storage.pool, config.enable_prefix_caching)
         native = None if config.enforce_eager else NativeDecoder.for_model(model, self.kv_storage)
         config = self.config = _with_step_budget(config, native)
@@ -111,16 +100,13 @@ class ContinuousBatchGenerator:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         eos_token_ids = model_eos_token_ids(model, tokenizer)
         self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, config.max_num_seqs,
-                                     eos_token_ids, getattr(model, "generation_config", None), config.seed)
+                                     eos_token_ids, getattr(model, "generation_config", None), config.seed,
+                                     config.scheduling_policy, is_tensor_parallel(model))
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.scheduler = Scheduler(config, self.kv_manager, Detokenizer(tokenizer), self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._live_ids: set[str] = set()  # queued or running, guarded by _ids_lock
-        self._ids_lock = threading.Lock()
-        self._held: dict[str, RequestOutput] = {}  # other requests' outputs seen by `run` or `stream`, for `step`
-        self._unread: set[str] = set()  # requests `run` or `stream` gave up on: their outputs are dropped
-        self._claimed: set[str] = set()  # requests a `run` or `stream` is waiting for: `step` leaves their outputs
+        self._router = OutputRouter()
         self._interrupted: list[Request] = []  # failed when an interrupt cut their step short, not reported yet
         # One step at a time: `run` and `stream` called from several threads take turns stepping (each step serves
         # every thread's requests); `add_request` and `abort_request` need not take this lock.
@@ -144,33 +130,6 @@ class ContinuousBatchGenerator:
             raise
 
     # ---------------------------------------------------------------------------------------------- set-up
-    @staticmethod
-    def _kv_storage(model: torch.nn.Module, config: EngineConfig) -> PagedKVStorage:
-        memory = config.kv_memory(model.device)
-        if config.gpu_memory_utilization is not None and model.device.type != "cuda":
-            logger.info("gpu_memory_utilization is ignored on %s (as vLLM's CPU backend ignores it): the KV cache "
-                        "takes kv_cache_memory, $%s GiB or 2 GiB", model.device.type, CPU_KV_SPACE_VARIABLE)
-        dtype = config.kv_dtype(model.dtype)
-        spec = KVCacheSpec.from_model(model)
-        if config.num_blocks is not None:
-            blocks_size = config.num_blocks * spec.bytes_per_block(config.block_size, dtype)
-            _check_memory(blocks_size, "EngineConfig.num_blocks", model.device)
-        elif config.kv_cache_memory is not None:  # the default is the caller's to size, not this machine's to refuse
-            _check_memory(memory, "EngineConfig.kv_cache_memory", model.device)
-        elif model.device.type == "cpu" and cpu_kv_space() is not None:
-            _check_memory(memory, f"${CPU_KV_SPACE_VARIABLE}", model.device)
-
-        def make(blocks: int | None, budget: int | None) -> PagedKVStorage:
-            return PagedKVStorage(model.config, num_blocks=blocks, block_size=config.block_size, memory_budget=budget,
-                                  dtype=dtype, device=model.device, spec=spec)
-
-        storage = make(config.num_blocks, memory)
-        if is_tensor_parallel(model):  # every rank schedules alike only over as many blocks (each GPU's free memory)
-            fewest = smallest_over_ranks(storage.num_blocks, model.device)
-            storage = storage if fewest == storage.num_blocks else make(fewest, None)
-        storage.allocate(dtype, model.device)
-        return storage
-
     def _max_model_len(self, config: EngineConfig) -> int:
         """The model's context, capped by what the cache holds; a ``max_model_len`` above either is refused."""
         text = self.model.config.get_text_config(decoder=True)
@@ -194,11 +153,9 @@ class ContinuousBatchGenerator:
         return LoRAAdapters(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
 
     def _runner(self, config: EngineConfig, native: NativeDecoder | None) -> ModelRunner:
-        runner = ModelRunner(self.model, self.kv_storage, self.kv_manager, native)
         spec = config.speculative_config  # a verifying step holds 1 + k tokens per sequence
-        runner.graphs = decode_graphs(runner, config, self.max_model_len,
-                                      1 + (spec.num_speculative_tokens if spec else 0))
-        return runner
+        return ModelRunner(self.model, self.kv_storage, self.kv_manager, native, config, self.max_model_len,
+                           1 + (spec.num_speculative_tokens if spec else 0))
 
     def _speculator(self, config: EngineConfig) -> Speculator | None:
         spec = config.speculative_config
@@ -234,23 +191,14 @@ class ContinuousBatchGenerator:
         or the adapter `load_lora` returned); it joins the batch at the next step. ``priority`` (vLLM's; with
         ``scheduling_policy="priority"``): lower runs first. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
-        request = self.inputs.request(request_id, prompt, sampling_params)
-        request.priority = self._priority(priority)
-        if self.runner.long_rope is not None:
-            request.cache_salt = self.runner.long_rope.cache_salt(request.num_prompt_tokens)
+        request = self.inputs.request(request_id, prompt, sampling_params, priority)
+        request.cache_salt = self.runner.cache_salt(request.num_prompt_tokens)
         if lora_request is not None:
             request.lora = self.load_lora(lora_request)
             request.cache_salt = request.lora.cache_salt + (request.cache_salt or b"")
-        if request.params.structured_outputs is not None and self.is_tensor_parallel:
-            # Ranks would admit it when their own compile ends, at different steps, and leave lockstep.
-            raise InvalidParameter("structured_outputs", "SamplingParams.structured_outputs is not supported on a "
-                                   "tensor-parallel engine yet")
         # On another thread; the request waits for it.
         request.grammar = self.compile_constraint(request.params.structured_outputs)
-        with self._ids_lock:
-            if request_id in self._live_ids:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._live_ids.add(request_id)
+        self._router.reserve(request_id)
         self._inbox.put(("add", request))
         return request_id
 
@@ -259,14 +207,6 @@ class ContinuousBatchGenerator:
         grammar, which raises ``ValueError`` for an invalid constraint. Compiles are cached: a caller may wait for
         one (off its own event loop) before it adds the request, so that an invalid one is refused."""
         return None if spec is None else self.grammars.compile(spec)
-
-    def _priority(self, priority) -> int:
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidParameter("priority", f"priority must be an integer, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise InvalidParameter("priority", f"priority {priority} needs the priority scheduling policy "
-                                   "(scheduling_policy='priority', hf-paged serve --scheduling-policy priority)")
-        return priority
 
     def load_lora(self, lora_request: LoRARequest | LoRAAdapter) -> LoRAAdapter:
         """The loaded adapter of ``lora_request``, read now if need be; ``ValueError`` names what in it does not fit
@@ -312,7 +252,7 @@ class ContinuousBatchGenerator:
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has requests to run or outputs still to hand back."""
-        held = any(request_id not in self._claimed for request_id in self._held)
+        held = self._router.holds_unclaimed()
         return bool(self.requests) or held or bool(self._interrupted) or not self._inbox.empty()
 
     def _drain_inbox(self) -> list[Request]:
@@ -387,35 +327,11 @@ class ContinuousBatchGenerator:
         return changed
 
     def _outputs(self, changed: list[Request], only: set[str] | None) -> list[RequestOutput]:
-        """The outputs held for the caller, then those of the requests a step changed: with ``only``, of the requests
-        in it; without (`step`), of those no `run` or `stream` is waiting for. The others' are held. Finished
-        requests leave the engine; their ids stay in use until their last output is handed out."""
-        mine = only.__contains__ if only is not None else (lambda request_id: request_id not in self._claimed)
-        outputs = [self._held.pop(rid) for rid in [rid for rid in self._held if mine(rid)]]
-        self._release({output.request_id for output in outputs if output.finished})
+        """The caller's outputs (see `OutputRouter.route`); finished requests leave the engine."""
         for request in changed:
-            rid, done = request.request_id, request.is_finished or request.error is not None
-            unread = rid in self._unread
-            if done:
-                self.requests.pop(rid, None)
-                self._unread.discard(rid)
-            output = request.take_output()
-            if output is not None and not unread and not mine(rid):
-                self._hold(output, request.params.output_kind)
-                continue
-            if output is not None and not unread:
-                outputs.append(output)
-            if done:
-                self._release({rid})
-        return outputs
-
-    def _hold(self, output: RequestOutput, kind: RequestOutputKind) -> None:
-        """Keep one output per request for `step`: a later delta merged into the held one, else the latest."""
-        held = self._held.get(output.request_id)
-        if held is not None and kind is RequestOutputKind.DELTA:
-            held.add(output)
-        else:
-            self._held[output.request_id] = output
+            if request.is_finished or request.error is not None:
+                self.requests.pop(request.request_id, None)
+        return self._router.route(changed, only)
 
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
         try:
@@ -467,11 +383,6 @@ class ContinuousBatchGenerator:
         self._inbox.put(("stop", None))
         with self._stepping:
             self._drain_inbox()
-
-    def _release(self, request_ids: set[str]) -> None:
-        """Free finished requests' ids for reuse, once their last outputs were handed out (or dropped)."""
-        with self._ids_lock:
-            self._live_ids -= request_ids
 
     # ------------------------------------------------------------------------------------- batch interfaces
     def _submit(self, prompts, sampling_params, lora_request=None,
@@ -540,7 +451,7 @@ class ContinuousBatchGenerator:
         caller stopped reading, or an error) are aborted."""
         pending = set(request_ids)
         with self._stepping:
-            self._claimed |= pending
+            self._router.claim(pending)
         try:
             yield from first
             while pending:
@@ -551,17 +462,13 @@ class ContinuousBatchGenerator:
                         yield output
         finally:
             with self._stepping:
-                self._claimed -= request_ids
+                self._router.unclaim(request_ids)
                 self._withdraw(pending)
 
     def _withdraw(self, request_ids: set[str]) -> None:
         """Abort ``request_ids``, whose outputs nobody reads: `step` drops them."""
         with self._stepping:
-            dropped = {rid: self._held.pop(rid) for rid in request_ids & self._held.keys()}
-            self._release({rid for rid, output in dropped.items() if output.finished})
-            with self._ids_lock:
-                live = request_ids & self._live_ids
-            self._unread |= live
+            live = self._router.drop(request_ids)
         for request_id in live:
             self.abort_request(request_id)
 

@@ -64,7 +64,8 @@ class InputProcessor:
     model's vocabulary and context and the engine's limits. Every refusal is a ``ValueError`` naming the problem."""
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int, eos_token_ids: set[int],
-                 generation_config: GenerationConfig | None = None, seed: int | None = None):
+                 generation_config: GenerationConfig | None = None, seed: int | None = None,
+                 scheduling_policy: str = "fcfs", tensor_parallel: bool = False):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -72,10 +73,16 @@ class InputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generation_config = generation_config  # the model's: the settings that parameters leave out
         self.seeds = random.Random(seed)  # of the requests that give none
+        self.scheduling_policy = scheduling_policy
+        self.tensor_parallel = tensor_parallel
 
-    def request(self, request_id: str, prompt: Prompt,
-                params: SamplingParams | GenerationConfig | None) -> Request:
+    def request(self, request_id: str, prompt: Prompt, params: SamplingParams | GenerationConfig | None,
+                priority: int = 0) -> Request:
         params = self.sampling_params(params)
+        if params.structured_outputs is not None and self.tensor_parallel:
+            # Ranks would admit it when their own compile ends, at different steps, and leave lockstep.
+            raise InvalidParameter("structured_outputs", "SamplingParams.structured_outputs is not supported on a "
+                                   "tensor-parallel engine yet")
         text, token_ids = self.tokenize(prompt, params.truncate_prompt_tokens)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -84,8 +91,18 @@ class InputProcessor:
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
         params = params.replace(**whole) if whole else params  # vLLM's -1: the whole vocabulary's
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(62)
-        return Request(request_id, text, token_ids, params, seed, self.eos_token_ids, self.tokenizer.eos_token_id,
-                       bad_words_token_ids=params.bad_words_token_ids(self.tokenizer))
+        request = Request(request_id, text, token_ids, params, seed, self.eos_token_ids, self.tokenizer.eos_token_id,
+                          bad_words_token_ids=params.bad_words_token_ids(self.tokenizer))
+        request.priority = self.check_priority(priority)
+        return request
+
+    def check_priority(self, priority) -> int:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidParameter("priority", f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduling_policy != "priority":
+            raise InvalidParameter("priority", f"priority {priority} needs the priority scheduling policy "
+                                   "(scheduling_policy='priority', hf-paged serve --scheduling-policy priority)")
+        return priority
 
     def sampling_params(self, params: SamplingParams | GenerationConfig | None) -> SamplingParams:
         """``params`` as `SamplingParams`: None takes the sampling settings of the model's generation config (vLLM's

@@ -16,6 +16,7 @@ from ..kernels import cpu_decoder
 from ..lora import LoRAAdapter, LoRAStacks, LoRAStep
 from ..native_decoder import NativeDecoder
 from .beam_search import beam_candidates
+from .config import EngineConfig
 from .long_rope import LongRope
 from .sampler import SamplerOutput, build_sampling_batch, prompt_logprobs, sample
 from .scheduler import SchedulerOutput
@@ -55,22 +56,28 @@ class ModelRunner:
     (Transformers hands its keyword arguments on to the attention function). Logits are computed only for the sample
     rows: the last token of each sequence that finishes its pending tokens this step (and each speculative guess it
     verifies), then the prompt positions whose logprobs are asked for. Steps of at most ``native.max_tokens`` tokens go
-    through the `NativeDecoder` instead, when the model has one; on GPU, decode steps replay CUDA graphs (``graphs``,
-    set by `hf_paged.generation.cuda_graphs.decode_graphs`). Steps with LoRA-adapted tokens take the native decoder
-    where it takes their adapters, never the graphs (`hf_paged.lora`).
+    through the `NativeDecoder` instead, when the model has one; on GPU, decode steps of up to ``max_query_len``
+    tokens per sequence replay CUDA graphs (``graphs``, see `hf_paged.generation.cuda_graphs`), given the engine's
+    ``config`` and ``max_model_len``. Steps with LoRA-adapted tokens take the native decoder where it takes their
+    adapters, never the graphs (`hf_paged.lora`).
     """
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVStorage, kv_manager: KVCacheManager,
-                 native: NativeDecoder | None = None):
+                 native: NativeDecoder | None = None, config: EngineConfig | None = None,
+                 max_model_len: int | None = None, max_query_len: int = 1):
         self.model = model
         self.kv = kv
         self.kv_manager = kv_manager
         self.native = native
-        self.graphs: DecodeGraphs | None = None
         self.long_rope = LongRope.for_model(model)
         self.lora_stacks = LoRAStacks()
         self.device = model.device
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.graphs: DecodeGraphs | None = None
+        if config is not None:
+            from .cuda_graphs import decode_graphs  # which builds on this module
+
+            self.graphs = decode_graphs(self, config, max_model_len, max_query_len)
 
     def native_linear_layers(self) -> list[torch.nn.Module]:
         """The linear layers the native decoder multiplies by with its own copy of their weights, where it takes
@@ -80,6 +87,10 @@ class ModelRunner:
         if self.native is None or self.native.max_tokens < cpu_decoder.MAX_TOKENS:
             return []
         return self.native.linear_layers()
+
+    def cache_salt(self, num_prompt_tokens: int) -> bytes | None:
+        """What keeps a prompt's cached blocks apart from others' computed differently (LongRoPE's factors)."""
+        return None if self.long_rope is None else self.long_rope.cache_salt(num_prompt_tokens)
 
     def copy_blocks(self, out: SchedulerOutput) -> None:
         """Fill the blocks the scheduler gave sequences in place of shared ones (copy-on-write). Its tables already
