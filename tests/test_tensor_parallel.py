@@ -239,14 +239,33 @@ def test_sigterm_to_the_launcher_lets_rank_0_finish_then_ends_every_rank(text_mo
             launcher.communicate()
 
 
-def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text_model, tmp_path):
+def _refusal(capsys, monkeypatch, argv: list[str]) -> str:
+    """The command line's error for ``argv``, run in this process, where no rank may start: exit status 2 and one
+    error line."""
+    from hf_paged import distributed
+    from hf_paged.cli import main
+
+    def launch(*args, **kwargs):
+        raise AssertionError(f"{argv} started its ranks")
+
+    monkeypatch.setattr(distributed, "launch", launch)
+    monkeypatch.setenv(distributed.CPU_BIND_ENV, "")  # --cpu-bind sets it: put back as it was after the test
+    monkeypatch.delenv(distributed.CPU_BIND_ENV)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("error:") == 1, err
+    return err
+
+
+def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text_model, tmp_path, capsys,
+                                                                            monkeypatch):
     draft = json.dumps({"model": text_model})
     for option in (["--temperature", "-1"], ["--tensor-parallel-size", "0"], ["-tp", "3"],  # 4 heads on 3 ranks
                    ["--cpu-bind", "0-0"], ["--cpu-bind", "0-0|1|1"], ["--cpu-bind", "0|4096"],
                    ["--speculative-config", draft]):
-        command = [sys.executable, "-m", "hf_paged.cli", "generate", text_model, PROMPT, "-tp", "2", *option]
-        done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and "Traceback" not in done.stderr and done.stderr.count("error:") == 1
+        _refusal(capsys, monkeypatch, ["generate", text_model, PROMPT, "-tp", "2", *option])
     no_weights = tmp_path / "config-only"
     no_weights.mkdir()
     shutil.copy(Path(text_model) / "config.json", no_weights / "config.json")
@@ -258,9 +277,7 @@ def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text
     GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(no_plan)
     for model, words in ((no_weights, "holds no weights"), (quantized, "quantized"),
                          (no_plan, "no tensor-parallel plan")):
-        command = [sys.executable, "-m", "hf_paged.cli", "generate", str(model), PROMPT, "-tp", "2"]
-        done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and done.stderr.count("error:") == 1 and words in done.stderr, done.stderr
+        assert words in _refusal(capsys, monkeypatch, ["generate", str(model), PROMPT, "-tp", "2"])
 
 
 def test_cpu_shares_and_head_layouts(monkeypatch):
