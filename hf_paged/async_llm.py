@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 from .engine_args import EngineArgs
 from .engine_loop import EngineLoop
 from .generation import ContinuousBatchGenerator, RequestOutput, RequestOutputKind, SamplingParams
-from .generation.inputs import Prompt, tokenize_prompt
+from .generation.inputs import Prompt, prompt_cache_salt, tokenize_prompt
 from .local_ranks import start_engine
 from .lora import LoRARequest
 
@@ -87,7 +87,10 @@ class AsyncLLM:
             await asyncio.wrap_future(compiled)
         if lora_request is not None:  # read off the event loop, not under the engine loop's lock
             lora_request = await asyncio.to_thread(self.generator.load_lora, lora_request)
-        stream = self.engine.submit([{"prompt": text, "prompt_token_ids": token_ids}], deltas,
+        tokenized = {"prompt": text, "prompt_token_ids": token_ids}
+        if prompt_cache_salt(prompt) is not None:
+            tokenized["cache_salt"] = prompt["cache_salt"]
+        stream = self.engine.submit([tokenized], deltas,
                                     [request_id or uuid.uuid4().hex], lora_request, priority)
         so_far: RequestOutput | None = None
         try:

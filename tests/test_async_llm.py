@@ -246,3 +246,19 @@ def test_engine_args_make_an_llm_and_an_async_llm_as_vllms(smollm2_path, chat_pr
         AsyncLLM.from_engine_args(AsyncEngineArgs(model=smollm2_path, quantization="gptq"))
     with pytest.raises(TypeError, match="AsyncEngineArgs"):
         AsyncLLM.from_engine_args({"model": smollm2_path})
+
+
+def test_a_prompt_dicts_cache_salt_keeps_its_blocks_to_its_salt(engine, chat_prompts):
+    """vLLM's ``cache_salt`` reaches the engine through `AsyncLLM.generate`: a hit for the same salt only."""
+    params = SamplingParams(temperature=0, max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY)
+    prompt = chat_prompts[4] + " Answer in one sentence, as briefly as you can."
+
+    async def cached(salt) -> int:
+        (output,) = await _collect(engine, {"prompt": prompt, "cache_salt": salt}, params)
+        return output.num_cached_tokens
+
+    async def main():
+        return [await cached(salt) for salt in ("s1", "s2", "s1")]
+
+    first, other, again = asyncio.run(main())
+    assert first == other == 0 and again >= 16

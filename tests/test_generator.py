@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_paged import ContinuousBatchGenerator, EngineConfig, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from hf_paged import (ContinuousBatchGenerator, EngineConfig, InvalidParameter, RequestOutputKind, SamplingParams,
+                      StructuredOutputsParams)
 from hf_paged.cache import KVCacheSpec
 from hf_paged.generation.model_runner import ModelRunner
 from hf_paged.generation.sequence import SequenceStatus
@@ -113,6 +114,30 @@ def test_prefix_caching_hits_on_a_shared_system_prompt(smollm2):
     stats = gen.stats()
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
     assert all(o.num_cached_tokens >= 32 for o in warm)
+    assert_no_leak(gen)
+
+
+def test_a_cache_salt_shares_prefix_blocks_only_with_the_same_salt(smollm2, chat_prompts):
+    """vLLM's ``cache_salt`` in a prompt dict: a prompt computed under one salt is a hit for the same salt only (not
+    for another, nor for no salt); an empty or non-string salt is refused by name."""
+    gen = make_generator(smollm2)
+    ids = gen.tokenizer(chat_prompts[3]).input_ids
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def cached(prompt) -> tuple[int, list[int]]:
+        (out,) = gen.run([prompt], params, use_tqdm=False)
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    cold, tokens = cached({"prompt_token_ids": ids, "cache_salt": "alice"})
+    assert cold == 0
+    assert cached({"prompt_token_ids": ids, "cache_salt": "bob"}) == (0, tokens)
+    assert cached(ids) == (0, tokens)
+    assert cached({"prompt_token_ids": ids, "cache_salt": "alice"}) == ((len(ids) - 1) // 16 * 16, tokens)
+    assert cached(ids)[0] > 0  # the unsalted prompt's own blocks, from its run above
+    for bad in ("", 7):
+        with pytest.raises(InvalidParameter, match="cache_salt must be a non-empty string") as refused:
+            gen.add_request({"prompt_token_ids": ids, "cache_salt": bad}, params)
+        assert refused.value.param == "cache_salt"
     assert_no_leak(gen)
 
 

@@ -21,6 +21,14 @@ def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256((parent or b"") + array("q", tokens).tobytes()).digest()
 
 
+def combined_salt(*parts: bytes | None) -> bytes | None:
+    """One prefix-cache salt of several given in a fixed order (a LoRA adapter's, LongRoPE's, the request's own):
+    None when none is given; each part framed by its length, so that no other parts give the same salt."""
+    if all(part is None for part in parts):
+        return None
+    return b"".join(b"-" if part is None else len(part).to_bytes(4, "little") + part for part in parts)
+
+
 class KVCacheManager:
     """Maps sequence ids to the blocks that hold their KV.
 

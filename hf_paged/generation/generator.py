@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..cache import KVCacheManager
+from ..cache import KVCacheManager, combined_salt
 from ..distributed import (DistributedError, Lockstep, check_engine_config, is_tensor_parallel,
                            prepack_sharded_linear_layers)
 from ..integration import switch_to_paged_attention
@@ -26,7 +26,8 @@ from ..native_decoder import NativeDecoder
 from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .detokenizer import Detokenizer
 from .draft_model import DraftModel
-from .inputs import InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt, per_prompt
+from .inputs import (InputProcessor, Prompt, model_eos_token_ids, one_params_per_prompt, per_prompt,
+                     prompt_cache_salt)
 from .kv_sizing import kv_storage_for
 from .model_runner import ModelRunner
 from .output_router import OutputRouter
@@ -192,10 +193,12 @@ class ContinuousBatchGenerator:
         ``scheduling_policy="priority"``): lower runs first. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params, priority)
-        request.cache_salt = self.runner.cache_salt(request.num_prompt_tokens)
         if lora_request is not None:
             request.lora = self.load_lora(lora_request)
-            request.cache_salt = request.lora.cache_salt + (request.cache_salt or b"")
+        salt = prompt_cache_salt(prompt)
+        request.cache_salt = combined_salt(request.lora.cache_salt if request.lora else None,
+                                           self.runner.cache_salt(request.num_prompt_tokens),
+                                           None if salt is None else salt.encode())
         # On another thread; the request waits for it.
         request.grammar = self.compile_constraint(request.params.structured_outputs)
         self._router.reserve(request_id)

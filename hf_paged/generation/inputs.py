@@ -26,6 +26,7 @@ def tokenize_prompt(tokenizer, prompt: Prompt, add_special_tokens: bool | None =
     tokenizer's special tokens (a BOS) are added to a text (``add_special_tokens``, default True), not to a rendered
     chat (default False: its template wrote them), as in vLLM."""
     if is_prompt_dict(prompt):
+        prompt_cache_salt(prompt)  # refused before anything is tokenized
         return _unpack_prompt_dict(tokenizer, prompt, add_special_tokens is not False)
     if isinstance(prompt, str):
         return prompt, tokenizer(prompt, add_special_tokens=add_special_tokens is not False).input_ids
@@ -41,12 +42,22 @@ def tokenize_prompt(tokenizer, prompt: Prompt, add_special_tokens: bool | None =
     raise ValueError(f"a prompt is {PROMPT_KINDS}, got {type(prompt).__name__}")
 
 
+def prompt_cache_salt(prompt: Prompt) -> str | None:
+    """vLLM's ``cache_salt`` of a prompt dict: the prompt's blocks are shared in the prefix cache only with prompts
+    of the same salt, so that one user cannot tell from its speed whether another's prompt began the same way."""
+    salt = prompt.get("cache_salt") if is_prompt_dict(prompt) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise InvalidParameter("cache_salt", f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
+
+
 def _unpack_prompt_dict(tokenizer, prompt: dict, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
     """vLLM's ``{"prompt": text}`` (a TextPrompt) or ``{"prompt_token_ids": [...]}`` (a TokensPrompt, whose token
     ids win over a ``prompt`` text beside them, as in vLLM)."""
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
     if unknown:
-        raise ValueError(f"prompt dicts with {unknown} are not supported (only 'prompt' and 'prompt_token_ids')")
+        raise ValueError(f"prompt dicts with {unknown} are not supported (only 'prompt', 'prompt_token_ids' and "
+                         "'cache_salt')")
     text = prompt.get("prompt")
     if not isinstance(text, str) and (text is not None or "prompt_token_ids" not in prompt):
         raise ValueError(f"a prompt dict's 'prompt' must be a string, got {type(text).__name__}")

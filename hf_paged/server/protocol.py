@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..chat_template import TEMPLATE_PARAMETERS, short_call_ids, template_content
 from ..generation import (
@@ -51,7 +51,6 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": lambda value: not value,
     "chat_template": lambda value: value is None,
     "documents": lambda value: not value,
-    "cache_salt": lambda value: value is None,
     "generation_config": lambda value: value is None,  # transformers serve's
     "guided_whitespace_pattern": lambda value: value is None,  # vLLM's older spelling: structured_outputs' own
 }
@@ -138,6 +137,8 @@ class GenerationRequest(BaseModel):
     model: str | None = None
     n: int | None = None
     priority: StrictInt = 0  # vLLM's: lower runs first, under --scheduling-policy priority
+    # vLLM's: the prompt's prefix-cache blocks are shared only with requests of the same salt
+    cache_salt: StrictStr | None = None
     # vLLM's: the tokenizer's special tokens (a BOS) added to the prompt; None: to a completion's text, not to a
     # chat's rendered template (which wrote its own)
     add_special_tokens: StrictBool | None = None

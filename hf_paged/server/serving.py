@@ -391,7 +391,9 @@ class OpenAIServing:
                 raise APIError(500, f"the adapter {lora.lora_name!r} cannot be loaded again: {err}",
                                "server_error", code=500) from err
         try:
-            stream = self.engine.submit(list(token_ids), params, request_ids, lora, body.priority)
+            salted = [ids if body.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": body.cache_salt}
+                      for ids in token_ids]
+            stream = self.engine.submit(salted, params, request_ids, lora, body.priority)
         except ValueError as err:
             raise _bad_request(err, prompt_param) from err
         except EngineOverloaded as err:
