@@ -644,11 +644,24 @@ def test_bad_input_fails_alone(smollm2, chat_prompts, bad, message):
 
 
 @pytest.mark.parametrize("option", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(num_blocks=0),
-                                    dict(block_size=0), dict(max_model_len=0), dict(max_model_len=-5)])
+                                    dict(block_size=0), dict(max_model_len=0), dict(max_model_len=-5),
+                                    dict(long_prefill_token_threshold=-1), dict(long_prefill_token_threshold=1.5)])
 def test_engine_sizes_must_be_positive(smollm2, option):
     name = next(iter(option))
     with pytest.raises(ValueError, match=name):
         make_generator(smollm2, **option)
+
+
+def test_the_long_prefill_threshold_defaults_to_a_quarter_of_the_step_and_keeps_the_tokens(smollm2, prompt_ids,
+                                                                                           reference):
+    """Prompts computed in chunks of at most the threshold (a long one's chunks beside others' decodes) give
+    `generate`'s tokens, as whole prompts do."""
+    assert make_generator(smollm2).config.long_prefill_token_threshold == 2048 // 4
+    assert make_generator(smollm2, max_num_batched_tokens=64).config.long_prefill_token_threshold == 16
+    gen = make_generator(smollm2, long_prefill_token_threshold=5)
+    assert run_greedy(gen, prompt_ids) == reference
+    assert gen.stats().num_partial_prefills >= sum(len(ids) // 5 for ids in prompt_ids) // 2
+    assert_no_leak(gen)
 
 
 def test_a_max_model_len_beyond_the_context_or_the_cache_is_refused(smollm2):

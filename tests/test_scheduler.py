@@ -83,6 +83,36 @@ def test_decodes_come_first_and_the_budget_is_shared():
     assert [s.request.request_id for s in out.seqs] == ["a", "b"] and out.num_tokens == [1, 9]
 
 
+def test_a_long_prompt_computes_in_chunks_of_the_long_prefill_threshold():
+    """vLLM's ``long_prefill_token_threshold``: a short request arriving while a long prompt prefills is computed in
+    the same step, and a running decode's step holds a chunk of the cap, not of the whole budget."""
+    scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    long, short, later = make_request("long", range(3, 83)), make_request("short", range(100, 106)), \
+        make_request("later", range(90, 96))
+    scheduler.add(long)
+    out, _ = step(scheduler)
+    assert out.num_tokens == [8]
+    scheduler.add(short)
+    out, _ = step(scheduler)
+    assert [(s.request.request_id, n) for s, n in zip(out.seqs, out.num_tokens)] == [("long", 8), ("short", 6)]
+    scheduler.add(later)
+    out, _ = step(scheduler)  # short decodes, long takes its capped chunk, later's whole prompt joins
+    assert [(s.request.request_id, n) for s, n in zip(out.seqs, out.num_tokens)] == [("short", 1), ("long", 8),
+                                                                                    ("later", 6)]
+    run_to_end(scheduler, [])
+    assert long.seqs[0].output_token_ids == [10, 11, 12, 13]
+    assert_no_leak(scheduler)
+
+
+def test_no_long_prefill_threshold_lets_a_running_prompt_take_the_whole_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=0)
+    scheduler.add(make_request("long", range(3, 83)))
+    step(scheduler)
+    scheduler.add(make_request("short", range(3, 9)))
+    out, _ = step(scheduler)
+    assert out.num_tokens == [32]
+
+
 def test_prefix_blocks_are_shared_within_a_step_and_after_it():
     scheduler = make_scheduler()
     prefix = list(range(3, 19))  # four full blocks of 4

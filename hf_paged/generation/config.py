@@ -161,6 +161,11 @@ class EngineConfig:
         "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048; 512 for bf16 "
         "models the native decoder runs on a CPU with AMX, which then takes every step; never below --max-num-seqs)",
         type_=parse_token_count)
+    long_prefill_token_threshold: int | None = _option(
+        "most tokens of one prompt computed in a step (vLLM's), so that a long prompt leaves room in every step for "
+        "the others' prompts and decodes instead of holding them up for its whole prefill; 0: no limit (default: a "
+        "quarter of --max-num-batched-tokens)",
+        type_=parse_token_count)
     max_model_len: int | None = _option(
         "longest prompt + output in tokens (default: the model's context, capped by the cache; more than either "
         "is refused; 4k is 4000, 4K 4096)", type_=parse_token_count)
@@ -213,6 +218,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
+            raise ValueError(f"EngineConfig.long_prefill_token_threshold must be an integer >= 0 (0: no limit), got "
+                             f"{threshold!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"EngineConfig.max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                              f"({self.max_loras})")

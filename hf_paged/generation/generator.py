@@ -58,11 +58,15 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
     it prefills on AMX tiles (bf16), so that every step runs natively (prompts prefill faster in its 512-token chunks
     than in 2048-token Transformers forwards, and decodes wait less behind them), else 2048 (in fp32 its prefill of
     long prompts is the slower); never below ``max_num_seqs`` (a step decodes every running sequence, as vLLM
-    asks)."""
-    if config.max_num_batched_tokens is not None:
-        return config
-    budget = native.max_tokens if native is not None and native.prefills_on_tiles else DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return config.replace(max_num_batched_tokens=max(budget, config.max_num_seqs))
+    asks). ``long_prefill_token_threshold`` likewise: the caller's, else a quarter of the budget."""
+    budget = config.max_num_batched_tokens
+    if budget is None:
+        budget = native.max_tokens if native is not None and native.prefills_on_tiles else \
+            DEFAULT_MAX_NUM_BATCHED_TOKENS
+        budget = max(budget, config.max_num_seqs)
+    threshold = config.long_prefill_token_threshold
+    return config.replace(max_num_batched_tokens=budget,
+                          long_prefill_token_threshold=max(1, budget // 4) if threshold is None else threshold)
 
 
 class ContinuousBatchGenerator:

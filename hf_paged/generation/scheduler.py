@@ -193,7 +193,7 @@ class Scheduler:
                     budget = self._schedule_beams(out, seq.request, budget)
                 continue
             # Guesses take only the budget left once every later sequence has a token: they are optional.
-            needed = seq.num_tokens - seq.num_computed_tokens
+            needed = self._chunk(seq.num_tokens - seq.num_computed_tokens)
             guesses = proposed.get(seq.seq_id, [])[: max(0, budget - needed - (len(running) - 1 - i))]
             n = min(needed + len(guesses), budget)
             copies = self._grow(seq, n)
@@ -294,7 +294,7 @@ class Scheduler:
             num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
                                                       reuse=not seq.request.scores_prompt)
             num_cached = self._share_planned(seq, num_cached, plan)
-            n = min(seq.num_tokens - num_cached, budget)
+            n = min(self._chunk(seq.num_tokens - num_cached), budget)
             needed = self.kv_manager.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
             room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0)
             copies = self.kv_manager.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
@@ -305,6 +305,12 @@ class Scheduler:
             plan.append((seq, num_cached, n, copies))
             budget -= n
         return plan
+
+    def _chunk(self, needed: int) -> int:
+        """What a sequence that needs ``needed`` tokens computed computes this step, the budget aside: at most
+        ``long_prefill_token_threshold`` (vLLM's option; 0 or None: no limit)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(needed, cap) if cap else needed
 
     def _share_planned(self, seq: Sequence, num_cached: int, plan: list) -> int:
         """Beams recomputed together share their common prefix: ``seq`` takes the whole blocks of the longest one that
