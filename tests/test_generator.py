@@ -657,7 +657,9 @@ def test_the_long_prefill_threshold_defaults_to_a_quarter_of_the_step_and_keeps_
     """Prompts computed in chunks of at most the threshold (a long one's chunks beside others' decodes) give
     `generate`'s tokens, as whole prompts do."""
     assert make_generator(smollm2).config.long_prefill_token_threshold == 2048 // 4
-    assert make_generator(smollm2, max_num_batched_tokens=64).config.long_prefill_token_threshold == 16
+    assert make_generator(smollm2, max_num_batched_tokens=4096).config.long_prefill_token_threshold == 1024
+    assert make_generator(smollm2, max_num_batched_tokens=700).config.long_prefill_token_threshold == 512
+    assert make_generator(smollm2, max_num_batched_tokens=64).config.long_prefill_token_threshold == 64
     gen = make_generator(smollm2, long_prefill_token_threshold=5)
     assert run_greedy(gen, prompt_ids) == reference
     assert gen.stats().num_partial_prefills >= sum(len(ids) // 5 for ids in prompt_ids) // 2

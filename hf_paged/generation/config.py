@@ -164,7 +164,7 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = _option(
         "most tokens of one prompt computed in a step (vLLM's), so that a long prompt leaves room in every step for "
         "the others' prompts and decodes instead of holding them up for its whole prefill; 0: no limit (default: a "
-        "quarter of --max-num-batched-tokens)",
+        "quarter of --max-num-batched-tokens, at least 512)",
         type_=parse_token_count)
     max_model_len: int | None = _option(
         "longest prompt + output in tokens (default: the model's context, capped by the cache; more than either "

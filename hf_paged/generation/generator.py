@@ -58,7 +58,9 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
     it prefills on AMX tiles (bf16), so that every step runs natively (prompts prefill faster in its 512-token chunks
     than in 2048-token Transformers forwards, and decodes wait less behind them), else 2048 (in fp32 its prefill of
     long prompts is the slower); never below ``max_num_seqs`` (a step decodes every running sequence, as vLLM
-    asks). ``long_prefill_token_threshold`` likewise: the caller's, else a quarter of the budget."""
+    asks). ``long_prefill_token_threshold`` likewise: the caller's, else a quarter of the budget but at least 512
+    tokens (prompts of up to 512 tokens are computed whole, as before: smaller chunks only delay their first tokens
+    when many arrive at once)."""
     budget = config.max_num_batched_tokens
     if budget is None:
         budget = native.max_tokens if native is not None and native.prefills_on_tiles else \
@@ -66,7 +68,8 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
         budget = max(budget, config.max_num_seqs)
     threshold = config.long_prefill_token_threshold
     return config.replace(max_num_batched_tokens=budget,
-                          long_prefill_token_threshold=max(1, budget // 4) if threshold is None else threshold)
+                          long_prefill_token_threshold=min(budget, max(512, budget // 4)) if threshold is None
+                          else threshold)
 
 
 class ContinuousBatchGenerator:
