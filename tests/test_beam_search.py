@@ -47,8 +47,9 @@ def beam_params(width, length_penalty, early_stopping, **changes):
 
 
 @pytest.mark.parametrize("options", [dict(), dict(num_blocks=40, block_size=8),
+                                     dict(num_blocks=40, block_size=8, long_prefill_token_threshold=5),
                                      dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})],
-                         ids=["default", "preemption", "ngram-speculation"])
+                         ids=["default", "preemption", "preemption-chunked", "ngram-speculation"])
 def test_beams_are_transformers_beams_among_other_requests(smollm2, prompt_ids, references, options):
     """Every setting's searches run together, beside greedy and sampled requests, in one batch."""
     model, tokenizer = smollm2

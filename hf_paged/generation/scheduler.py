@@ -219,7 +219,7 @@ class Scheduler:
         they are the newest) for none. Returns the budget left."""
         plan = []
         for beam in [seq for seq in request.seqs if seq.status is SequenceStatus.RUNNING]:
-            n = min(beam.num_tokens - beam.num_computed_tokens, budget)  # 0: its candidates wait for its siblings'
+            n = min(self._chunk(beam.num_tokens - beam.num_computed_tokens), budget)  # 0: waits for its siblings'
             if n > 0:
                 plan.append((beam, n))
                 budget -= n
