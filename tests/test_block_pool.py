@@ -185,4 +185,19 @@ def test_blocks_needed_together_count_one_copy_fewer_than_the_sharers_that_write
     copies = [kv.allocate(*span) for span in spans]
     assert needed == free - kv.pool.num_free_blocks == (3 if bystander else 2)
     assert sum(map(len, copies)) == needed
-    assert kv.num_blocks_needed_all([("a", 0, 9)]) == kv.num_blocks_needed("a", 0, 9) == 1
+    assert kv.num_blocks_needed_all([("a", 8, 9)]) == kv.num_blocks_needed("a", 8, 9) == 1
+    assert kv.num_blocks_needed("a", 0, 9) == 2  # rewriting the full block the forks share takes a block of its own
+
+
+def test_a_block_shared_by_a_fork_before_it_was_written_is_replaced_not_written_into():
+    """A failed step leaves a sequence holding a block past its computed tokens; a fork then shares it. Each that
+    writes there first takes a block of its own (nothing to copy), so neither writes into the other's rows."""
+    kv = KVCacheManager(BlockPool(16, 4), enable_prefix_caching=False)
+    kv.allocate("a", 0, 6)  # the step that was to compute tokens 0-5 failed: a keeps its two blocks
+    kv.allocate("a", 0, 4)  # the step computed 0-3 instead
+    kv.fork("a", "b")
+    spare = kv.block_table("a")[1]
+    assert kv.num_blocks_needed_all([("a", 4, 5), ("b", 4, 5)]) == 1
+    assert kv.allocate("a", 4, 5) == [] and kv.block_table("a")[1] != spare
+    assert kv.allocate("b", 4, 5) == [] and kv.block_table("b")[1] == spare  # its last holder writes in place
+    assert kv.block_table("a")[0] == kv.block_table("b")[0]

@@ -52,43 +52,45 @@ class KVCacheManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _needs_copy(self, table: list[int], num_computed: int) -> bool:
-        """Whether the block that the next token goes into is shared and partly filled."""
-        if num_computed % self.block_size == 0 or not table:
-            return False
-        return self.pool.ref_counts[table[num_computed // self.block_size]] > 1
+    def _shared_in(self, table: list[int], num_computed: int, num_tokens: int) -> list[int]:
+        """Indices of the blocks of ``table`` that tokens ``[num_computed, num_tokens)`` go into and that another
+        sequence holds too: the one they start in when partly filled (copy-on-write), and any beyond it that a
+        fork shared before they were written (held since a failed step)."""
+        first, end = num_computed // self.block_size, min(len(table), self._blocks_for(num_tokens))
+        return [i for i in range(first, end) if self.pool.ref_counts[table[i]] > 1]
 
     def num_blocks_needed(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> int:
         """New blocks that :meth:`allocate` would take to hold ``num_tokens`` tokens."""
         table = self.block_table(seq_id)
-        return max(0, self._blocks_for(num_tokens) - len(table)) + self._needs_copy(table, num_computed)
+        shared = self._shared_in(table, num_computed, num_tokens)
+        return max(0, self._blocks_for(num_tokens) - len(table)) + len(shared)
 
     def num_blocks_needed_all(self, spans: Sequence[tuple[Hashable, int, int]]) -> int:
         """New blocks that :meth:`allocate` would take for each ``(seq_id, num_computed, num_tokens)`` of ``spans`` in
-        turn: a shared, partly filled block that ``k`` of them write into is copied ``k`` times, or ``k - 1`` when
-        they are all its holders (the last one writes into it in place)."""
+        turn: a shared block that ``k`` of them write into is replaced ``k`` times, or ``k - 1`` when they are all its
+        holders (the last one writes into it in place)."""
         new, writers = 0, Counter()
         for seq_id, num_computed, num_tokens in spans:
             table = self.block_table(seq_id)
             new += max(0, self._blocks_for(num_tokens) - len(table))
-            if self._needs_copy(table, num_computed):
-                writers[table[num_computed // self.block_size]] += 1
+            writers.update(table[i] for i in self._shared_in(table, num_computed, num_tokens))
         return new + sum(min(k, self.pool.ref_counts[block] - 1) for block, k in writers.items())
 
     def allocate(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> list[BlockCopy] | None:
         """Make room for tokens ``[num_computed, num_tokens)`` of ``seq_id``.
 
         Returns the ``(src, dst)`` block copies the caller must perform on the KV tensors before writing (copy-on-
-        write of a shared, partly filled block), or None, changing nothing, if the pool is short.
+        write of a shared, partly filled block; a shared block not written yet is just replaced), or None, changing
+        nothing, if the pool is short.
         """
         if self.num_blocks_needed(seq_id, num_computed, num_tokens) > self.pool.num_free_blocks:
             return None
         table = self.tables.setdefault(seq_id, [])
         copies = []
-        if self._needs_copy(table, num_computed):
-            index = num_computed // self.block_size
+        for index in self._shared_in(table, num_computed, num_tokens):
             (new,) = self.pool.allocate(1)
-            copies.append((table[index], new))
+            if index * self.block_size < num_computed:  # rows before the first new token are kept
+                copies.append((table[index], new))
             self.pool.free([table[index]])
             table[index] = new
         missing = self._blocks_for(num_tokens) - len(table)
@@ -112,22 +114,29 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return 0
-        if not reuse:
-            token_ids = ()
-        blocks, hashes, parent = [], [], salt
-        bs = self.block_size
-        for i in range((len(token_ids) - 1) // bs):
-            key = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+        self.tables[seq_id], self._hashes[seq_id] = [], []
+        return self.extend_prefix(seq_id, token_ids if reuse else (), 0, salt)
+
+    def extend_prefix(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int,
+                      salt: bytes | None = None) -> int:
+        """Attach to ``seq_id``, whose blocks hold its first ``num_computed`` tokens and no more, the cached blocks
+        that continue them, as :meth:`match_prefix` does from the start (a prompt computed in chunks takes what other
+        sequences have computed of the same tokens since). Returns the tokens it now holds; ``num_computed`` when it
+        ends inside a block."""
+        if not self.enable_prefix_caching:
+            return num_computed
+        table, hashes, bs = self.tables[seq_id], self._hashes[seq_id], self.block_size
+        if num_computed != len(table) * bs or len(hashes) != len(table):
+            return num_computed
+        for i in range(len(table), (len(token_ids) - 1) // bs):
+            key = block_hash(hashes[-1] if hashes else salt, token_ids[i * bs : (i + 1) * bs])
             block = self.pool.lookup(key)
             if block is None:
                 break
-            blocks.append(block)
+            self.pool.incref([block])
+            table.append(block)
             hashes.append(key)
-            parent = key
-        self.pool.incref(blocks)
-        self.tables[seq_id] = blocks
-        self._hashes[seq_id] = hashes
-        return len(blocks) * bs
+        return len(table) * bs
 
     def record_prefix_match(self, num_tokens: int, num_cached: int) -> None:
         """Count one admitted sequence's prefix lookup in the hit-rate counters (a lookup whose sequence could not
