@@ -15,7 +15,8 @@ from collections import Counter
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, precondition, rule
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, precondition,
+                                 rule)
 
 from hf_paged.cache import BlockPool, KVCacheManager
 from hf_paged.cache.kv_cache_manager import block_hash
@@ -82,6 +83,12 @@ class KVCacheMachine(RuleBasedStateMachine):
     def compute(self, seq, chunk, fail):
         if seq in self.tokens and self.computed[seq] < len(self.tokens[seq]):
             self._compute(seq, chunk, fail)
+
+    @rule(seq=seqs)
+    def extend(self, seq):
+        """A prompt computed in chunks takes the cached blocks that continue what it holds."""
+        if seq in self.tokens and seq in self.kv.tables:
+            self.computed[seq] = self.kv.extend_prefix(seq, self.tokens[seq], self.computed[seq])
 
     @rule(seq=seqs, new=TOKENS)
     def append(self, seq, new):
@@ -188,9 +195,9 @@ class FakeTokenizer:
 
 class SchedulerMachine(RuleBasedStateMachine):
     """The `Scheduler` over the same pool, driven like the engine: requests arrive (n up to 3), steps run with fake
-    sampled tokens (EOS among them) or fail and roll back, requests are aborted. A step "writes" what it computes
-    into the shadow KV cache, so preemption, forks, copy-on-write and prefix reuse are all checked by what every
-    sequence reads back."""
+    sampled tokens (EOS among them) or fail and roll back, requests are aborted, under a long-prefill cap or none. A
+    step "writes" what it computes into the shadow KV cache, so preemption, forks, copy-on-write and prefix reuse
+    (prompts taking each other's chunks among it) are all checked by what every sequence reads back."""
 
     def __init__(self):
         super().__init__()
@@ -201,6 +208,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.written: dict[int, dict[int, int]] = {}
         self.prefixes: dict[bytes, tuple[int, ...]] = {}
 
+    @initialize(threshold=st.sampled_from([0, 3, 4]))
+    def cap(self, threshold):
+        self.scheduler.config = self.scheduler.config.replace(long_prefill_token_threshold=threshold)
+
     @rule(prompt=TOKENS, repeat=st.integers(1, 4), n=st.integers(1, 3), max_tokens=st.integers(1, 8))
     def add(self, prompt, repeat, n, max_tokens):
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0)
@@ -209,6 +220,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         learn_prefixes(self.prefixes, request.prompt_token_ids)
         self.requests.append(request)
         self.scheduler.add(request)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data(), tail=TOKENS)
+    def add_alike(self, data, tail):
+        """A prompt that starts as an earlier one does (a shared system prompt), often arriving beside it."""
+        earlier = data.draw(st.sampled_from(self.requests))
+        self.add((earlier.prompt_token_ids + tail)[:30], 1, 1, data.draw(st.integers(1, 8)))
 
     @precondition(lambda self: self.scheduler.has_work())
     @rule(tokens=st.lists(st.integers(0, 3), min_size=64, max_size=64), fail=st.booleans())

@@ -117,6 +117,29 @@ def test_prefix_caching_hits_on_a_shared_system_prompt(smollm2):
     assert_no_leak(gen)
 
 
+def test_prompts_sharing_a_system_prompt_compute_it_once_in_capped_chunks(smollm2):
+    """Admitted together under a small long-prefill cap, prompts sharing a system prompt each compute a different
+    chunk of it, then take each other's blocks (`Scheduler._catch_up`): its whole blocks are computed once, and the
+    tokens are those of cold runs."""
+    _, tokenizer = smollm2
+    system = " ".join(["You answer for a small bakery, briefly and politely, about bread, cakes and prices."] * 4)
+    questions = ["Do you sell rye bread?", "When do you open?", "How much is a croissant?", "Do you bake cakes?"]
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cold = make_generator(smollm2, enable_prefix_caching=False, long_prefill_token_threshold=0).run(
+        prompts, params, use_tqdm=False)
+    gen = make_generator(smollm2, long_prefill_token_threshold=16, block_size=16)
+    computed, schedule = [], gen.scheduler.schedule
+    gen.scheduler.schedule = lambda *a, **k: computed.append(schedule(*a, **k)) or computed[-1]
+    warm = gen.run(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
+    ids = [o.prompt_token_ids for o in warm]
+    common = next(i for i, column in enumerate(zip(*ids)) if len(set(column)) > 1) // 16 * 16
+    assert common >= 64  # several chunks of the cap
+    assert sum(sum(out.num_tokens) for out in computed) == common + sum(len(p) - common for p in ids) + 4 * 5
+    assert_no_leak(gen)
+
+
 def test_a_cache_salt_shares_prefix_blocks_only_with_the_same_salt(smollm2, chat_prompts):
     """vLLM's ``cache_salt`` in a prompt dict: a prompt computed under one salt is a hit for the same salt only (not
     for another, nor for no salt); an empty or non-string salt is refused by name."""
@@ -1143,7 +1166,7 @@ def test_prompt_logprobs_are_the_models_own_whatever_the_chunking_caching_or_pre
             own = logprobs[torch.arange(len(ids) - 1), ids[1:]]
             expected.append((own, logprobs[:-1].topk(2).indices, (logprobs[:-1] > own[:, None]).sum(-1) + 1))
     params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, n=2, ignore_eos=True)
-    for options in (dict(), dict(max_num_batched_tokens=7), dict(num_blocks=16, block_size=4, max_num_batched_tokens=8)):
+    for options in (dict(), dict(max_num_batched_tokens=7), dict(num_blocks=12, block_size=4, max_num_batched_tokens=8)):
         gen = make_generator(smollm2, **options)
         gen.run(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # its blocks are cached
         outputs = gen.run(prompts, params, use_tqdm=False)

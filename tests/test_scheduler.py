@@ -113,6 +113,70 @@ def test_no_long_prefill_threshold_lets_a_running_prompt_take_the_whole_budget()
     assert out.num_tokens == [32]
 
 
+def tokens_computed(requests, **options) -> tuple[int, int, list[list[int]]]:
+    """Run ``requests`` to the end on a scheduler with ``options``: the tokens computed, the preemptions, and each
+    request's output."""
+    scheduler, computed = make_scheduler(**options), 0
+    for request in requests:
+        scheduler.add(request)
+    while scheduler.has_work():
+        out, _ = step(scheduler)
+        computed += sum(out.num_tokens)
+    assert_no_leak(scheduler)
+    return computed, scheduler.num_preemptions, [r.seqs[0].output_token_ids for r in requests]
+
+
+def test_prompts_sharing_a_long_prefix_compute_it_once_under_the_cap():
+    """Admitted together, each prompt computes a different capped chunk of the shared prefix; in later steps each
+    takes the others' blocks instead of computing them again: as many tokens computed as with no cap."""
+    prefix = list(range(3, 43))  # ten blocks of 4
+
+    def requests():
+        return [make_request(f"r{i}", prefix + [100 + i] * 3) for i in range(4)]
+
+    capped = tokens_computed(requests(), max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    assert capped == tokens_computed(requests(), max_num_batched_tokens=64, long_prefill_token_threshold=0)
+    assert capped[0] == 40 + 4 * 3 + 4 * 3  # the prefix once, each one's own tokens, three decode steps each
+
+
+def test_a_failed_step_gives_back_the_blocks_a_prompt_caught_up_with():
+    """A running prompt that took blocks computed earlier in the same step holds blocks never written if the step
+    fails: `rollback` returns it to where it was, and the run ends as if the step had not been tried."""
+    prefix = list(range(3, 43))
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    requests = [make_request(f"r{i}", prefix + [100 + i] * 3) for i in range(4)]
+    for request in requests:
+        scheduler.add(request)
+    step(scheduler)
+    kv, running = scheduler.kv_manager, list(scheduler.running)
+    before = [(seq.num_computed_tokens, list(kv.block_table(seq.seq_id))) for seq in running]
+    cached = kv.pool.num_cached_blocks
+    out = scheduler.schedule()
+    # r0 takes the chunks that r1-r3 computed and computes the prefix's last; r1-r3 take that one too, unwritten
+    assert [(seq.request.request_id, n) for seq, n in out.caught_up] == [("r0", 8), ("r1", 16), ("r2", 24), ("r3", 32)]
+    assert all(seq.num_computed_tokens == 40 for seq in running[1:])
+    scheduler.rollback(out)
+    assert [(seq.num_computed_tokens, kv.block_table(seq.seq_id)[: len(table)]) for seq, (_, table)
+            in zip(running, before)] == before
+    assert kv.pool.num_cached_blocks == cached
+    run_to_end(scheduler, [])
+    assert [r.seqs[0].output_token_ids for r in requests] == [[10, 11, 12, 13]] * 4
+    assert_no_leak(scheduler)
+
+
+def test_a_capped_prompt_is_admitted_only_when_all_of_it_fits():
+    """Under a nearly full cache, a prompt is admitted for its first capped chunk only when its whole prompt fits
+    beside what running prompts still need: no preemptions, as with no cap."""
+    def requests():
+        return [make_request(f"r{i}", [3 + (7 * i + j) % 90 for j in range(40)], max_tokens=8, ignore_eos=True)
+                for i in range(4)]
+
+    options = dict(num_blocks=30, max_num_batched_tokens=64, enable_prefix_caching=False)
+    capped = tokens_computed(requests(), long_prefill_token_threshold=8, **options)
+    assert capped == tokens_computed(requests(), long_prefill_token_threshold=0, **options)
+    assert capped[:2] == (4 * (40 + 7), 0)
+
+
 def test_prefix_blocks_are_shared_within_a_step_and_after_it():
     scheduler = make_scheduler()
     prefix = list(range(3, 19))  # four full blocks of 4
@@ -463,14 +527,20 @@ def test_aborting_a_beam_search_frees_every_beam():
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_beams_recomputed_together_share_their_prompt_blocks(caching):
+@pytest.mark.parametrize("threshold", [0, 4])
+def test_beams_recomputed_together_share_their_prompt_blocks(caching, threshold):
+    """Also under a long-prefill cap, which recomputing beams are exempt from: in capped chunks each would compute the
+    rest of the prompt into blocks of its own after the first step."""
     scheduler, beam = started_search(4, n=3, max_tokens=10)
+    scheduler.config = scheduler.config.replace(long_prefill_token_threshold=threshold)
     scheduler._preempt(scheduler.running[0])
     assert all(seq.status is SequenceStatus.WAITING for seq in beam.beams.live)
     assert scheduler.kv_manager.reset_prefix_cache()  # nothing cached: the beams can only share among themselves
     scheduler.kv_manager.enable_prefix_caching = caching
     out, _ = beam_step_of(scheduler)
     assert len(out.admitted) == 3
+    while any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in beam.beams.live):
+        beam_step_of(scheduler)
     tables = [scheduler.kv_manager.block_table(seq.seq_id) for seq in beam.beams.live]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the prompt's two full blocks, computed once
     run_beams(scheduler, [])

@@ -41,6 +41,7 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue for this step
     first_admitted: list[Request] = field(default_factory=list)  # admitted for the first time (their cached tokens)
     prefix_matches: list[tuple[int, int]] = field(default_factory=list)  # (tokens, cached) per admission
+    caught_up: list[tuple[Sequence, int]] = field(default_factory=list)  # (running prompt, tokens it had computed)
     num_partial_prefills: int = 0  # prompt chunks that leave the rest of their prompt for later steps
     draws: list[tuple[Sequence, int]] = field(default_factory=list)
     draw_rows: list[int] = field(default_factory=list)
@@ -192,8 +193,9 @@ class Scheduler:
                     searches.add(seq.request.request_id)
                     budget = self._schedule_beams(out, seq.request, budget)
                 continue
+            self._catch_up(out, seq)
             # Guesses take only the budget left once every later sequence has a token: they are optional.
-            needed = self._chunk(seq.num_tokens - seq.num_computed_tokens)
+            needed = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens)
             guesses = proposed.get(seq.seq_id, [])[: max(0, budget - needed - (len(running) - 1 - i))]
             n = min(needed + len(guesses), budget)
             copies = self._grow(seq, n)
@@ -219,7 +221,7 @@ class Scheduler:
         they are the newest) for none. Returns the budget left."""
         plan = []
         for beam in [seq for seq in request.seqs if seq.status is SequenceStatus.RUNNING]:
-            n = min(self._chunk(beam.num_tokens - beam.num_computed_tokens), budget)  # 0: waits for its siblings'
+            n = min(beam.num_tokens - beam.num_computed_tokens, budget)  # 0: its candidates wait for its siblings'
             if n > 0:
                 plan.append((beam, n))
                 budget -= n
@@ -256,6 +258,7 @@ class Scheduler:
         seats = sum(seq.num_samples for seq in self.running)  # n > 1 forks after the prompt
         loras = {seq.request.lora_id for seq in self.running} - {None}
         passed: list[Sequence] = []  # of adapters beyond max_loras: they keep their place for a later step
+        owed = sum(map(self._owed_blocks, self.running))
         while self.waiting and budget > 0:
             unit = self._waiting_unit()
             samples = sum(seq.num_samples for seq in unit)
@@ -265,7 +268,7 @@ class Scheduler:
             if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
                 passed += [self.waiting.popleft() for _ in unit]
                 continue
-            plan = self._fit(unit, budget)
+            plan = self._fit(unit, budget, owed)
             if plan is None and not self.running and unit[0].request.beams is not None:  # every block is free
                 self._fail_search(out, unit[0].request)
                 continue
@@ -274,6 +277,7 @@ class Scheduler:
             for seq, num_cached, n, copies in plan:
                 self._admit(out, self.waiting.popleft(), num_cached, n, copies)
                 budget -= n
+                owed += self._owed_blocks(seq)
             seats += samples
             if lora is not None:
                 loras.add(lora)
@@ -286,17 +290,21 @@ class Scheduler:
             return [first]
         return list(itertools.takewhile(lambda seq: seq.request is first.request, self.waiting))
 
-    def _fit(self, unit: list[Sequence], budget: int) -> list[tuple[Sequence, int, int, list[BlockCopy]]] | None:
-        """Attach each sequence's cached prefix and find blocks for what it computes of ``budget``: per sequence
-        ``(sequence, cached tokens, tokens, block copies)``, or None, every block given back, when they are short."""
+    def _fit(self, unit: list[Sequence], budget: int,
+             owed: int) -> list[tuple[Sequence, int, int, list[BlockCopy]]] | None:
+        """Attach each sequence's cached prefix and find blocks for what it computes of ``budget``, leaving the
+        ``owed`` blocks that running prompts still need free: per sequence ``(sequence, cached tokens, tokens, block
+        copies)``, or None, every block given back, when they are short."""
         plan = []
         for seq in unit:
             num_cached = self.kv_manager.match_prefix(seq.seq_id, seq.token_ids, seq.request.cache_salt,
                                                       reuse=not seq.request.scores_prompt)
             num_cached = self._share_planned(seq, num_cached, plan)
-            n = min(self._chunk(seq.num_tokens - num_cached), budget)
-            needed = self.kv_manager.num_blocks_needed(seq.seq_id, num_cached, num_cached + n)
-            room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0)
+            n = min(self._chunk(seq, seq.num_tokens - num_cached), budget)
+            # Room for the whole prompt, though only this step's chunk is allocated: one admitted when its rest
+            # cannot fit would take the blocks of others as it grows (preempting them, to be computed again).
+            needed = self.kv_manager.num_blocks_needed(seq.seq_id, num_cached, seq.num_tokens)
+            room = self.kv_manager.pool.num_free_blocks - (self._headroom() if self.running else 0) - owed
             copies = self.kv_manager.allocate(seq.seq_id, num_cached, num_cached + n) if needed <= room else None
             if copies is None:
                 for held in unit[: len(plan) + 1]:
@@ -306,11 +314,24 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _chunk(self, needed: int) -> int:
-        """What a sequence that needs ``needed`` tokens computed computes this step, the budget aside: at most
-        ``long_prefill_token_threshold`` (vLLM's option; 0 or None: no limit)."""
+    def _chunk(self, seq: Sequence, needed: int) -> int:
+        """What ``seq``, which needs ``needed`` tokens computed, computes this step, the budget aside: at most
+        ``long_prefill_token_threshold`` (vLLM's option; 0 or None: no limit). Beams recomputing their prompt after a
+        preemption are not capped: only beams admitted in the same step share what they compute (`_share_planned`),
+        so in chunks each would compute the rest of the prompt into blocks of its own."""
         cap = self.config.long_prefill_token_threshold
-        return min(needed, cap) if cap else needed
+        return min(needed, cap) if cap and seq.request.beams is None else needed
+
+    def _catch_up(self, out: SchedulerOutput, seq: Sequence) -> None:
+        """A prompt computed in chunks takes the blocks that other sequences computed of its next tokens, earlier in
+        this step included (prompts sharing a long prefix, admitted together, each compute a different chunk of it);
+        `rollback` gives them back if the step fails."""
+        if seq.num_tokens - seq.num_computed_tokens > 1 and not seq.request.scores_prompt:
+            held = self.kv_manager.extend_prefix(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                                 seq.request.cache_salt)
+            if held > seq.num_computed_tokens:
+                out.caught_up.append((seq, seq.num_computed_tokens))
+                seq.num_computed_tokens = held
 
     def _share_planned(self, seq: Sequence, num_cached: int, plan: list) -> int:
         """Beams recomputed together share their common prefix: ``seq`` takes the whole blocks of the longest one that
@@ -361,6 +382,10 @@ class Scheduler:
                     out.draws.append((seq, k))
                     out.draw_rows.append(row)
                 row += 1 + len(out.spec_token_ids.get(seq.seq_id, ()))
+
+    def _owed_blocks(self, seq: Sequence) -> int:
+        """Blocks that running ``seq`` will still take for the prompt tokens that later steps compute."""
+        return max(0, -(-seq.num_tokens // self.kv_manager.block_size) - len(self.kv_manager.block_table(seq.seq_id)))
 
     def _headroom(self) -> int:
         """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""
@@ -637,6 +662,9 @@ class Scheduler:
             self.kv_manager.uncache_blocks(seq.seq_id, seq.num_computed_tokens)
             if seq.matcher is not None:  # its grammar work is done again for the same token
                 seq.matcher.spent = 0.0
+        for seq, num_computed in out.caught_up:  # blocks of this step among them were never written
+            self.kv_manager.truncate(seq.seq_id, num_computed)
+            seq.num_computed_tokens = num_computed
         # A sequence admitted this step may have matched blocks that another one indexed in the same step, which
         # were never written: it goes back to waiting and matches again.
         for seq in reversed(out.admitted):
