@@ -279,6 +279,40 @@ def test_speculation_compares_both_variants_in_one_process(smollm2_path, tmp_pat
     assert "ratio on/off" in proc.stdout and "decode tok/s" in proc.stdout and "identical: 2 of 2" in proc.stdout
 
 
+def test_mixed_load_times_chats_behind_a_long_prompt_for_every_variant(smollm2_path, tmp_path):
+    """A tiny model, one round: this checkout and the same under another option, each a fresh process."""
+    from live_server import tiny_model
+
+    model, tokenizer = tiny_model(smollm2_path)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "mixed.json"
+    proc = run_script("mixed_load.py", "--model", str(tmp_path / "tiny"), "--long-prompt", "96", "--chats", "2",
+                      "--chat-output", "5", "--first-chat-at", "0", "--interval", "0.01", "--rounds", "1",
+                      "--threads", "1", "--variant", 'uncapped={"long_prefill_token_threshold": 0}',
+                      "--json", str(out), timeout=300)
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"ours", "uncapped"}
+    for (figures,) in report["results"].values():
+        assert 0 < figures["chat_ttft_p50"] <= figures["chat_ttft_max"] <= figures["wall"]
+        assert 0 < figures["long_ttft"] <= figures["wall"] and figures["chat_gap_max"] > 0
+    assert "ttft p50 / ours" in proc.stdout and "uncapped" in proc.stdout
+
+
+def test_mixed_load_runs_the_baseline_trees_own_code(tmp_path):
+    """``--baseline`` runs the hf_paged of the tree it names, not this checkout's (a tree that cannot be imported
+    fails the run, naming it); a variant's options must be a JSON object."""
+    (tmp_path / "hf_paged").mkdir()
+    (tmp_path / "hf_paged" / "__init__.py").write_text("raise ImportError('the baseline tree was imported')\n")
+    mixed_load = load_benchmark("mixed_load")
+    args = mixed_load.parse_args(["--baseline", str(tmp_path), "--threads", "1"])
+    with pytest.raises(RuntimeError, match="the baseline tree was imported"):
+        mixed_load.run_variant(args, *args.variants["baseline"])
+    for bad in ("x", "x=[1]", "x={1:", "={}"):
+        with pytest.raises(SystemExit):
+            mixed_load.parse_args(["--variant", bad])
+
+
 @pytest.mark.slow
 def test_native_ab_times_each_build_of_the_decoder(smollm2_path, tmp_path):
     """Two builds of the decoder (the package's source, once with an extra flag) taking turns on a tiny model."""
