@@ -137,10 +137,11 @@ class NativeDecoder:
         self._bind(weights)
 
     @property
-    def prefills_on_tiles(self) -> bool:
-        """Whether its prompt rows multiply on AMX tiles (bf16, on a CPU with AMX): prompts then prefill faster in
-        its steps than in longer Transformers forwards."""
-        return self.model.dtype == torch.bfloat16 and cpu_decoder.prompt_tiles()
+    def takes_whole_steps(self) -> bool:
+        """Whether it is the faster for steps of every size it runs (up to `cpu_decoder.MAX_TOKENS`): prompts then
+        compute faster in its steps than in longer Transformers forwards. Not for fp32 on CPUs with AVX2 and no
+        AVX-512, where oneDNN is the faster on prompts (see `cpu_decoder.faster_tokens`)."""
+        return self.max_tokens == cpu_decoder.MAX_TOKENS
 
     def linear_layers(self) -> list[nn.Module]:
         """The linear layers whose products the decoder computes with its own packed copy of their weights."""

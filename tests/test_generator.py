@@ -82,9 +82,9 @@ def test_batch_is_token_identical_to_generate_alone(smollm2, prompt_ids, referen
     assert (gen.runner.native is not None) == native_runs
     # The native decoder multiplies by its own copy of the weights: where it takes steps of 512 tokens, a oneDNN copy
     # of them as well would cost memory for a few percent on longer steps (the layers it does not cover, none in this
-    # model, are packed). An fp32 model's steps are of 2048 tokens unless told.
-    assert gen.config.max_num_batched_tokens == options.get("max_num_batched_tokens", 2048)
+    # model, are packed). Its steps are then of 512 tokens unless told (else of 2048).
     native_512 = native_runs and gen.runner.native.max_tokens == 512
+    assert gen.config.max_num_batched_tokens == options.get("max_num_batched_tokens", 512 if native_512 else 2048)
     linears = [m for m in gen.model.modules() if isinstance(m, torch.nn.Linear)]
     packed = {isinstance(m, PrepackedLinear) for m in linears}
     assert packed == {options.get("prepack_weights", True) and available(torch.float32) and not native_512}
@@ -675,14 +675,14 @@ def test_engine_sizes_must_be_positive(smollm2, option):
         make_generator(smollm2, **option)
 
 
-def test_the_long_prefill_threshold_defaults_to_a_quarter_of_the_step_and_keeps_the_tokens(smollm2, prompt_ids,
+def test_the_long_prefill_threshold_defaults_to_a_share_of_the_step_and_keeps_the_tokens(smollm2, prompt_ids,
                                                                                            reference):
     """Prompts computed in chunks of at most the threshold (a long one's chunks beside others' decodes) give
     `generate`'s tokens, as whole prompts do."""
-    assert make_generator(smollm2).config.long_prefill_token_threshold == 2048 // 4
-    assert make_generator(smollm2, max_num_batched_tokens=4096).config.long_prefill_token_threshold == 1024
-    assert make_generator(smollm2, max_num_batched_tokens=700).config.long_prefill_token_threshold == 512
-    assert make_generator(smollm2, max_num_batched_tokens=64).config.long_prefill_token_threshold == 64
+    for budget, threshold in ((2048, 512), (4096, 1024), (1200, 512), (700, 350), (512, 256), (64, 32)):
+        assert make_generator(smollm2, max_num_batched_tokens=budget).config.long_prefill_token_threshold == threshold
+    default = make_generator(smollm2).config  # 512-token steps where the native decoder runs, else 2048
+    assert default.long_prefill_token_threshold == {512: 256, 2048: 512}[default.max_num_batched_tokens]
     gen = make_generator(smollm2, long_prefill_token_threshold=5)
     assert run_greedy(gen, prompt_ids) == reference
     assert gen.stats().num_partial_prefills >= sum(len(ids) // 5 for ids in prompt_ids) // 2

@@ -108,8 +108,8 @@ def test_steps_of_more_than_one_pass_of_rows_are_native_and_give_the_same_tokens
 def test_steps_longer_than_the_decoders_run_the_transformers_forward(dtype, tokenizer):
     """Steps of up to 512 tokens (`cpu_decoder.MAX_TOKENS`) can run natively, prompts included; longer ones (asked
     for with ``max_num_batched_tokens``) run the Transformers forward, and the decode steps after them are native
-    again. By default a bf16 model's steps, where its prompts prefill on AMX tiles, are no longer than the native
-    decoder takes: all of them run natively."""
+    again. By default, where the decoder is the faster for steps of all the sizes it takes (all but fp32 on AVX2 alone),
+    a model's steps are no longer than it takes: all of them run natively."""
     torch.manual_seed(2)
     steps = {}
     for lengths, budget in (((3, 9, 17, 30, 5, 70, 12, 8, 40, 90), 2048), ((200, 150, 170), 2048),
@@ -118,8 +118,8 @@ def test_steps_longer_than_the_decoders_run_the_transformers_forward(dtype, toke
         gen = ContinuousBatchGenerator(tiny("llama", dtype), tokenizer, num_blocks=512, block_size=4,
                                        max_num_batched_tokens=budget)
         assert gen.runner.native.max_tokens == cpu_decoder.faster_tokens(dtype) in (160, 512)
-        native_steps_only = gen.runner.native.prefills_on_tiles
-        assert native_steps_only == (dtype == torch.bfloat16 and cpu_decoder.prompt_tiles())
+        native_steps_only = gen.runner.native.takes_whole_steps
+        assert native_steps_only == (cpu_decoder.faster_tokens(dtype) == 512)
         assert gen.config.max_num_batched_tokens == (budget or (512 if native_steps_only else 2048))
         gen.runner.native.max_tokens = cpu_decoder.MAX_TOKENS
         native_steps, forward_steps = record_steps(gen)

@@ -158,13 +158,14 @@ class EngineConfig:
         "weights halves the cache's memory and the bytes attention reads")
     max_num_seqs: int = _option("most sequences in one step (default: 256)", 256)
     max_num_batched_tokens: int | None = _option(
-        "most tokens computed in one step; longer prompts are prefilled in chunks (default: 2048; 512 for bf16 "
-        "models the native decoder runs on a CPU with AMX, which then takes every step; never below --max-num-seqs)",
+        "most tokens computed in one step; longer prompts are prefilled in chunks (default: 512 where the native CPU "
+        "decoder runs the model and is the faster for all its steps, which it then takes; 2048 elsewhere; never below "
+        "--max-num-seqs)",
         type_=parse_token_count)
     long_prefill_token_threshold: int | None = _option(
         "most tokens of one prompt computed in a step (vLLM's), so that a long prompt leaves room in every step for "
         "the others' prompts and decodes instead of holding them up for its whole prefill; 0: no limit (default: a "
-        "quarter of --max-num-batched-tokens, at least 512)",
+        "quarter of --max-num-batched-tokens, at least 512 and at most half)",
         type_=parse_token_count)
     max_model_len: int | None = _option(
         "longest prompt + output in tokens (default: the model's context, capped by the cache; more than either "

@@ -54,21 +54,21 @@ def _check_temperature_tuning(text_config, max_model_len: int, config: EngineCon
 
 
 def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> EngineConfig:
-    """``config`` with ``max_num_batched_tokens`` set: the caller's, else the steps the native decoder takes where
-    it prefills on AMX tiles (bf16), so that every step runs natively (prompts prefill faster in its 512-token chunks
-    than in 2048-token Transformers forwards, and decodes wait less behind them), else 2048 (in fp32 its prefill of
-    long prompts is the slower); never below ``max_num_seqs`` (a step decodes every running sequence, as vLLM
-    asks). ``long_prefill_token_threshold`` likewise: the caller's, else a quarter of the budget but at least 512
-    tokens (prompts of up to 512 tokens are computed whole, as before: smaller chunks only delay their first tokens
-    when many arrive at once)."""
+    """``config`` with ``max_num_batched_tokens`` set: the caller's, else the steps the native decoder takes where it
+    is the faster for all of them (`NativeDecoder.takes_whole_steps`), so that every step runs natively (prompts
+    compute faster in its 512-token steps than in 2048-token Transformers forwards, and decodes wait less behind
+    them), else 2048; never below ``max_num_seqs`` (a step decodes every running sequence, as vLLM asks).
+    ``long_prefill_token_threshold`` likewise: the caller's, else a quarter of the budget but at least 512 tokens
+    (prompts of up to 512 tokens are computed whole: smaller chunks only delay their first tokens when many arrive at
+    once), and at most half of it (so that a long prompt leaves room in its steps for others)."""
     budget = config.max_num_batched_tokens
     if budget is None:
-        budget = native.max_tokens if native is not None and native.prefills_on_tiles else \
+        budget = native.max_tokens if native is not None and native.takes_whole_steps else \
             DEFAULT_MAX_NUM_BATCHED_TOKENS
         budget = max(budget, config.max_num_seqs)
     threshold = config.long_prefill_token_threshold
     return config.replace(max_num_batched_tokens=budget,
-                          long_prefill_token_threshold=min(budget, max(512, budget // 4)) if threshold is None
+                          long_prefill_token_threshold=min(budget // 2, max(512, budget // 4)) if threshold is None
                           else threshold)
 
 
