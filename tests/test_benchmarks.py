@@ -25,6 +25,16 @@ def run_script(name: str, *args: str, timeout: float) -> subprocess.CompletedPro
     return proc
 
 
+def saved_tiny_model(smollm2_path: str, tmp_path: Path) -> str:
+    """A tiny random-weight model with SmolLM2's tokenizer, saved under ``tmp_path``: its directory."""
+    from live_server import tiny_model
+
+    model, tokenizer = tiny_model(smollm2_path)
+    model.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    return str(tmp_path / "tiny")
+
+
 def test_the_script_without_a_smoke_run_starts():
     """The other scripts run below (chaos.py is serve_load's); this one starts and explains itself (its import order
     once broke it: ``benchmarks/kernels.py`` shadowed the package Transformers probes for)."""
@@ -242,13 +252,9 @@ def test_decode_reads_llama_batched_bench_tables():
 @pytest.mark.slow
 def test_decode_puts_every_variant_side_by_side(smollm2_path, tmp_path):
     """A tiny model, one round: ours, ours with --enforce-eager, this checkout again as the baseline, and generate."""
-    from live_server import tiny_model
-
-    model, tokenizer = tiny_model(smollm2_path)
-    model.save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
+    tiny = saved_tiny_model(smollm2_path, tmp_path)
     out = tmp_path / "decode.json"
-    proc = run_script("decode.py", "--model", str(tmp_path / "tiny"), "--batch-sizes", "2", "--dtypes", "float32",
+    proc = run_script("decode.py", "--model", tiny, "--batch-sizes", "2", "--dtypes", "float32",
                       "--rounds", "1", "--prompt", "8", "--output", "6", "--threads", "1",
                       "--baseline", str(BENCHMARKS.parent), "--json", str(out), timeout=300)
     cells = json.loads(out.read_text())["results"]["float32"]["2"]
@@ -281,13 +287,9 @@ def test_speculation_compares_both_variants_in_one_process(smollm2_path, tmp_pat
 
 def test_mixed_load_times_chats_behind_a_long_prompt_for_every_variant(smollm2_path, tmp_path):
     """A tiny model, one round: this checkout and the same under another option, each a fresh process."""
-    from live_server import tiny_model
-
-    model, tokenizer = tiny_model(smollm2_path)
-    model.save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
+    tiny = saved_tiny_model(smollm2_path, tmp_path)
     out = tmp_path / "mixed.json"
-    proc = run_script("mixed_load.py", "--model", str(tmp_path / "tiny"), "--long-prompt", "96", "--chats", "2",
+    proc = run_script("mixed_load.py", "--model", tiny, "--long-prompt", "96", "--chats", "2",
                       "--chat-output", "5", "--first-chat-at", "0", "--interval", "0.01", "--rounds", "1",
                       "--threads", "1", "--variant", 'uncapped={"long_prefill_token_threshold": 0}',
                       "--json", str(out), timeout=300)
@@ -316,18 +318,14 @@ def test_mixed_load_runs_the_baseline_trees_own_code(tmp_path):
 @pytest.mark.slow
 def test_native_ab_times_each_build_of_the_decoder(smollm2_path, tmp_path):
     """Two builds of the decoder (the package's source, once with an extra flag) taking turns on a tiny model."""
-    from live_server import tiny_model
-
     from hf_paged.kernels import native
 
     if native.compiler() is None:
         pytest.skip("no C++ compiler: there is no native decoder to build")
-    model, tokenizer = tiny_model(smollm2_path)
-    model.save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
+    tiny = saved_tiny_model(smollm2_path, tmp_path)
     source = str(BENCHMARKS.parent / "hf_paged" / "kernels" / "cpu_decoder.cpp")
     out = tmp_path / "ab.json"
-    proc = run_script("native_ab.py", source, f"{source}@-DNDEBUG", "--model", str(tmp_path / "tiny"),
+    proc = run_script("native_ab.py", source, f"{source}@-DNDEBUG", "--model", tiny,
                       "--dtypes", "float32", "--batch-sizes", "1,3", "--prompt", "8", "--output", "6", "--threads", "1",
                       "--json", str(out), timeout=300)
     steps = json.loads(out.read_text())["median_step_s"]["float32"]
