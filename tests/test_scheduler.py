@@ -114,8 +114,8 @@ def test_no_long_prefill_threshold_lets_a_running_prompt_take_the_whole_budget()
 
 
 def tokens_computed(requests, **options) -> tuple[int, int, list[list[int]]]:
-    """Run ``requests`` to the end on a scheduler with ``options``: the tokens computed, the preemptions, and each
-    request's output."""
+    """Run ``requests`` to the end on a scheduler with ``options``: the tokens computed, the preemptions, each
+    request's output, the prefix-cache hits and the cached tokens the requests report."""
     scheduler, computed = make_scheduler(**options), 0
     for request in requests:
         scheduler.add(request)
@@ -123,12 +123,14 @@ def tokens_computed(requests, **options) -> tuple[int, int, list[list[int]]]:
         out, _ = step(scheduler)
         computed += sum(out.num_tokens)
     assert_no_leak(scheduler)
-    return computed, scheduler.num_preemptions, [r.seqs[0].output_token_ids for r in requests]
+    return (computed, scheduler.num_preemptions, [r.seqs[0].output_token_ids for r in requests],
+            scheduler.kv_manager.prefix_hits, sum(r.num_cached_tokens for r in requests))
 
 
 def test_prompts_sharing_a_long_prefix_compute_it_once_under_the_cap():
     """Admitted together, each prompt computes a different capped chunk of the shared prefix; in later steps each
-    takes the others' blocks instead of computing them again: as many tokens computed as with no cap."""
+    takes the others' blocks instead of computing them again: as many tokens computed as with no cap, and as many
+    counted as prefix-cache hits and as the requests' cached tokens."""
     prefix = list(range(3, 43))  # ten blocks of 4
 
     def requests():
@@ -153,7 +155,8 @@ def test_a_failed_step_gives_back_the_blocks_a_prompt_caught_up_with():
     cached = kv.pool.num_cached_blocks
     out = scheduler.schedule()
     # r0 takes the chunks that r1-r3 computed and computes the prefix's last; r1-r3 take that one too, unwritten
-    assert [(seq.request.request_id, n) for seq, n in out.caught_up] == [("r0", 8), ("r1", 16), ("r2", 24), ("r3", 32)]
+    assert [(seq.request.request_id, before, held) for seq, before, held in out.caught_up] == [
+        ("r0", 8, 32), ("r1", 16, 40), ("r2", 24, 40), ("r3", 32, 40)]
     assert all(seq.num_computed_tokens == 40 for seq in running[1:])
     scheduler.rollback(out)
     assert [(seq.num_computed_tokens, kv.block_table(seq.seq_id)[: len(table)]) for seq, (_, table)
@@ -162,6 +165,34 @@ def test_a_failed_step_gives_back_the_blocks_a_prompt_caught_up_with():
     run_to_end(scheduler, [])
     assert [r.seqs[0].output_token_ids for r in requests] == [[10, 11, 12, 13]] * 4
     assert_no_leak(scheduler)
+
+
+def test_a_prompt_that_caught_up_and_was_preempted_in_the_same_step_is_left_alone_by_rollback():
+    """It holds no blocks once preempted (requeued to be recomputed): a failed step has nothing of it to undo."""
+    scheduler = make_scheduler(num_blocks=12, max_model_len=48, max_num_batched_tokens=64,
+                               long_prefill_token_threshold=8, scheduling_policy="priority")
+    prefix = list(range(3, 19))
+    forks = make_request("forks", [200] * 6, max_tokens=30, n=8, ignore_eos=True)  # its forks copy blocks as they grow
+    z, a = make_request("z", prefix + [100] * 3, max_tokens=2), make_request("a", prefix + [101] * 3, max_tokens=2)
+    for request in (forks, z, a):
+        scheduler.add(request)
+    step(scheduler)
+    out = scheduler.schedule()
+    assert [(seq.request.request_id, seq.status) for seq, _, _ in out.caught_up] == [("z", SequenceStatus.WAITING)]
+    scheduler.rollback(out)
+    run_to_end(scheduler, [])
+    assert z.seqs[0].output_token_ids == a.seqs[0].output_token_ids == [10, 11]
+    assert_no_leak(scheduler)
+
+
+def test_a_beam_searchs_first_prompt_is_capped_as_any_other():
+    scheduler = make_scheduler(num_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    beam = make_request("beam", range(3, 203), max_tokens=4, n=2, use_beam_search=True)
+    plain = make_request("plain", range(3, 203), max_tokens=4)
+    scheduler.add(beam)
+    scheduler.add(plain)
+    out = scheduler.schedule()
+    assert [(seq.request.request_id, n) for seq, n in zip(out.seqs, out.num_tokens)] == [("beam", 8), ("plain", 8)]
 
 
 def test_a_capped_prompt_is_admitted_only_when_all_of_it_fits():

@@ -59,8 +59,8 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
     compute faster in its 512-token steps than in 2048-token Transformers forwards, and decodes wait less behind
     them), else 2048; never below ``max_num_seqs`` (a step decodes every running sequence, as vLLM asks).
     ``long_prefill_token_threshold`` likewise: the caller's, else a quarter of the budget but at least 512 tokens
-    (prompts of up to 512 tokens are computed whole: smaller chunks only delay their first tokens when many arrive at
-    once), and at most half of it (so that a long prompt leaves room in its steps for others)."""
+    (smaller chunks only delay the first tokens of many mid-length prompts arriving at once), and at most half of it
+    (so that a long prompt leaves room in its steps for others)."""
     budget = config.max_num_batched_tokens
     if budget is None:
         budget = native.max_tokens if native is not None and native.takes_whole_steps else \

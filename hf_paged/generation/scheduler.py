@@ -41,7 +41,8 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue for this step
     first_admitted: list[Request] = field(default_factory=list)  # admitted for the first time (their cached tokens)
     prefix_matches: list[tuple[int, int]] = field(default_factory=list)  # (tokens, cached) per admission
-    caught_up: list[tuple[Sequence, int]] = field(default_factory=list)  # (running prompt, tokens it had computed)
+    # Running prompts that took blocks others computed: (sequence, tokens it had computed, tokens it then held).
+    caught_up: list[tuple[Sequence, int, int]] = field(default_factory=list)
     num_partial_prefills: int = 0  # prompt chunks that leave the rest of their prompt for later steps
     draws: list[tuple[Sequence, int]] = field(default_factory=list)
     draw_rows: list[int] = field(default_factory=list)
@@ -221,7 +222,7 @@ class Scheduler:
         they are the newest) for none. Returns the budget left."""
         plan = []
         for beam in [seq for seq in request.seqs if seq.status is SequenceStatus.RUNNING]:
-            n = min(beam.num_tokens - beam.num_computed_tokens, budget)  # 0: its candidates wait for its siblings'
+            n = min(self._chunk(beam, beam.num_tokens - beam.num_computed_tokens), budget)  # 0: waits for siblings'
             if n > 0:
                 plan.append((beam, n))
                 budget -= n
@@ -317,10 +318,12 @@ class Scheduler:
     def _chunk(self, seq: Sequence, needed: int) -> int:
         """What ``seq``, which needs ``needed`` tokens computed, computes this step, the budget aside: at most
         ``long_prefill_token_threshold`` (vLLM's option; 0 or None: no limit). Beams recomputing their prompt after a
-        preemption are not capped: only beams admitted in the same step share what they compute (`_share_planned`),
-        so in chunks each would compute the rest of the prompt into blocks of its own."""
+        preemption (a search of several sequences) are not capped: only beams admitted in the same step share what
+        they compute (`_share_planned`), so in chunks each would compute the rest of the prompt into blocks of its
+        own."""
         cap = self.config.long_prefill_token_threshold
-        return min(needed, cap) if cap and seq.request.beams is None else needed
+        recomputing_beams = seq.request.beams is not None and len(seq.request.seqs) > 1
+        return min(needed, cap) if cap and not recomputing_beams else needed
 
     def _catch_up(self, out: SchedulerOutput, seq: Sequence) -> None:
         """A prompt computed in chunks takes the blocks that other sequences computed of its next tokens, earlier in
@@ -330,7 +333,7 @@ class Scheduler:
             held = self.kv_manager.extend_prefix(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
                                                  seq.request.cache_salt)
             if held > seq.num_computed_tokens:
-                out.caught_up.append((seq, seq.num_computed_tokens))
+                out.caught_up.append((seq, seq.num_computed_tokens, held))
                 seq.num_computed_tokens = held
 
     def _share_planned(self, seq: Sequence, num_cached: int, plan: list) -> int:
@@ -419,6 +422,10 @@ class Scheduler:
             seq.num_computed_tokens += n
         for num_tokens, num_cached in out.prefix_matches:  # counted once the step stands (`rollback` repeats them)
             self.kv_manager.record_prefix_match(num_tokens, num_cached)
+        for seq, num_computed, held in out.caught_up:  # hits among the tokens its admission queried
+            if seq.status is SequenceStatus.RUNNING:
+                self.kv_manager.record_prefix_match(0, held - num_computed)
+                seq.request.num_cached_tokens += (held - num_computed) * (seq.index == 0)
         self.num_partial_prefills += out.num_partial_prefills
         changed: dict[str, Request] = {}
         if sampled is not None and sampled.prompt_logprobs is not None:
@@ -662,9 +669,10 @@ class Scheduler:
             self.kv_manager.uncache_blocks(seq.seq_id, seq.num_computed_tokens)
             if seq.matcher is not None:  # its grammar work is done again for the same token
                 seq.matcher.spent = 0.0
-        for seq, num_computed in out.caught_up:  # blocks of this step among them were never written
-            self.kv_manager.truncate(seq.seq_id, num_computed)
-            seq.num_computed_tokens = num_computed
+        for seq, num_computed, _ in out.caught_up:  # blocks of this step among them were never written
+            if seq.status is SequenceStatus.RUNNING:  # else preempted later in the step: it holds none
+                self.kv_manager.truncate(seq.seq_id, num_computed)
+                seq.num_computed_tokens = num_computed
         # A sequence admitted this step may have matched blocks that another one indexed in the same step, which
         # were never written: it goes back to waiting and matches again.
         for seq in reversed(out.admitted):
