@@ -49,21 +49,22 @@ class KVCacheManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         return self.tables.get(seq_id, [])
 
-    def _blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
     def _shared_in(self, table: list[int], num_computed: int, num_tokens: int) -> list[int]:
         """Indices of the blocks of ``table`` that tokens ``[num_computed, num_tokens)`` go into and that another
         sequence holds too: the one they start in when partly filled (copy-on-write), and any beyond it that a
         fork shared before they were written (held since a failed step)."""
-        first, end = num_computed // self.block_size, min(len(table), self._blocks_for(num_tokens))
+        first, end = num_computed // self.block_size, min(len(table), self.blocks_for(num_tokens))
         return [i for i in range(first, end) if self.pool.ref_counts[table[i]] > 1]
 
     def num_blocks_needed(self, seq_id: Hashable, num_computed: int, num_tokens: int) -> int:
         """New blocks that :meth:`allocate` would take to hold ``num_tokens`` tokens."""
         table = self.block_table(seq_id)
         shared = self._shared_in(table, num_computed, num_tokens)
-        return max(0, self._blocks_for(num_tokens) - len(table)) + len(shared)
+        return max(0, self.blocks_for(num_tokens) - len(table)) + len(shared)
 
     def num_blocks_needed_all(self, spans: Sequence[tuple[Hashable, int, int]]) -> int:
         """New blocks that :meth:`allocate` would take for each ``(seq_id, num_computed, num_tokens)`` of ``spans`` in
@@ -72,7 +73,7 @@ class KVCacheManager:
         new, writers = 0, Counter()
         for seq_id, num_computed, num_tokens in spans:
             table = self.block_table(seq_id)
-            new += max(0, self._blocks_for(num_tokens) - len(table))
+            new += max(0, self.blocks_for(num_tokens) - len(table))
             writers.update(table[i] for i in self._shared_in(table, num_computed, num_tokens))
         return new + sum(min(k, self.pool.ref_counts[block] - 1) for block, k in writers.items())
 
@@ -93,7 +94,7 @@ class KVCacheManager:
                 copies.append((table[index], new))
             self.pool.free([table[index]])
             table[index] = new
-        missing = self._blocks_for(num_tokens) - len(table)
+        missing = self.blocks_for(num_tokens) - len(table)
         if missing > 0:
             table.extend(self.pool.allocate(missing))
         return copies
@@ -200,7 +201,7 @@ class KVCacheManager:
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep only the blocks that hold the first ``num_tokens`` tokens."""
         table = self.tables[seq_id]
-        keep = self._blocks_for(num_tokens)
+        keep = self.blocks_for(num_tokens)
         hashes = self._hashes.get(seq_id)
         if hashes is not None:
             full = num_tokens // self.block_size

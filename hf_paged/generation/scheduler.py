@@ -256,6 +256,8 @@ class Scheduler:
         return dropped
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if not self.waiting:
+            return
         seats = sum(seq.num_samples for seq in self.running)  # n > 1 forks after the prompt
         loras = {seq.request.lora_id for seq in self.running} - {None}
         passed: list[Sequence] = []  # of adapters beyond max_loras: they keep their place for a later step
@@ -388,7 +390,7 @@ class Scheduler:
 
     def _owed_blocks(self, seq: Sequence) -> int:
         """Blocks that running ``seq`` will still take for the prompt tokens that later steps compute."""
-        return max(0, -(-seq.num_tokens // self.kv_manager.block_size) - len(self.kv_manager.block_table(seq.seq_id)))
+        return max(0, self.kv_manager.blocks_for(seq.num_tokens) - len(self.kv_manager.block_table(seq.seq_id)))
 
     def _headroom(self) -> int:
         """Blocks kept free when admitting a new sequence, so running ones can grow without being preempted."""
