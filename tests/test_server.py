@@ -57,7 +57,7 @@ def wait_until_up(base: str, timeout: float, process=None) -> None:
 def server(smollm2):
     """The real server on a free port, with greedy reference outputs computed by its own generator beforehand."""
     model, tokenizer = smollm2
-    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=512)
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=512, max_model_len=2048)  # a short context: cheap to fill
     greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS)
     chat_ref, prompt_ref = generator.run([CHAT, PROMPT], greedy, use_tqdm=False)
     bad_words = prompt_ref.outputs[0].text.split()[:1]  # the first word the prompt's greedy output says
@@ -596,7 +596,7 @@ def test_client_disconnect_aborts_the_request(server):
     aborted_before = metric(server, "hf_paged:request_success_total", finished_reason="abort")
     first_tokens = metric(server, "hf_paged:time_to_first_token_seconds_count", model_name=MODEL)
     gaps = metric(server, "hf_paged:inter_token_latency_seconds_count", model_name=MODEL)
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.base}/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
         assert response.status_code == 200
@@ -674,7 +674,7 @@ def test_max_logprobs_minus_one_serves_the_whole_vocabularys_as_vllm(smollm2):
 
 def test_non_streaming_client_disconnect_aborts_the_request(server):
     aborted_before = metric(server, "hf_paged:request_success_total", finished_reason="abort")
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=2)
