@@ -182,12 +182,14 @@ def test_a_stream_and_a_whole_answer_read_the_same_calls_and_content(step):
         '<tool_call>{"name": "get_weather", "arguments": {"city": [1, ',  # cut short: the arguments as written
         '<tool_call>{"name": "get_weather", "arguments": {oops}}</tool_call> after',
         '<tool_call>{"name": "get_weather", "arguments": "{\\"city',  # a JSON string, cut short
+        '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>',  # compact: sent as written
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Z\\u00fcrich"}}</tool_call>',  # escapes too
     ]
     for text in texts:
         whole_content, whole_calls = ToolCallParser("auto").parse(text)
         content, deltas, called = stream_all(ToolCallParser("auto").stream(), text, step)
-        streamed = [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)]
-        assert streamed == [(c.name, as_json(c.arguments)) for c in whole_calls], text
+        streamed = [(c["name"], c["arguments"]) for c in accumulate(deltas)]
+        assert streamed == [(c.name, c.arguments) for c in whole_calls], text  # the same text, not just the same JSON
         assert called == bool(whole_calls) and content == (whole_content or ""), text
     content, calls = ToolCallParser("auto").parse(texts[0])
     assert content == "and <tool_call>not json</tool_call>" and [c.name for c in calls] == ["get_weather"]
@@ -196,9 +198,13 @@ def test_a_stream_and_a_whole_answer_read_the_same_calls_and_content(step):
     assert ToolCallParser("auto").parse(texts[7])[0] == "Sure.\n Done."
     assert [c.arguments for c in ToolCallParser("auto").parse(texts[8])[1]] == ['{"city": [1,']
     assert ToolCallParser("auto").parse(texts[9])[0] == "after"
+    assert [c.arguments for c in ToolCallParser("auto").parse(texts[12])[1]] == ['{"city": "Z\\u00fcrich"}']
+    compact = '[{"name":"get_weather","arguments":{"city":"Paris"}},{"name":"get_time","arguments":{}}]'
+    assert [(c.name, c.arguments) for c in ToolCallParser("json").parse(compact)[1]] == \
+        [("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
 
 
-PIECES = ["Sure.", " ", "\n", "ok", CALL, "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": ', '{"a": 1}',
+PIECES = ["Sure.", " ", "\n", "ok", CALL, "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": ', '{"a": 1}', '{"a":1}',
           "{oops}", '"{\\"x', "}", "<tool", "[1, ", "12", '"s"', '{"arguments": {}, "name": "g"}']
 
 
@@ -255,8 +261,7 @@ def assert_calls_or_content(parser: ToolCallParser, cases: dict[str, list], step
 def assert_streams_as_whole(parser: ToolCallParser, text: str, step: int) -> None:
     whole_content, whole_calls = parser.parse(text)
     content, deltas, called = stream_all(parser.stream(), text, step)
-    assert [(c["name"], as_json(c["arguments"])) for c in accumulate(deltas)] == \
-        [(c.name, as_json(c.arguments)) for c in whole_calls]
+    assert [(c["name"], c["arguments"]) for c in accumulate(deltas)] == [(c.name, c.arguments) for c in whole_calls]
     assert called == bool(whole_calls) and content == (whole_content or "")
 
 
@@ -440,8 +445,8 @@ def split_everywhere(parser: ToolCallParser, text: str) -> None:
         first, second = stream.feed(text[:cut]), stream.feed(text[cut:])
         rest, last, called = stream.finish()
         whole_content, whole_calls = parser.parse(text)
-        assert [(c["name"], as_json(c["arguments"])) for c in accumulate(first[1] + second[1] + last)] == \
-            [(c.name, as_json(c.arguments)) for c in whole_calls], (text, cut)
+        assert [(c["name"], c["arguments"]) for c in accumulate(first[1] + second[1] + last)] == \
+            [(c.name, c.arguments) for c in whole_calls], (text, cut)
         assert first[0] + second[0] + rest == (whole_content or ""), (text, cut)
 
 

@@ -145,13 +145,12 @@ class ToolCallParser:
         return (None, calls) if calls else (text, [])
 
     def _parse_json(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        try:
-            return None, [ToolCall.of(call["name"], call["arguments"]) for call in json.loads(text)]
-        except (KeyError, TypeError, *NOT_JSON):  # cut short by max_tokens: the calls a stream announced
-            stream = self.stream()
-            deltas = stream.feed(text)[1]
-            _, last, called = stream.finish()
-            return (None, _calls_of(deltas + last)) if called else (text, [])
+        """The calls a stream announces, arguments as written (those of a call cut by max_tokens as far as they
+        are), so that a streamed answer and a whole one send the same text."""
+        stream = self.stream()
+        deltas = stream.feed(text)[1]
+        _, last, called = stream.finish()
+        return (None, _calls_of(deltas + last)) if called else (text, [])
 
     def _parse_with_template(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
@@ -511,7 +510,8 @@ def _hermes_block_calls(block: str, functions: dict[str, dict]) -> list[ToolCall
         if end is None or not _scalar_ends(block, header.end(), end, True):
             # Cut short or malformed: as written, as OpenAI passes it on.
             return [*calls, ToolCall.of(name, block[header.end():])]
-        calls.append(ToolCall.of(name, value))
+        # As written (a stream sends them as they come), but a JSON string: the JSON text it holds.
+        calls.append(ToolCall.of(name, value if isinstance(value, str) else block[header.end():end]))
         header = _NEXT_CALL.match(block, end)
         name = _json_string(header.group(1)) if header else None
     return calls
