@@ -557,6 +557,9 @@ def test_errors_have_openai_shape(server):
     too_long = [1] * server.generator.max_model_len
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": too_long}), 400, "prompt", "max_model_len")
     assert_error(post(server, "/v1/chat/completions", "{not json"), 400)
+    assert_error(post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs", "logprobs must")
+    none_asked = post(server, "/v1/chat/completions", {**chat, "top_logprobs": 0})  # as vLLM: 0 without logprobs
+    assert none_asked.status_code == 200 and none_asked.json()["choices"][0]["logprobs"] is None
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": "hi"}), 400, "messages")
     assert_error(post(server, "/v1/completions", {"model": MODEL}), 400, "prompt")
     completion = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}

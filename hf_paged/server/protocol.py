@@ -461,8 +461,8 @@ class ChatCompletionRequest(GenerationRequest):
         return bool(self.tools) or any(m.tool_calls for m in self.messages) or bool(self.template_options())
 
     def to_sampling_params(self, defaults: dict) -> SamplingParams:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidParameter("logprobs", "SamplingParams.logprobs must be true when top_logprobs is given")
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: accepted alone, as vLLM accepts it
+            raise InvalidParameter("top_logprobs", "logprobs must be true when top_logprobs asks for entries")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.max_completion_tokens is None:
             max_tokens = self.max_tokens if self.max_tokens is not None else defaults.get("max_tokens")
