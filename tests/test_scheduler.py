@@ -1,5 +1,7 @@
 """The Scheduler without a model: a fake runner feeds it sampled tokens, failures and aborts (as vLLM tests its own)."""
 
+import itertools
+
 import pytest
 
 from hf_paged.cache import BlockPool, KVCacheManager
@@ -437,6 +439,21 @@ def test_guesses_leave_a_token_for_every_later_sequence():
     assert out.spec_token_ids == {first.seq_id: [7, 8]}
 
 
+def test_guesses_are_dropped_before_a_beam_search_is_preempted_for_room():
+    """As for any other sequence: another request's guesses took the last free block, and the search's beams, the
+    newest, were preempted for it."""
+    scheduler = make_scheduler(num_blocks=5)
+    other = make_request("other", range(1, 8), max_tokens=20)
+    search = make_request("search", range(21, 28), max_tokens=20, n=2, use_beam_search=True)
+    scheduler.add(other)
+    scheduler.add(search)
+    out = scheduler.schedule()
+    scheduler.update(out, SamplerOutput([8, 50], beams=[None, ([50, 51, 52, 53], [-0.1, -0.2, -0.3, -0.4])]))
+    assert len(search.seqs) == 2 and scheduler.kv_manager.pool.num_free_blocks == 1
+    out = scheduler.schedule({other.seqs[0].seq_id: [9, 10, 11, 12]})
+    assert scheduler.num_preemptions == 0 and out.spec_token_ids == {} and out.num_tokens == [1, 1, 1]
+
+
 def test_max_loras_bounds_the_adapters_running_at_once_and_a_passed_request_keeps_its_place():
     from types import SimpleNamespace
 
@@ -471,7 +488,8 @@ def beam_row(seq):
 
 def beam_step_of(scheduler):
     """One step with the fake model of `beam_row`; checks that a search's running beams stay side by side and that a
-    step computes all of them that have anything to compute, or none."""
+    step computes all of them that have anything to compute, or none, but for beams that leave a prefix they share
+    to a sibling that computes it, and those the step had no room for."""
     out = scheduler.schedule()
     for request in {seq.request.request_id: seq.request for seq in scheduler.running}.values():
         if request.beams is not None:
@@ -479,10 +497,24 @@ def beam_step_of(scheduler):
             assert positions == list(range(positions[0], positions[0] + len(positions)))
             busy = [seq for seq in scheduler.running
                     if seq.request is request and seq.num_computed_tokens < seq.num_tokens]
-            assert {seq.seq_id for seq in busy} <= {seq.seq_id for seq in out.seqs} or not set(busy) & set(out.seqs)
+            computing = [seq for seq in busy if seq in out.seqs]
+            full = sum(out.num_tokens) == scheduler.config.max_num_batched_tokens
+            assert not computing or full or all(seq in computing or leaves_to_a_sibling(scheduler, seq, computing)
+                                                for seq in busy)
     sampled = SamplerOutput([10 + seq.num_output_tokens for seq, _ in out.draws],
                             beams=[beam_row(seq) if seq.request.beams else None for seq, _ in out.draws])
     return out, scheduler.update(out, sampled if out.draws else None)
+
+
+def leaves_to_a_sibling(scheduler, beam, computing) -> bool:
+    """Whether a sibling that computes this step computes a whole block of the prefix that ``beam`` shares with it."""
+    size = scheduler.kv_manager.block_size
+    for sibling in computing:
+        common = next((i for i, (a, b) in enumerate(zip(beam.token_ids[:-1], sibling.token_ids)) if a != b),
+                      min(beam.num_tokens - 1, sibling.num_tokens))
+        if common - common % size > beam.num_computed_tokens:
+            return True
+    return False
 
 
 def run_beams(scheduler, requests, max_steps=300):
@@ -558,12 +590,14 @@ def test_aborting_a_beam_search_frees_every_beam():
 
 
 @pytest.mark.parametrize("caching", [True, False])
-@pytest.mark.parametrize("threshold", [0, 4])
-def test_beams_recomputed_together_share_their_prompt_blocks(caching, threshold):
-    """Also under a long-prefill cap, which recomputing beams are exempt from: in capped chunks each would compute the
-    rest of the prompt into blocks of its own after the first step."""
-    scheduler, beam = started_search(4, n=3, max_tokens=10)
-    scheduler.config = scheduler.config.replace(long_prefill_token_threshold=threshold)
+@pytest.mark.parametrize("limits", [{}, {"long_prefill_token_threshold": 4}, {"max_num_batched_tokens": 4}],
+                         ids=["whole", "capped", "small-steps"])
+def test_beams_recomputed_together_share_their_prompt_blocks(caching, limits):
+    """Also in chunks (a long-prefill cap, or steps smaller than the beams): one beam computes what they share, the
+    others take its blocks; each computing its own copy, they once took twice the blocks and failed a search that
+    fit."""
+    scheduler, beam = started_search(6, n=3, max_tokens=10)
+    scheduler.config = scheduler.config.replace(**limits)
     scheduler._preempt(scheduler.running[0])
     assert all(seq.status is SequenceStatus.WAITING for seq in beam.beams.live)
     assert scheduler.kv_manager.reset_prefix_cache()  # nothing cached: the beams can only share among themselves
@@ -572,8 +606,11 @@ def test_beams_recomputed_together_share_their_prompt_blocks(caching, threshold)
     assert len(out.admitted) == 3
     while any(seq.num_tokens - seq.num_computed_tokens > 1 for seq in beam.beams.live):
         beam_step_of(scheduler)
-    tables = [scheduler.kv_manager.block_table(seq.seq_id) for seq in beam.beams.live]
-    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the prompt's two full blocks, computed once
+    beams = beam.beams.live
+    for first, second in itertools.combinations(beams, 2):  # every whole block of a common prefix, computed once
+        common = next(i for i, (a, b) in enumerate(zip(first.token_ids, second.token_ids)) if a != b) // 4
+        first_table, second_table = (scheduler.kv_manager.block_table(seq.seq_id) for seq in (first, second))
+        assert common >= 2 and first_table[:common] == second_table[:common]
     run_beams(scheduler, [])
     assert len(beam.take_output().outputs) == 3
     assert_no_leak(scheduler)

@@ -181,8 +181,8 @@ class KVCacheManager:
         self._hashes[child] = list(self._hashes.get(parent, []))
 
     def share_prefix(self, seq_id: Hashable, source: Hashable, num_tokens: int) -> None:
-        """Let ``seq_id``, which holds only a matched prefix so far, start with the whole blocks of the first
-        ``num_tokens`` tokens of ``source`` instead (beams recomputed together)."""
+        """Let ``seq_id``, whose computed tokens are all among the first ``num_tokens`` tokens of ``source``, hold the
+        whole blocks of those instead of its own (beams recomputed together)."""
         keep = num_tokens // self.block_size
         blocks = self.tables[source][:keep]
         self.pool.incref(blocks)

@@ -220,14 +220,20 @@ class Scheduler:
         """Schedule the running beams of a search together: each takes what it needs of ``budget``, and their blocks
         are found for all of them or (the newest sequences preempted first; the beams themselves, all together, when
         they are the newest) for none. Returns the budget left."""
+        beams = [seq for seq in request.seqs if seq.status is SequenceStatus.RUNNING]
+        for beam in beams:
+            if beam.num_tokens - beam.num_computed_tokens > 1:  # recomputing after a preemption
+                self._share_computed(beam, beams)
         plan = []
-        for beam in [seq for seq in request.seqs if seq.status is SequenceStatus.RUNNING]:
-            n = min(self._chunk(beam, beam.num_tokens - beam.num_computed_tokens), budget)  # 0: waits for siblings'
-            if n > 0:
+        for beam in beams:
+            n = min(self._chunk(beam, beam.num_tokens - beam.num_computed_tokens), budget)
+            if n > 0 and not self._waits_for(beam, beam.num_computed_tokens, [planned for planned, _ in plan]):
                 plan.append((beam, n))
                 budget -= n
         needed = self.kv_manager.num_blocks_needed_all([(b.seq_id, b.num_computed_tokens, b.num_computed_tokens + n)
                                                         for b, n in plan])
+        if needed > self.kv_manager.pool.num_free_blocks and out.spec_token_ids:  # guesses never cost a preemption
+            budget += self._drop_guesses(out)
         while needed > self.kv_manager.pool.num_free_blocks:
             if all(seq.request is request for seq in self.running):  # it holds every block in use
                 self._fail_search(out, request)
@@ -304,6 +310,8 @@ class Scheduler:
                                                       reuse=not seq.request.scores_prompt)
             num_cached = self._share_planned(seq, num_cached, plan)
             n = min(self._chunk(seq, seq.num_tokens - num_cached), budget)
+            if self._waits_for(seq, num_cached, [held for held, *_ in plan]):
+                n = 0
             # Room for the whole prompt, though only this step's chunk is allocated: one admitted when its rest
             # cannot fit would take the blocks of others as it grows (preempting them, to be computed again).
             needed = self.kv_manager.num_blocks_needed(seq.seq_id, num_cached, seq.num_tokens)
@@ -319,13 +327,9 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, needed: int) -> int:
         """What ``seq``, which needs ``needed`` tokens computed, computes this step, the budget aside: at most
-        ``long_prefill_token_threshold`` (vLLM's option; 0 or None: no limit). Beams recomputing their prompt after a
-        preemption (a search of several sequences) are not capped: only beams admitted in the same step share what
-        they compute (`_share_planned`), so in chunks each would compute the rest of the prompt into blocks of its
-        own."""
+        ``long_prefill_token_threshold`` (vLLM's option; 0 or None: no limit)."""
         cap = self.config.long_prefill_token_threshold
-        recomputing_beams = seq.request.beams is not None and len(seq.request.seqs) > 1
-        return min(needed, cap) if cap and not recomputing_beams else needed
+        return min(needed, cap) if cap else needed
 
     def _catch_up(self, out: SchedulerOutput, seq: Sequence) -> None:
         """A prompt computed in chunks takes the blocks that other sequences computed of its next tokens, earlier in
@@ -342,15 +346,36 @@ class Scheduler:
         """Beams recomputed together share their common prefix: ``seq`` takes the whole blocks of the longest one that
         a beam planned before it holds or computes this step, where longer than its own ``num_cached`` (with or
         without prefix caching). Returns the tokens it now holds."""
-        for held, cached, n, _ in plan:
-            # Theirs as far as this step computes; mine leaving one token to compute (its logits are needed).
-            theirs, mine = held.token_ids[: cached + n], seq.token_ids[: seq.num_tokens - 1]
-            common = next((i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(theirs), len(mine)))
-            common -= common % self.kv_manager.block_size
-            if common > num_cached:
-                self.kv_manager.share_prefix(seq.seq_id, held.seq_id, common)
-                num_cached = common
-        return num_cached
+        return self._share(seq, num_cached, [(held, cached + n) for held, cached, n, _ in plan])
+
+    def _share_computed(self, beam: Sequence, beams: list[Sequence]) -> None:
+        """A beam recomputed in chunks takes what a sibling has computed of their common prefix since (`_waits_for`
+        kept it from computing that itself)."""
+        beam.num_computed_tokens = self._share(beam, beam.num_computed_tokens,
+                                               [(other, other.num_computed_tokens) for other in beams if other is not beam])
+
+    def _share(self, seq: Sequence, num_computed: int, sources: list[tuple[Sequence, int]]) -> int:
+        """Give ``seq``, which holds ``num_computed`` tokens, the whole blocks of the longest prefix it has in common
+        with a source's first tokens (``(source, tokens)``), where longer. Returns the tokens it now holds."""
+        for source, extent in sources:
+            common = self._common_blocks(seq, source.token_ids[:extent])
+            if common > num_computed:
+                self.kv_manager.share_prefix(seq.seq_id, source.seq_id, common)
+                num_computed = common
+        return num_computed
+
+    def _waits_for(self, beam: Sequence, num_computed: int, siblings: list[Sequence]) -> bool:
+        """Whether recomputing ``beam`` leaves the next tokens to a sibling that computes them this step, to take
+        them from it in a later step (`_share_computed`) instead of computing them into blocks of its own."""
+        return beam.num_tokens - num_computed > 1 and any(
+            self._common_blocks(beam, sibling.token_ids) > num_computed for sibling in siblings)
+
+    def _common_blocks(self, seq: Sequence, tokens: list[int]) -> int:
+        """The tokens of the whole blocks that ``seq`` has in common with ``tokens``, leaving at least its last token
+        to compute (its logits are needed)."""
+        mine = seq.token_ids[: seq.num_tokens - 1]
+        common = next((i for i, (a, b) in enumerate(zip(tokens, mine)) if a != b), min(len(tokens), len(mine)))
+        return common - common % self.kv_manager.block_size
 
     def _admit(self, out: SchedulerOutput, seq: Sequence, num_cached: int, n: int, copies: list[BlockCopy]) -> None:
         seq.num_computed_tokens = num_cached
