@@ -17,9 +17,11 @@ all-reduce after each attention and MLP block, logits gathered on every rank). W
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -161,6 +163,8 @@ def check_engine_config(config) -> None:
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         raise ValueError("speculative_config.method 'draft_model' is not supported under tensor parallelism")
+    if config.enable_lora:
+        raise ValueError("EngineConfig.enable_lora is not supported under tensor parallelism yet")
 
 
 def load_tensor_parallel_kwargs(config, tp_size: int) -> dict:
@@ -289,6 +293,14 @@ def set_cpu_threads() -> list[int] | None:
 
 
 # ------------------------------------------------------------------------------------------------ lockstep
+def _pickles(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
 class Lockstep:
     """Keeps the generators of all ranks stepping on the same inputs.
 
@@ -316,6 +328,21 @@ class Lockstep:
         except Exception as err:  # gloo reports a dead peer or a timeout as a RuntimeError of its own
             raise DistributedError(f"rank {self.rank}: {what} failed, another rank died or stopped answering "
                                    f"({err}); the tensor-parallel group cannot go on") from err
+
+    @staticmethod
+    def check_sendable(request) -> None:
+        """Refuse (``InvalidParameter``) a request that could not reach the other ranks, whose values do not all
+        pickle (a lock in ``SamplingParams.extra_args``, say): in a step's input broadcast it would fail every request
+        of the step."""
+        from .generation.sampling_params import InvalidParameter
+
+        try:
+            pickle.dumps(request.wire_fields())
+        except Exception as err:  # noqa: BLE001 - whatever pickling raises, the request cannot travel
+            params = request.params
+            name = next((f.name for f in dataclasses.fields(params) if not _pickles(getattr(params, f.name))), None)
+            raise InvalidParameter(name or "prompt", f"{'SamplingParams.' + name if name else 'the request'} must "
+                                   f"pickle to reach the other tensor-parallel ranks ({err!r})") from err
 
     def exchange(self, actions: list[tuple]) -> list[tuple]:
         """Rank 0's inbox ``actions`` (``("add", Request)``, ``("abort", id)``, ``("stop", None)``) on every rank.

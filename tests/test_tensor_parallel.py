@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -264,7 +265,7 @@ def test_options_every_rank_would_refuse_are_refused_before_the_ranks_start(text
     draft = json.dumps({"model": text_model})
     for option in (["--temperature", "-1"], ["--tensor-parallel-size", "0"], ["-tp", "3"],  # 4 heads on 3 ranks
                    ["--cpu-bind", "0-0"], ["--cpu-bind", "0-0|1|1"], ["--cpu-bind", "0|4096"],
-                   ["--speculative-config", draft]):
+                   ["--speculative-config", draft], ["--enable-lora"]):
         _refusal(capsys, monkeypatch, ["generate", text_model, PROMPT, "-tp", "2", *option])
     no_weights = tmp_path / "config-only"
     no_weights.mkdir()
@@ -348,6 +349,8 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
     for size, words in ((3, "the 4 query heads to split evenly"), (0, "must be a positive integer")):
         with pytest.raises(ValueError, match=words):
             LLM(text_model, tensor_parallel_size=size)
+    with pytest.raises(ValueError, match="enable_lora is not supported under tensor parallelism"):
+        LLM(text_model, tensor_parallel_size=2, enable_lora=True)
     with monkeypatch.context() as one_gpu:
         one_gpu.setattr(torch.cuda, "is_available", lambda: True)
         one_gpu.setattr(torch.cuda, "device_count", lambda: 1)
@@ -364,6 +367,10 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
                 pooled()
         with pytest.raises(ValueError, match="already a rank of a tensor-parallel group"):
             LLM(text_model, tensor_parallel_size=2)
+        # A value that cannot reach the other ranks is refused by name, not sent to fail the step of every request.
+        with pytest.raises(ValueError, match="SamplingParams.extra_args must pickle"):
+            llm.generate(prompts, [greedy, greedy.replace(extra_args={"lock": threading.Lock()}), greedy])
+        assert answers(llm) == expected
         [rank1] = multiprocessing.active_children()
         os.kill(rank1.pid, signal.SIGKILL)
         rank1.join(10)
@@ -413,6 +420,22 @@ def test_llm_starts_its_own_ranks_as_vllms_does(text_model, monkeypatch):
         llm.shutdown()  # the other rank ignores SIGTERM and waits in a collective: it is killed, at once
     assert time.monotonic() - started < 10 and not multiprocessing.active_children()
     assert os.sched_getaffinity(0) == cores
+
+    llm = LLM(text_model, tensor_parallel_size=2, num_blocks=64)
+
+    def failing(*args, **kwargs):  # rank 0 runs out of memory, say; the other rank waits in the forward's collective
+        raise MemoryError("no room for this step")
+
+    llm.generator.runner.execute = failing
+    try:
+        with pytest.raises(DistributedError, match="forward failed on this rank: MemoryError"):
+            llm.generate(prompts, greedy, use_tqdm=False)
+        started = time.monotonic()
+        with pytest.raises(DistributedError, match="a forward failed on rank 0"):  # at once, not at a timeout
+            llm.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()  # the other rank is killed, not told to stop
+    assert time.monotonic() - started < 10 and not multiprocessing.active_children()
 
 
 def test_a_rank_that_fails_to_load_is_named_with_its_error(text_model, monkeypatch):

@@ -121,6 +121,8 @@ class ContinuousBatchGenerator:
         self._stepping = threading.RLock()
         # Under tensor parallelism every rank runs this generator on rank 0's requests (see hf_paged.distributed).
         self.lockstep = Lockstep() if is_tensor_parallel(model) else None
+        if self.lockstep is not None:
+            check_engine_config(config)
         self._workers_stopped = False
         self.loras = self._loras(config)
         packed = 0
@@ -156,8 +158,6 @@ class ContinuousBatchGenerator:
     def _loras(self, config: EngineConfig) -> LoRAAdapters | None:
         if not config.enable_lora:
             return None
-        if self.lockstep is not None:
-            raise ValueError("EngineConfig.enable_lora is not supported on a tensor-parallel engine yet")
         return LoRAAdapters(self.model, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
 
     def _runner(self, config: EngineConfig, native: NativeDecoder | None) -> ModelRunner:
@@ -170,8 +170,6 @@ class ContinuousBatchGenerator:
         if spec is None:
             return None
         draft = None
-        if self.lockstep is not None:
-            check_engine_config(config)
         if spec.method == "draft_model":
             draft = DraftModel(spec.model, self.model, self.kv_storage, self.kv_manager, config, self.max_model_len,
                                len(self.tokenizer))
@@ -200,6 +198,8 @@ class ContinuousBatchGenerator:
         ``scheduling_policy="priority"``): lower runs first. Raises ``ValueError`` for bad input."""
         request_id = request_id or uuid.uuid4().hex
         request = self.inputs.request(request_id, prompt, sampling_params, priority)
+        if self.lockstep is not None:
+            self.lockstep.check_sendable(request)
         if lora_request is not None:
             request.lora = self.load_lora(lora_request)
         salt = prompt_cache_salt(prompt)
@@ -349,7 +349,9 @@ class ContinuousBatchGenerator:
         except Exception as err:
             if self.lockstep is None:
                 raise
-            # Its collectives may have failed, or run on some ranks only: the ranks cannot be known to agree.
+            # Its collectives may have failed, or run on some ranks only: the ranks cannot be known to agree, and
+            # another may wait in one until its timeout. Nothing more is sent to them: they are ended.
+            self.lockstep.broken = f"a forward failed on rank {self.lockstep.rank} ({err!r})"
             raise DistributedError(f"a tensor-parallel forward failed on this rank: {err!r}") from err
 
     # ------------------------------------------------------------------------------------ tensor parallelism
