@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
 import dataclasses
 import os
@@ -39,6 +40,9 @@ class AsyncLLM:
         self._serve(generator)
         if ranks is not None:  # the engine thread's heartbeats stop before the ranks do
             self._ranks = weakref.finalize(self, _stop_ranks, self.engine, ranks)
+            # At exit too: before the ranks' own handler (registered earlier, so run later), whose stop the
+            # engine thread would otherwise meet mid-step and report as its failure.
+            atexit.register(self._ranks)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
@@ -142,6 +146,8 @@ class AsyncLLM:
         `generate` starts it again, except under tensor parallelism, whose other ranks end here."""
         self.engine.stop(timeout, reason="AsyncLLM.shutdown() was called")
         detached = None if self._ranks is None else self._ranks.detach()
+        if self._ranks is not None:
+            atexit.unregister(self._ranks)
         if detached is not None:  # the ranks wait as long for their last step
             _, _, (_, ranks), _ = detached
             ranks.stop(timeout)

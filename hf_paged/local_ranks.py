@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import time
 
 import torch
 
@@ -99,8 +100,9 @@ class LocalRanks:
         self.saved_cores = os.sched_getaffinity(0)  # a bound rank 0 (HF_PAGED_CPU_BIND) is this process
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
         self.failures = context.SimpleQueue()  # (rank, error) of a rank that failed to start: written at once
+        self.started = context.Semaphore(0)  # released by each rank once its process runs `_serve_rank`
         self.processes = [context.Process(target=_serve_rank, args=(_rank_env(rank, size, port), load, size,
-                                                                    self.failures),
+                                                                    self.failures, self.started),
                                           name=f"hf-paged-rank{rank}", daemon=True) for rank in range(1, size)]
         try:
             for process in self.processes:
@@ -108,6 +110,7 @@ class LocalRanks:
             # Before multiprocessing's own exit handler (registered earlier, so run later), which would SIGTERM the
             # ranks and wait for them: they ignore SIGTERM, as rank 0 stops them.
             atexit.register(self.stop)
+            self._wait_started()
             os.environ.update(_rank_env(0, size, port))
             distributed.init_process_group(step_wait_s=IDLE_WAIT_S)
             self.generator = load(size)
@@ -118,6 +121,23 @@ class LocalRanks:
                 rank, error = self.failures.get()
                 raise distributed.DistributedError(f"rank {rank} failed to start: {error}") from err
             raise
+
+    def _wait_started(self) -> None:
+        """Wait until every rank's process runs: one that exits before (a script without the ``if __name__ ==
+        "__main__":`` guard, which each rank's process imports again, say) is named now, not by the rendezvous's
+        timeout."""
+        deadline = time.monotonic() + distributed.DEFAULT_TIMEOUT_S
+        for _ in self.processes:
+            while not self.started.acquire(timeout=0.1):
+                for rank, process in enumerate(self.processes, start=1):
+                    if process.exitcode is not None:
+                        raise distributed.DistributedError(
+                            f"rank {rank} exited (code {process.exitcode}) before it could start (its error is "
+                            "above; each rank's process imports the main script again, so a script must start "
+                            "ranks under `if __name__ == '__main__':`)")
+                if time.monotonic() > deadline:
+                    raise distributed.DistributedError(f"the ranks did not start within "
+                                                       f"{distributed.DEFAULT_TIMEOUT_S:.0f} s")
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the other ranks (after the step in flight) and leave the group; idempotent."""
@@ -153,9 +173,10 @@ class LocalRanks:
         os.sched_setaffinity(0, self.saved_cores)
 
 
-def _serve_rank(env: dict[str, str], load, size: int, failures) -> None:
+def _serve_rank(env: dict[str, str], load, size: int, failures, started) -> None:
     """A started rank: Ctrl+C reaches the whole terminal, and rank 0 alone acts on it. What fails it before it
     serves is told to rank 0 through ``failures``."""
+    started.release()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     try:

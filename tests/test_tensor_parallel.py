@@ -456,6 +456,22 @@ def test_a_rank_that_fails_to_load_is_named_with_its_error(text_model, monkeypat
     assert "WORLD_SIZE" not in os.environ and not torch.distributed.is_initialized()
 
 
+def test_a_rank_whose_process_cannot_start_is_named_at_once():
+    """A rank that exits before it runs (a script without its __main__ guard) fails the start at once, naming it
+    and the guard; rank 0 waited for it until the rendezvous's timeout, then blamed the rendezvous."""
+    import multiprocessing
+
+    from hf_paged.distributed import DistributedError
+    from hf_paged.local_ranks import LocalRanks
+    from tp_worker import LoadThatCannotReachARank
+
+    started = time.monotonic()
+    with pytest.raises(DistributedError, match=r"rank 1 exited \(code 1\) before it could start .*__main__"):
+        LocalRanks(2, LoadThatCannotReachARank())
+    assert time.monotonic() - started < 30 and not multiprocessing.active_children()
+    assert "WORLD_SIZE" not in os.environ and not torch.distributed.is_initialized()
+
+
 def test_async_llm_starts_its_own_ranks(text_model, monkeypatch):
     import asyncio
     import multiprocessing
@@ -492,3 +508,23 @@ def test_async_llm_starts_its_own_ranks(text_model, monkeypatch):
 
     one = LLM(text_model, num_blocks=64).generate([PROMPT, "Hello"], greedy, use_tqdm=False)
     assert got == [one[0].outputs[0].token_ids, one[0].outputs[0].token_ids, one[1].outputs[0].token_ids]
+
+
+def test_an_async_llm_left_running_at_exit_ends_its_ranks_quietly(text_model, tmp_path):
+    """A script that fails (or ends) with its AsyncLLM never shut down: the engine thread stops before the ranks,
+    where the ranks' own exit handler stopped them under it, and it logged that as its own failure."""
+    script = tmp_path / "left_running.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from hf_paged import AsyncLLM, SamplingParams\n"
+        "async def main(engine):\n"
+        "    async for out in engine.generate('Hello', SamplingParams(max_tokens=4, temperature=0)):\n"
+        "        pass\n"
+        "    raise RuntimeError('the script failed')\n"
+        "if __name__ == '__main__':\n"
+        f"    engine = AsyncLLM({text_model!r}, tensor_parallel_size=2, num_blocks=64)\n"
+        "    asyncio.run(main(engine))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1 and "RuntimeError: the script failed" in run.stderr
+    assert "unrecoverable" not in run.stderr and "Traceback" not in run.stderr.split("the script failed", 1)[1]

@@ -63,6 +63,18 @@ def engine_failing_beside_rank_0(path: str, tensor_parallel_size: int):
     return _load_engine(path, "auto", "cpu", False, None, {"num_blocks": 64}, tensor_parallel_size)
 
 
+def _fail_in_a_new_process():
+    raise RuntimeError("this process cannot start (as one that imports a script without its __main__ guard)")
+
+
+class LoadThatCannotReachARank:
+    """A `LocalRanks` load that rank 0 pickles but a rank's new process fails to unpickle, so that it exits before
+    it runs anything of ours."""
+
+    def __reduce__(self):
+        return _fail_in_a_new_process, ()
+
+
 def main() -> None:
     out_dir, paths = sys.argv[1], sys.argv[2:]
     world = int(os.environ["WORLD_SIZE"])
