@@ -57,7 +57,8 @@ def wait_until_up(base: str, timeout: float, process=None) -> None:
 def server(smollm2):
     """The real server on a free port, with greedy reference outputs computed by its own generator beforehand."""
     model, tokenizer = smollm2
-    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=512, max_model_len=2048)  # a short context: cheap to fill
+    # A context of 2,048 tokens: cheap to fill to its limit.
+    generator = ContinuousBatchGenerator(model, tokenizer, num_blocks=512, max_model_len=2048)
     greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS)
     chat_ref, prompt_ref = generator.run([CHAT, PROMPT], greedy, use_tqdm=False)
     bad_words = prompt_ref.outputs[0].text.split()[:1]  # the first word the prompt's greedy output says
@@ -557,7 +558,8 @@ def test_errors_have_openai_shape(server):
     too_long = [1] * server.generator.max_model_len
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": too_long}), 400, "prompt", "max_model_len")
     assert_error(post(server, "/v1/chat/completions", "{not json"), 400)
-    assert_error(post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs", "logprobs must")
+    assert_error(post(server, "/v1/chat/completions", {**chat, "top_logprobs": 2}), 400, "top_logprobs",
+                 "logprobs must")
     none_asked = post(server, "/v1/chat/completions", {**chat, "top_logprobs": 0})  # as vLLM: 0 without logprobs
     assert none_asked.status_code == 200 and none_asked.json()["choices"][0]["logprobs"] is None
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": "hi"}), 400, "messages")

@@ -204,8 +204,8 @@ def test_a_stream_and_a_whole_answer_read_the_same_calls_and_content(step):
         [("get_weather", '{"city":"Paris"}'), ("get_time", "{}")]
 
 
-PIECES = ["Sure.", " ", "\n", "ok", CALL, "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": ', '{"a": 1}', '{"a":1}',
-          "{oops}", '"{\\"x', "}", "<tool", "[1, ", "12", '"s"', '{"arguments": {}, "name": "g"}']
+PIECES = ["Sure.", " ", "\n", "ok", CALL, "<tool_call>", "</tool_call>", '{"name": "get_time", "arguments": ', '{"a": 1}',
+          '{"a":1}', "{oops}", '"{\\"x', "}", "<tool", "[1, ", "12", '"s"', '{"arguments": {}, "name": "g"}']
 
 
 @settings(max_examples=400, deadline=None)

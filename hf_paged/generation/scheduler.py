@@ -351,8 +351,8 @@ class Scheduler:
     def _share_computed(self, beam: Sequence, beams: list[Sequence]) -> None:
         """A beam recomputed in chunks takes what a sibling has computed of their common prefix since (`_waits_for`
         kept it from computing that itself)."""
-        beam.num_computed_tokens = self._share(beam, beam.num_computed_tokens,
-                                               [(other, other.num_computed_tokens) for other in beams if other is not beam])
+        siblings = [(other, other.num_computed_tokens) for other in beams if other is not beam]
+        beam.num_computed_tokens = self._share(beam, beam.num_computed_tokens, siblings)
 
     def _share(self, seq: Sequence, num_computed: int, sources: list[tuple[Sequence, int]]) -> int:
         """Give ``seq``, which holds ``num_computed`` tokens, the whole blocks of the longest prefix it has in common
