@@ -42,6 +42,9 @@ def test_calls_schema_accepts_only_calls_of_the_tools():
             jsonschema.validate(bad, schema)
     with pytest.raises(ValueError, match="needs a name"):
         tool_functions([{"type": "function", "function": {}}])
+    for name in ("a<b", "f" * 257):  # names no stream could read a call of
+        with pytest.raises(ValueError, match="tool names are at most 256 characters, without '<'"):
+            tool_functions([{"type": "function", "function": {"name": name}}])
 
 
 def test_a_template_without_tools_gets_them_and_earlier_calls_in_the_hermes_form(tokenizer):

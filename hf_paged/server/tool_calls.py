@@ -61,6 +61,9 @@ def tool_functions(tools: list[dict]) -> dict[str, dict]:
         name, parameters = function.get("name"), function.get("parameters")
         if not isinstance(name, str) or not name:
             raise ValueError("each tool's function needs a name")
+        if len(name) > 256 or "<" in name:  # as a stream reads a call (`_NAME_THEN_ARGUMENTS`)
+            raise ValueError(f"tool names are at most 256 characters, without '<' (OpenAI's are at most 64 of "
+                             f"a-z, A-Z, 0-9, '_' and '-'), got {name[:64]!r}")
         if parameters is not None and not isinstance(parameters, dict):
             raise ValueError(f"the parameters of tool {name!r} must be a JSON schema object")
         if json_too_deep(parameters):
