@@ -794,6 +794,8 @@ def test_a_failed_forward_ends_a_tensor_parallel_group(smollm2, chat_prompts, mo
     from hf_paged.distributed import DistributedError
 
     class GroupOfOne:  # a lockstep whose broadcast hands back what rank 0 sent
+        rank, broken = 0, None
+
         def exchange(self, actions):
             return actions
 
@@ -806,6 +808,7 @@ def test_a_failed_forward_ends_a_tensor_parallel_group(smollm2, chat_prompts, mo
     monkeypatch.setattr(gen.runner, "execute", broken)
     with pytest.raises(DistributedError, match="a tensor-parallel forward failed on this rank: RuntimeError"):
         gen.step()
+    assert gen.lockstep.broken.startswith("a forward failed on rank 0")  # nothing more is sent to the others
     with pytest.raises(NotImplementedError, match="reset_prefix_cache is not supported on a tensor-parallel"):
         gen.reset_prefix_cache()  # the ranks would forget blocks at different steps and leave lockstep
 
