@@ -111,7 +111,7 @@ def test_max_loras_holds_requests_of_other_adapters_until_a_seat_frees(smollm2_p
 
     def watched(*args):
         out = schedule(*args)
-        seen.append({seq.request.lora_id for seq in generator.scheduler.running} - {None})
+        seen.append({seq.request.adapter for seq in generator.scheduler.running} - {None})
         return out
 
     generator.scheduler.schedule = watched
@@ -120,6 +120,32 @@ def test_max_loras_holds_requests_of_other_adapters_until_a_seat_frees(smollm2_p
                             lora_request=[loras.get(n) for n in names])
     assert [o.outputs[0].token_ids for o in outputs] == [expected[n][0] for n in names]
     assert max(map(len, seen)) == 1 and len(set().union(*seen)) == 3  # one adapter at a time, each in turn
+
+
+def test_an_id_taken_again_by_another_adapter_counts_as_another_adapter(smollm2_path, adapters):
+    """Once an adapter has left the engine's table (``max_cpu_loras``) its id may name another one, while requests of
+    the first still run: ``max_loras`` counts the two, so the second waits."""
+    paths, expected = adapters
+    generator = engine(smollm2_path, max_loras=1, max_cpu_loras=1)
+    running = []
+    schedule = generator.scheduler.schedule
+
+    def watched(*args):
+        out = schedule(*args)
+        running.append({seq.request.lora.request.lora_name for seq in generator.scheduler.running})
+        return out
+
+    generator.scheduler.schedule = watched
+    generator.add_request(PROMPTS[0], GREEDY, lora_request=LoRARequest("attn", 1, paths["attn"]), request_id="a")
+    generator.step()
+    generator.add_request(PROMPTS[1], GREEDY, lora_request=LoRARequest("mlp", 2, paths["mlp"]), request_id="b")
+    generator.add_request(PROMPTS[2], GREEDY, lora_request=LoRARequest("all", 1, paths["all"]), request_id="c")
+    outputs = {}
+    while generator.has_unfinished_requests():
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in generator.step() if o.finished})
+    assert outputs == {"a": expected["attn"][0], "b": expected["mlp"][1], "c": expected["all"][2]}
+    assert max(map(len, running)) == 1
+    assert list(dict.fromkeys(name for names in running for name in names)) == ["attn", "mlp", "all"]
 
 
 def test_the_prefix_cache_keeps_each_adapters_keys_and_values_apart(smollm2_path, adapters):

@@ -276,6 +276,27 @@ def test_n_samples_share_the_prompt_then_diverge():
     assert_no_leak(scheduler)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_samples_forked_from_a_prompt_are_preempted_after_newer_requests(policy):
+    """The samples of an ``n > 1`` request fork after its prompt, when a newer request may already run: they are as
+    old as their request, so they run before it and the newer request is preempted first."""
+    scheduler = make_scheduler(num_blocks=9, enable_prefix_caching=False, max_num_batched_tokens=8,
+                               scheduling_policy=policy)
+    older, newer = make_request("older", range(3, 15), n=2, max_tokens=8), make_request("newer", range(20, 24),
+                                                                                       max_tokens=8)
+    scheduler.add(older)
+    scheduler.add(newer)  # starts while the older prompt is in its second chunk
+    while len(older.seqs) < 2:
+        step(scheduler)
+    assert [seq.request.request_id for seq in scheduler.running] == ["older", "older", "newer"]
+    while not scheduler.num_preemptions:
+        step(scheduler)
+    assert newer.seqs[0].status is SequenceStatus.WAITING
+    assert all(seq.status is SequenceStatus.RUNNING for seq in older.seqs)
+    run_to_end(scheduler, [])
+    assert_no_leak(scheduler)
+
+
 def test_aborting_a_preempted_or_forked_request_frees_everything():
     scheduler = make_scheduler(num_blocks=6, enable_prefix_caching=False)
     a, b = make_request("a", range(3, 10), max_tokens=12), make_request("b", range(20, 27), max_tokens=12)
@@ -460,7 +481,7 @@ def test_max_loras_bounds_the_adapters_running_at_once_and_a_passed_request_keep
     scheduler = make_scheduler(max_loras=2)
     requests = [make_request(f"r{i}", [5, 6, 7], max_tokens=3) for i in range(5)]
     for request, lora_id in zip(requests, [1, 2, 3, 1, None]):
-        request.lora = None if lora_id is None else SimpleNamespace(request=SimpleNamespace(lora_int_id=lora_id))
+        request.lora = None if lora_id is None else SimpleNamespace(digest=bytes([lora_id]))
         scheduler.add(request)
     out, _ = step(scheduler)
     assert [seq.request.request_id for seq in out.admitted] == ["r0", "r1", "r3", "r4"]
@@ -471,7 +492,7 @@ def test_max_loras_bounds_the_adapters_running_at_once_and_a_passed_request_keep
             break
         out, _ = step(scheduler)
         admitted_at.update({seq.request.request_id: number for seq in out.admitted})
-        assert len({seq.request.lora_id for seq in scheduler.running} - {None}) <= 2
+        assert len({seq.request.adapter for seq in scheduler.running} - {None}) <= 2
     assert admitted_at == {"r2": 3} and all(r.is_finished for r in requests)  # once adapter 1 or 2 has finished
     assert_no_leak(scheduler)
 

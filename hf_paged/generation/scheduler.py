@@ -265,7 +265,7 @@ class Scheduler:
         if not self.waiting:
             return
         seats = sum(seq.num_samples for seq in self.running)  # n > 1 forks after the prompt
-        loras = {seq.request.lora_id for seq in self.running} - {None}
+        loras = {seq.request.adapter for seq in self.running} - {None}
         passed: list[Sequence] = []  # of adapters beyond max_loras: they keep their place for a later step
         owed = sum(map(self._owed_blocks, self.running))
         while self.waiting and budget > 0:
@@ -273,7 +273,7 @@ class Scheduler:
             samples = sum(seq.num_samples for seq in unit)
             if seats + samples > self.config.max_num_seqs:
                 break
-            lora = unit[0].request.lora_id
+            lora = unit[0].request.adapter
             if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
                 passed += [self.waiting.popleft() for _ in unit]
                 continue
@@ -586,9 +586,12 @@ class Scheduler:
         return carriers
 
     def _fork(self, parent: Sequence, k: int) -> Sequence:
+        """Sample ``k`` of ``parent``'s request, placed after its siblings: it is as old as they are, so requests that
+        came later are preempted first."""
         child = parent.fork(k)
         self.kv_manager.fork(parent.seq_id, child.seq_id)
-        self._run(child)
+        last = max(i for i, seq in enumerate(self.running) if seq.request is parent.request)
+        self.running.insert(last + 1, child)
         return child
 
     def _settle_guesses(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -191,8 +191,10 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def lora_id(self) -> int | None:
-        return None if self.lora is None else self.lora.request.lora_int_id
+    def adapter(self) -> bytes | None:
+        """What the request's adapter computes (None: the base model), which ``max_loras`` counts: not its
+        ``lora_int_id``, which another adapter may take once this one leaves the engine's table."""
+        return None if self.lora is None else self.lora.digest
 
     # What the sampler needs of the request at every step, as tensors made once.
     @cached_property
