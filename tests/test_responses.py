@@ -225,6 +225,84 @@ def test_each_streamed_item_is_done_before_the_next_is_added():
     assert all(item["status"] == "completed" for item in final)
 
 
+def test_a_chunk_that_ends_a_call_and_writes_on_ends_the_call_first():
+    """A chunk of several tokens (speculation, a reader that fell behind) may end a call and hold text after it: the
+    call's last arguments go out before it is done, and done holds them all."""
+    from hf_paged.server.responses import ResponseEvents, ResponsesRequest
+
+    events = ResponseEvents(ResponsesRequest(input="Hi"), MODEL)
+    call = {"index": 0, "id": "call_f", "type": "function", "function": {"name": "f", "arguments": '{"a":'}}
+    sent = events.start() + events.delta({"tool_calls": [call]})
+    sent += events.delta({"content": " ok", "tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]})
+    sent += events.finish("completed", {})
+    bodies = [json.loads(event.split("data: ", 1)[1]) for event in sent][2:]
+    kinds = [body["type"].removeprefix("response.") for body in bodies]
+    assert kinds == ["output_item.added", "function_call_arguments.delta", "function_call_arguments.delta",
+                     "function_call_arguments.done", "output_item.done", "output_item.added", "content_part.added",
+                     "output_text.delta", "output_text.done", "content_part.done", "output_item.done", "completed"]
+    assert bodies[3]["arguments"] == bodies[4]["item"]["arguments"] == '{"a": 1}'
+
+
+def test_an_answers_text_and_calls_sent_back_are_one_assistant_turn(client):
+    """``input += response.output``: the message and the calls after it are the one assistant turn that the model
+    wrote (the same prompt as the chat conversation holding it), not two."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    turn = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []}, call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"}])
+    chat = client.chat.completions.create(model=MODEL, tools=[CHAT_WEATHER], max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}])
+    assert turn.usage.input_tokens == chat.usage.prompt_tokens
+    # Text on both sides of the call, as a stream gives it back: three items, still the one turn.
+    before, after = ({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+                     for text in ("Let me", " look."))
+    again = client.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"}, before, call, after,
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"}])
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_parallel_tool_calls_false_answers_the_first_call_only(client):
+    """Under ``tool_choice`` auto nothing holds the model to one call: as vLLM, only the first is answered (a regex
+    stands in for a model that writes two), in chat and Responses, streamed or not."""
+    import re
+
+    two = "".join(f'<tool_call>{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}</tool_call>\n'
+                  for city in ("Paris", "Rome"))
+    extra = {"structured_outputs": {"regex": re.escape(two.strip())}}
+    asked = dict(model=MODEL, tools=[CHAT_WEATHER], max_tokens=100, temperature=0, extra_body=extra,
+                 messages=[{"role": "user", "content": "Weather in Paris and Rome?"}])
+    for parallel, cities in ((True, ["Paris", "Rome"]), (False, ["Paris"])):
+        whole = client.chat.completions.create(**asked, parallel_tool_calls=parallel).choices[0].message
+        assert [json.loads(c.function.arguments)["city"] for c in whole.tool_calls] == cities
+        chunks = list(client.chat.completions.create(**asked, parallel_tool_calls=parallel, stream=True))
+        indices = {c.index for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []}
+        assert indices == set(range(len(cities)))
+        response = client.responses.create(model=MODEL, input="Weather in Paris and Rome?", tools=[WEATHER],
+                                           max_output_tokens=100, temperature=0, extra_body=extra,
+                                           parallel_tool_calls=parallel)
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert [json.loads(c.arguments)["city"] for c in calls] == cities
+
+
+def test_a_name_the_client_chose_is_kept_in_an_error():
+    from hf_paged.server.protocol import APIError
+    from hf_paged.server.responses import renamed
+
+    err = renamed(APIError(400, "tool_choice names 'messages', which is not among the tools; messages[0] is bad",
+                           param="tool_choice"))
+    assert err.message == "tool_choice names 'messages', which is not among the tools; input[0] is bad"
+    err = renamed(APIError(400, "'max_completion_tokens' is too large", param="max_completion_tokens"))
+    assert err.message == "'max_output_tokens' is too large" and err.param == "max_output_tokens"
+    err = renamed(APIError(400, "response_format: #/$defs/response_format is not found", param="response_format"))
+    assert err.message == "text.format: #/$defs/response_format is not found"
+
+
 def test_responses_are_not_stored_and_asking_for_one_says_so(client):
     import openai
 

@@ -690,17 +690,21 @@ class ChatFormat(CompletionFormat):
 
 class ToolChatFormat(ChatFormat):
     """Chat choices whose text may hold tool calls: those are answered as ``message.tool_calls`` (streamed as
-    ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``."""
+    ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``. With ``one_call``
+    (``parallel_tool_calls: false``) only the first call is answered, as vLLM keeps it where no constraint held the
+    model to one."""
 
     def __init__(self, decode: TokenText, top_k: int | None, parser: ToolCallParser,
-                 reasoning: ReasoningParser | None = None, include_reasoning: bool = True):
+                 reasoning: ReasoningParser | None = None, include_reasoning: bool = True, one_call: bool = False):
         super().__init__(decode, top_k, reasoning, include_reasoning)
         self.parser = parser
+        self.one_call = one_call
         self.streams = {}
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         choice = super().choice(index, output)
         content, calls = self.parser.parse(choice["message"]["content"] or "")  # calls come after any reasoning
+        calls = calls[:1] if self.one_call else calls
         if calls:
             choice["message"].update(content=content, tool_calls=[call.to_dict() for call in calls])
             choice["finish_reason"] = self._finish(output.finish_reason)
@@ -715,6 +719,7 @@ class ToolChatFormat(ChatFormat):
         if finish_reason is not None:
             rest, last, called = stream.finish()
             content, calls = content + rest, calls + last
+        calls = [call for call in calls if call["index"] == 0] if self.one_call else calls
         return self.chunk(index, reasoning, content, self.logprobs(token_ids, logprobs, text_offset),
                           self._finish(finish_reason) if called else finish_reason, stop_reason, calls)
 

@@ -29,17 +29,24 @@ _INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_searc
 _ITEMS = "message, function_call, function_call_output, reasoning"
 # The chat request's fields that stand for this API's, as errors name them.
 _FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
-_CHAT_NAMES = re.compile(r"(?<![\w.])(" + "|".join(_FIELDS_OF_CHAT) + r")\b")
+_CHAT_NAMES = re.compile(r"(?<![\w.$#/])(" + "|".join(_FIELDS_OF_CHAT) + r")\b")
+_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")
 
 
 def renamed(err: APIError) -> APIError:
     """An error of the chat request a response runs as, naming this API's fields (``text.format`` for
     ``response_format``)."""
     message = err.message.replace("response_format.json_schema.schema", "text.format.schema")
-    err.message = _CHAT_NAMES.sub(lambda m: "text.format" if m.group(1) == "response_format" else
-                                  _FIELDS_OF_CHAT[m.group(1)], message)
+    # A quoted name is one the client chose (a tool's, a schema key), unless it is the field the error is about.
+    parts = _QUOTED.split(message)
+    err.message = "".join(part if i % 2 and part[1:-1] != err.param else _CHAT_NAMES.sub(_this_apis_name, part)
+                          for i, part in enumerate(parts))
     err.param = _FIELDS_OF_CHAT.get(err.param, err.param)
     return err
+
+
+def _this_apis_name(match: re.Match) -> str:
+    return "text.format" if match.group(1) == "response_format" else _FIELDS_OF_CHAT[match.group(1)]
 
 
 class ResponsesRequest(BaseModel):
@@ -140,14 +147,18 @@ def _messages(given: str | list[dict]) -> tuple[list[dict], list[int]]:
     for i, item in enumerate(given):
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text(item.get("content"), f"input[{i}].content")})
+            role, text = item.get("role"), _text(item.get("content"), f"input[{i}].content")
+            if role == "assistant" and messages and messages[-1].get("tool_calls") and text is not None:
+                # Text written after the answer's calls (a stream adds it as an item of its own): the same turn.
+                messages[-1]["content"] = (messages[-1]["content"] or "") + text
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if messages and messages[-1]["role"] == "assistant":
+                # The text and calls of one answer, or parallel calls: one assistant turn, as the model wrote it.
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -266,14 +277,19 @@ class ResponseEvents:
                 self.event("response.in_progress", response=response)]
 
     def delta(self, delta: dict) -> list[str]:
-        """The events of one chat chunk's ``delta``."""
-        events = []
+        """The events of one chat chunk's ``delta``. A chunk that holds several tokens' deltas (speculation, or a
+        reader that fell behind) may hold the end of a call already open and the text after it: the call's
+        arguments were written first, so they are sent first, before its item is done."""
+        calls = delta.get("tool_calls") or []
+        open_calls = [call for call in calls if call["index"] in self.calls]
+        events = [event for call in open_calls for event in self._call(call)]
         if delta.get("reasoning"):
             events += self._text("reasoning", delta["reasoning"])
         if delta.get("content"):
             events += self._text("message", delta["content"])
-        for call in delta.get("tool_calls") or []:
-            events += self._call(call)
+        for call in calls:
+            if call not in open_calls:
+                events += self._call(call)
         return events
 
     def _text(self, kind: str, text: str) -> list[str]:

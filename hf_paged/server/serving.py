@@ -368,7 +368,8 @@ class OpenAIServing:
         reasoning = ReasoningParser(text, self.generator.config.reasoning_parser, continued) if self.reasoning else None
         if parser is None:
             return token_ids, ChatFormat(self.decode, top_k, reasoning, body.include_reasoning)
-        return token_ids, ToolChatFormat(self.decode, top_k, parser, reasoning, body.include_reasoning)
+        return token_ids, ToolChatFormat(self.decode, top_k, parser, reasoning, body.include_reasoning,
+                                         one_call=body.parallel_tool_calls is False)
 
     async def submit(self, body: GenerationRequest, prompts: list, params: SamplingParams, request_ids: list[str],
                      prompt_param: str, call_id: str | None = None) -> RequestStream:
