@@ -116,7 +116,7 @@ def test_function_calls_are_output_items_and_come_back_as_input(client):
     ({"input": "Hi", "truncation": "auto"}, "truncation"),
     ({"input": "Hi", "background": True}, "background"),
     ({"input": "Hi", "temperature": -1}, "temperature"),
-    ({"input": [{"role": "user"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
 ])
 def test_what_it_cannot_take_is_a_400_naming_the_field(server, body, param):
     answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
@@ -165,13 +165,19 @@ def test_includes_that_ask_nothing_of_this_server_are_taken(client):
 
 @pytest.mark.parametrize("body, words", [
     ({"input": [{"role": "user", "content": "Hi"}, {"role": 5, "content": "x"}], "instructions": "Be brief."},
-     "input: 1.role:"),  # the input item, not the chat message (instructions take the first)
+     "input[1].role is one of user, assistant"),  # the input item, not the chat message
     ({"input": [{"type": "reasoning", "summary": []}, {"role": "user", "content": "Hi"},
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
                 {"type": "function_call", "call_id": "d", "name": "f", "arguments": "{}"},
-                {"role": 5, "content": "x"}]}, "input: 4.role:"),  # reasoning skipped, two calls one message
+                {"role": 5, "content": "x"}]}, "input[4].role is one of"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "image"}]}]},
      "input[0].output: only text parts"),
+    ({"input": [{"role": "tool", "content": "18 C"}]}, "input[0].role is one of user, assistant, system, developer"),
+    ({"input": [{"role": "user"}]}, "input[0].content is required"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id is required"),
+    ({"input": [{"type": "function_call_output", "output": "18 C"}]}, "input[0].call_id is required"),
+    ({"input": "Hi", "stream_options": {"include_usage": True}}, "only allowed when stream is true"),
+    ({"input": "Hi", "reasoning": {"effort": "bogus"}}, "reasoning.effort is one of none, minimal"),
 ])
 def test_an_error_names_the_input_item_as_the_client_sent_it(server, body, words):
     answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)

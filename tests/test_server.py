@@ -1218,6 +1218,9 @@ def test_chat_template_kwargs_are_the_templates_variables(smollm2):
                                                            "reasoning": {"effort": "medium"}})
         expected = len(tokenizer("Reasoning: medium\nuser: Hi\nassistant:", add_special_tokens=False).input_ids)
         assert response.json()["usage"]["input_tokens"] == expected
+        refused = test_client.post("/v1/chat/completions", json={"messages": messages, "reasoning_effort": "max"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+        assert "reasoning_effort is one of none, minimal, low, medium, high, xhigh" in refused.text
 
 
 def test_the_models_generation_config_fills_what_a_request_leaves_out(smollm2, tmp_path):

@@ -361,6 +361,9 @@ class ToolCallMessage(BaseModel):
     function: FunctionCall
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
+
+
 class ChatMessage(BaseModel):
     """A chat message; fields beyond ``role``, ``content`` and ``tool_calls`` are passed on to the chat template."""
 
@@ -446,6 +449,9 @@ class ChatCompletionRequest(GenerationRequest):
         if reserved:
             raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs are the template's variables; "
                                                             f"{', '.join(reserved)} cannot be set through them")
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise InvalidParameter("reasoning_effort", f"reasoning_effort is one of {', '.join(REASONING_EFFORTS)}, "
+                                                        f"got {self.reasoning_effort!r}")
         options = dict(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:  # chat_template_kwargs' own reasoning_effort wins
             options.setdefault("reasoning_effort", self.reasoning_effort)

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..generation.sampling_params import InvalidParameter
-from .protocol import APIError, ChatCompletionRequest
+from .protocol import REASONING_EFFORTS, APIError, ChatCompletionRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # OpenAI's ``include`` values that ask nothing of this server (its tools and images are refused where given, and
@@ -27,6 +27,7 @@ _INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_searc
                "message.input_image.image_url", "computer_call_output.output.image_url",
                "code_interpreter_call.outputs", "reasoning.encrypted_content")
 _ITEMS = "message, function_call, function_call_output, reasoning"
+_ROLES = ("user", "assistant", "system", "developer")
 # The chat request's fields that stand for this API's, as errors name them.
 _FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
 _CHAT_NAMES = re.compile(r"(?<![\w.$#/])(" + "|".join(_FIELDS_OF_CHAT) + r")\b")
@@ -99,6 +100,12 @@ class ResponsesRequest(BaseModel):
             if value not in _INCLUDABLE:
                 raise InvalidParameter("include", f"include[{i}]: {value!r} is not one of OpenAI's values "
                                        f"({', '.join(_INCLUDABLE)}, message.output_text.logprobs)")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and effort not in REASONING_EFFORTS:
+            raise InvalidParameter("reasoning", f"reasoning.effort is one of {', '.join(REASONING_EFFORTS)}, got "
+                                                f"{effort!r}")
         if self.top_logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs are not served on /v1/responses here (the chat "
                                    "endpoint serves logprobs)")
@@ -112,7 +119,7 @@ class ResponsesRequest(BaseModel):
                   "tools": None if self.tools is None else [_chat_tool(i, t) for i, t in enumerate(self.tools)],
                   "tool_choice": _chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
                   "response_format": _response_format(self.text),
-                  "reasoning_effort": (self.reasoning or {}).get("effort")}
+                  "reasoning_effort": effort}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as err:
@@ -146,6 +153,7 @@ def _messages(given: str | list[dict]) -> tuple[list[dict], list[int]]:
     messages, origins = [], []
     for i, item in enumerate(given):
         kind = item.get("type", "message")
+        _check_item(i, kind, item)
         if kind == "message":
             role, text = item.get("role"), _text(item.get("content"), f"input[{i}].content")
             if role == "assistant" and messages and messages[-1].get("tool_calls") and text is not None:
@@ -169,6 +177,19 @@ def _messages(given: str | list[dict]) -> tuple[list[dict], list[int]]:
             raise InvalidParameter("input", f"input[{i}] is of type {kind!r}; this server takes {_ITEMS} items")
         origins += [i] * (len(messages) - len(origins))
     return messages, origins
+
+
+def _check_item(i: int, kind: str, item: dict) -> None:
+    """Refuse an input item that lacks what OpenAI requires of its type (a tool's result is a
+    ``function_call_output`` item, not a message of role ``tool``)."""
+    if kind == "message" and item.get("role") not in _ROLES:
+        raise InvalidParameter("input", f"input[{i}].role is one of {', '.join(_ROLES)}, got {item.get('role')!r}")
+    if kind == "message" and item.get("content") is None:
+        raise InvalidParameter("input", f"input[{i}].content is required: a string or a list of text parts")
+    required = {"function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id",)}
+    for field in required.get(kind, ()):
+        if not isinstance(item.get(field), str):
+            raise InvalidParameter("input", f"input[{i}].{field} is required (a string) in a {kind} item")
 
 
 def _text(content, where: str) -> str | None:
