@@ -302,13 +302,14 @@ class LoRAStep:
         stacks = stacks or LoRAStacks()
         if not any(adapters):
             return None
-        if len(set(map(id, adapters))) == 1:
+        # Grouped by what they compute (an adapter loaded again, or under two names, is one group).
+        if len({None if adapter is None else adapter.digest for adapter in adapters}) == 1:
             return cls(sum(lengths), [(adapters[0], None)], stacks)
-        rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
+        rows: dict[bytes, tuple[LoRAAdapter, list[int]]] = {}
         start = 0
         for adapter, length in zip(adapters, lengths):
             if adapter is not None:
-                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + length))
+                rows.setdefault(adapter.digest, (adapter, []))[1].extend(range(start, start + length))
             start += length
         groups = sorted(rows.values(), key=lambda group: group[0].digest)  # the stacks' order, whatever the step's
         indices = [(adapter, torch.tensor(index, dtype=torch.long, device=device)) for adapter, index in groups]

@@ -148,6 +148,28 @@ def test_an_id_taken_again_by_another_adapter_counts_as_another_adapter(smollm2_
     assert list(dict.fromkeys(name for names in running for name in names)) == ["attn", "mlp", "all"]
 
 
+def test_one_adapter_under_two_names_is_one_adapter_of_a_step(smollm2_path, adapters, monkeypatch):
+    """Two names (and ids) for the same files load two objects that compute the same thing: ``max_loras`` 1 runs
+    both names together, as one group of the step's rows."""
+    from hf_paged.lora import LoRAStep
+
+    paths, expected = adapters
+    generator = engine(smollm2_path, max_loras=1)
+    groups, of = [], LoRAStep.of
+
+    def counted(*args, **kwargs):
+        step = of(*args, **kwargs)
+        groups.append(0 if step is None else len(step.groups))
+        return step
+
+    monkeypatch.setattr(LoRAStep, "of", counted)
+    outputs = generator.run([PROMPTS[0], PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=[
+        LoRARequest("attn", 1, paths["attn"]), LoRARequest("attn-too", 2, paths["attn"])])
+    assert [o.outputs[0].token_ids for o in outputs] == [expected["attn"][0], expected["attn"][1]]
+    assert generator.scheduler.num_preemptions == 0 and set(groups) == {1}
+    assert len(groups) == GREEDY.max_tokens  # both prompts in one step, then every decode step holds both
+
+
 def test_the_prefix_cache_keeps_each_adapters_keys_and_values_apart(smollm2_path, adapters):
     paths, _ = adapters
     loras = requests_of(paths)

@@ -176,6 +176,7 @@ def test_includes_that_ask_nothing_of_this_server_are_taken(client):
     ({"input": [{"role": "user"}]}, "input[0].content is required"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id is required"),
     ({"input": [{"type": "function_call_output", "output": "18 C"}]}, "input[0].call_id is required"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output is required"),
     ({"input": "Hi", "stream_options": {"include_usage": True}}, "only allowed when stream is true"),
     ({"input": "Hi", "reasoning": {"effort": "bogus"}}, "reasoning.effort is one of none, minimal"),
 ])
@@ -305,6 +306,11 @@ def test_a_name_the_client_chose_is_kept_in_an_error():
     assert err.message == "tool_choice names 'messages', which is not among the tools; input[0] is bad"
     err = renamed(APIError(400, "'max_completion_tokens' is too large", param="max_completion_tokens"))
     assert err.message == "'max_output_tokens' is too large" and err.param == "max_output_tokens"
+    err = renamed(APIError(400, "the model's context is 2048 tokens: lower max_completion_tokens or 'messages'",
+                           param="max_completion_tokens"))
+    assert err.message == "the model's context is 2048 tokens: lower max_output_tokens or 'messages'"
+    err = renamed(APIError(400, "the tokenizer's messages aren't valid", param="messages"))
+    assert err.message == "the tokenizer's input aren't valid"
     err = renamed(APIError(400, "response_format: #/$defs/response_format is not found", param="response_format"))
     assert err.message == "text.format: #/$defs/response_format is not found"
 

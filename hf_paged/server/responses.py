@@ -31,7 +31,7 @@ _ROLES = ("user", "assistant", "system", "developer")
 # The chat request's fields that stand for this API's, as errors name them.
 _FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
 _CHAT_NAMES = re.compile(r"(?<![\w.$#/])(" + "|".join(_FIELDS_OF_CHAT) + r")\b")
-_QUOTED = re.compile(r"('[^']*'|\"[^\"]*\")")
+_QUOTED = re.compile(r"((?<!\w)'[^'\s]*'(?!\w)|\"[^\"\s]*\")")  # a quoted name, not what lies between apostrophes
 
 
 def renamed(err: APIError) -> APIError:
@@ -104,7 +104,7 @@ class ResponsesRequest(BaseModel):
             raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
         effort = (self.reasoning or {}).get("effort")
         if effort is not None and effort not in REASONING_EFFORTS:
-            raise InvalidParameter("reasoning", f"reasoning.effort is one of {', '.join(REASONING_EFFORTS)}, got "
+            raise InvalidParameter("reasoning.effort", f"reasoning.effort is one of {', '.join(REASONING_EFFORTS)}, got "
                                                 f"{effort!r}")
         if self.top_logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs are not served on /v1/responses here (the chat "
@@ -190,6 +190,8 @@ def _check_item(i: int, kind: str, item: dict) -> None:
     for field in required.get(kind, ()):
         if not isinstance(item.get(field), str):
             raise InvalidParameter("input", f"input[{i}].{field} is required (a string) in a {kind} item")
+    if kind == "function_call_output" and item.get("output") is None:
+        raise InvalidParameter("input", f"input[{i}].output is required: the call's result, a string or text parts")
 
 
 def _text(content, where: str) -> str | None:
