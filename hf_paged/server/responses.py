@@ -104,8 +104,8 @@ class ResponsesRequest(BaseModel):
             raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
         effort = (self.reasoning or {}).get("effort")
         if effort is not None and effort not in REASONING_EFFORTS:
-            raise InvalidParameter("reasoning.effort", f"reasoning.effort is one of {', '.join(REASONING_EFFORTS)}, got "
-                                                f"{effort!r}")
+            raise InvalidParameter("reasoning.effort", f"reasoning.effort is one of {', '.join(REASONING_EFFORTS)}, "
+                                                       f"got {effort!r}")
         if self.top_logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs are not served on /v1/responses here (the chat "
                                    "endpoint serves logprobs)")
