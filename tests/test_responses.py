@@ -53,6 +53,16 @@ def test_a_response_is_the_chat_answer_of_its_instructions_and_input(client):
     assert parts.output_text == response.output_text
 
 
+def test_the_sampling_settings_an_answer_was_drawn_with_are_echoed(client):
+    """As vLLM echoes them: those given, else the model's defaults (not null), streamed or not."""
+    given = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0.3, top_p=0.9)
+    assert (given.temperature, given.top_p) == (0.3, 0.9)
+    default = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert isinstance(default.temperature, float) and isinstance(default.top_p, float)
+    streamed = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, stream=True))
+    assert (streamed[0].response.temperature, streamed[-1].response.top_p) == (default.temperature, default.top_p)
+
+
 def test_a_streamed_response_sends_each_item_added_written_and_done(client):
     asked = dict(model=MODEL, input="Tell me a story", max_output_tokens=12, temperature=0)
     whole = client.responses.create(**asked)
@@ -106,7 +116,6 @@ def test_function_calls_are_output_items_and_come_back_as_input(client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "Hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "Hi", "conversation": {"id": "conv_1"}}, "conversation"),
     ({"input": "Hi", "prompt": {"id": "pmpt_1", "version": "2"}}, "prompt"),
@@ -313,6 +322,13 @@ def test_a_name_the_client_chose_is_kept_in_an_error():
     assert err.message == "the tokenizer's input aren't valid"
     err = renamed(APIError(400, "response_format: #/$defs/response_format is not found", param="response_format"))
     assert err.message == "text.format: #/$defs/response_format is not found"
+
+
+def test_a_previous_response_is_not_found_as_vllm_answers_an_unknown_id(server):
+    answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, "input": "Hi",
+                                                             "previous_response_id": "resp_1"}, timeout=30)
+    error = answer.json()["error"]
+    assert answer.status_code == 404 and error["param"] == "previous_response_id" and "'resp_1'" in error["message"]
 
 
 def test_responses_are_not_stored_and_asking_for_one_says_so(client):

@@ -80,9 +80,10 @@ class ResponsesRequest(BaseModel):
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request this one runs as; raises `InvalidParameter` naming the field it cannot take."""
-        if self.previous_response_id is not None:
-            raise InvalidParameter("previous_response_id", "previous_response_id needs stored responses, which this "
-                                   "server does not keep: send the whole conversation in input")
+        if self.previous_response_id is not None:  # an id unknown here, as every id is (vLLM and OpenAI: a 404)
+            raise APIError(404, f"no response {self.previous_response_id[:100]!r} is stored to continue: this server "
+                                "keeps no responses; send the whole conversation in input",
+                           param="previous_response_id", code="not_found")
         for stored in ("conversation", "prompt"):
             if getattr(self, stored) is not None:
                 raise InvalidParameter(stored, f"{stored} names what is stored on OpenAI's side, which this server "

@@ -116,6 +116,7 @@ class OpenAIServing:
         events = ResponseEvents(body, self.models.name(body.model))
         try:
             prompt, fmt, params = await self.chat_call(chat, "input")
+            body.temperature, body.top_p = params.temperature, params.top_p  # echoed as used, as vLLM echoes them
             stream = await self.submit(chat, [prompt], params, [events.id], "input")
             if body.stream:
                 return EventStream(_response_events(stream, fmt, events, self.count_tokens), stream.close,
