@@ -79,7 +79,8 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
-        """The chat request this one runs as; raises `InvalidParameter` naming the field it cannot take."""
+        """The chat request this one runs as; raises `InvalidParameter` naming the field it cannot take (and
+        `APIError` 404 for a previous response, as none is stored)."""
         if self.previous_response_id is not None:  # an id unknown here, as every id is (vLLM and OpenAI: a 404)
             raise APIError(404, f"no response {self.previous_response_id[:100]!r} is stored to continue: this server "
                                 "keeps no responses; send the whole conversation in input",
