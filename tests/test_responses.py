@@ -125,6 +125,10 @@ def test_function_calls_are_output_items_and_come_back_as_input(client):
     ({"input": "Hi", "truncation": "auto"}, "truncation"),
     ({"input": "Hi", "background": True}, "background"),
     ({"input": "Hi", "temperature": -1}, "temperature"),
+    ({"input": "Hi", "logprobs": True}, "logprobs"),
+    ({"input": "Hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"input": "Hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "Hi", "metadata": {"k": "v" * 513}}, "metadata"),
     ({"input": [{"role": "user", "content": "Hi"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
 ])
 def test_what_it_cannot_take_is_a_400_naming_the_field(server, body, param):

@@ -78,9 +78,8 @@ class ResponsesRequest(BaseModel):
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no obfuscation is added here
     top_logprobs: int | None = None
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat request this one runs as; raises `InvalidParameter` naming the field it cannot take (and
-        `APIError` 404 for a previous response, as none is stored)."""
+    def _check_stored(self) -> None:
+        """Refuse what needs a store of responses, which this server does not keep."""
         if self.previous_response_id is not None:  # an id unknown here, as every id is (vLLM and OpenAI: a 404)
             raise APIError(404, f"no response {self.previous_response_id[:100]!r} is stored to continue: this server "
                                 "keeps no responses; send the whole conversation in input",
@@ -92,6 +91,9 @@ class ResponsesRequest(BaseModel):
         if self.background:
             raise InvalidParameter("background", "background responses are fetched later from a store, which this "
                                    "server does not keep: ask without background (or stream)")
+
+    def _check_served(self) -> None:
+        """Refuse what this server does not serve on this API, naming the field."""
         if self.truncation not in (None, "disabled"):
             raise InvalidParameter("truncation", f"truncation {self.truncation!r} is not supported: the input must "
                                    "fit the model's context (truncation 'disabled')")
@@ -104,15 +106,26 @@ class ResponsesRequest(BaseModel):
                                        f"({', '.join(_INCLUDABLE)}, message.output_text.logprobs)")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+        extra = self.model_extra or {}
+        for param, asked in (("top_logprobs", self.top_logprobs), ("logprobs", extra.get("logprobs"))):
+            if asked:
+                raise InvalidParameter(param, f"{param} are not served on /v1/responses here (the chat endpoint "
+                                              "serves logprobs)")
+        if "response_format" in extra:
+            raise InvalidParameter("response_format", "a response's format is text.format, not response_format")
+        if extra.get("n") not in (None, 1):
+            raise InvalidParameter("n", "a response has one answer: n must be 1")
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat request this one runs as; raises `InvalidParameter` naming the field it cannot take (and
+        `APIError` 404 for a previous response, as none is stored)."""
+        self._check_stored()
+        self._check_served()
         effort = (self.reasoning or {}).get("effort")
         if effort is not None and effort not in REASONING_EFFORTS:
             raise InvalidParameter("reasoning.effort", f"reasoning.effort is one of {', '.join(REASONING_EFFORTS)}, "
                                                        f"got {effort!r}")
-        if self.top_logprobs:
-            raise InvalidParameter("top_logprobs", "top_logprobs are not served on /v1/responses here (the chat "
-                                   "endpoint serves logprobs)")
-        if (self.model_extra or {}).get("n") not in (None, 1):
-            raise InvalidParameter("n", "a response has one answer: n must be 1")
+        _check_metadata(self.metadata or {})
         instructions = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages, origins = _messages(self.input)
         fields = {**(self.model_extra or {}), "model": self.model, "messages": instructions + messages,
@@ -146,6 +159,16 @@ class ResponsesRequest(BaseModel):
                 "temperature": self.temperature, "top_p": self.top_p,
                 "text": self.text or {"format": {"type": "text"}}, "tool_choice": self.tool_choice or "auto",
                 "tools": self.tools or [], "truncation": "disabled", "usage": usage, "user": self.user}
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    """OpenAI's limits: 16 pairs, keys of at most 64 characters, values of at most 512."""
+    if len(metadata) > 16:
+        raise InvalidParameter("metadata", f"metadata holds at most 16 pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > 64 or len(value) > 512:
+            raise InvalidParameter("metadata", f"metadata keys are at most 64 characters and values at most 512: "
+                                               f"{key[:64]!r} is not")
 
 
 def _messages(given: str | list[dict]) -> tuple[list[dict], list[int]]:
