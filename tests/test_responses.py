@@ -287,6 +287,41 @@ def test_an_answers_text_and_calls_sent_back_are_one_assistant_turn(client):
     assert again.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_reasoning_sent_back_reaches_a_template_that_renders_it(smollm2):
+    """A reasoning item goes to the assistant turn after it as ``reasoning_content`` (Qwen3's template renders it
+    for the turns of a tool loop): the same prompt as the chat conversation that carries it; reasoning before a
+    user message belongs to no turn."""
+    import copy
+
+    from starlette.testclient import TestClient
+
+    from hf_paged import ContinuousBatchGenerator
+
+    model, tokenizer = smollm2
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {% if m.reasoning_content %}<think>"
+                               "{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}\n{% endfor %}assistant:")
+    app = create_app(ContinuousBatchGenerator(model, tokenizer, num_blocks=16), MODEL)
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "They want a greeting."}]}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]}
+    with TestClient(app) as test_client:
+        def prompt_tokens(path, body):
+            answer = test_client.post(path, json={"model": MODEL, "max_tokens": 1, **body})
+            assert answer.status_code == 200, answer.text
+            usage = answer.json()["usage"]
+            return usage.get("input_tokens", usage.get("prompt_tokens"))
+
+        user = {"role": "user", "content": "Hi"}
+        chat = prompt_tokens("/v1/chat/completions", {"messages": [
+            user, {"role": "assistant", "content": "Hello!", "reasoning_content": "They want a greeting."}, user]})
+        plain = prompt_tokens("/v1/chat/completions", {"messages": [user, {"role": "assistant", "content": "Hello!"},
+                                                                     user]})
+        assert chat > plain
+        assert prompt_tokens("/v1/responses", {"input": [user, thought, said, user]}) == chat
+        assert prompt_tokens("/v1/responses", {"input": [user, said, thought, user]}) == plain
+
+
 def test_parallel_tool_calls_false_answers_the_first_call_only(client):
     """Under ``tool_choice`` auto nothing holds the model to one call: as vLLM, only the first is answered (a regex
     stands in for a model that writes two), in chat and Responses, streamed or not."""

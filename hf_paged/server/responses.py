@@ -172,13 +172,17 @@ def _check_metadata(metadata: dict[str, str]) -> None:
 
 
 def _messages(given: str | list[dict]) -> tuple[list[dict], list[int]]:
-    """The ``input`` as chat messages, and the index of the input item each came from."""
+    """The ``input`` as chat messages, and the index of the input item each came from. A reasoning item's text goes
+    to the assistant turn after it as ``reasoning_content`` (which templates such as Qwen3's render in a tool loop)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}], [0]
-    messages, origins = [], []
+    messages, origins, reasoning = [], [], None
     for i, item in enumerate(given):
         kind = item.get("type", "message")
         _check_item(i, kind, item)
+        if kind == "reasoning":
+            reasoning = _reasoning_text(item)
+            continue
         if kind == "message":
             role, text = item.get("role"), _text(item.get("content"), f"input[{i}].content")
             if role == "assistant" and messages and messages[-1].get("tool_calls") and text is not None:
@@ -198,10 +202,21 @@ def _messages(given: str | list[dict]) -> tuple[list[dict], list[int]]:
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else _text(output, f"input[{i}].output")})
-        elif kind != "reasoning":  # earlier reasoning is not part of a chat prompt (templates drop it)
+        else:
             raise InvalidParameter("input", f"input[{i}] is of type {kind!r}; this server takes {_ITEMS} items")
+        if reasoning is not None and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("reasoning_content", reasoning)
+        reasoning = None
         origins += [i] * (len(messages) - len(origins))
     return messages, origins
+
+
+def _reasoning_text(item: dict) -> str | None:
+    """The text of a reasoning item's ``reasoning_text`` parts (as this server writes them), None without any."""
+    parts = item.get("content")
+    texts = [part.get("text") for part in parts if isinstance(part, dict) and part.get("type") == "reasoning_text"
+             and isinstance(part.get("text"), str)] if isinstance(parts, list) else []
+    return "\n".join(texts) if texts else None
 
 
 def _check_item(i: int, kind: str, item: dict) -> None:
