@@ -199,6 +199,18 @@ def test_an_error_names_the_input_item_as_the_client_sent_it(server, body, words
     assert answer.status_code == 400 and words in error["message"], answer.text
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"input": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"input": "Hi", "reasoning": {"effort": "bogus"}}, "reasoning.effort"),
+    ({"input": "Hi", "stream": True, "stream_options": {"include_usage": "often"}}, "stream_options"),
+])
+def test_the_chat_requests_checks_name_this_apis_fields(server, body, param):
+    """The refusals that the chat request makes (a response runs as one) name the field as the client sent it."""
+    answer = httpx.post(f"{server.base}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert "reasoning_effort" not in answer.text
+
+
 def test_an_answer_cut_short_marks_its_last_item_incomplete_streamed_or_not(client, server):
     """Whatever the last item is (a call here, under tool_choice=required), a cut answer marks it incomplete, and
     the usage says which input tokens were computed (written to the cache) and which were read from it."""

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..generation.sampling_params import InvalidParameter
-from .protocol import REASONING_EFFORTS, APIError, ChatCompletionRequest
+from .protocol import APIError, ChatCompletionRequest
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # OpenAI's ``include`` values that ask nothing of this server (its tools and images are refused where given, and
@@ -29,7 +29,8 @@ _INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_searc
 _ITEMS = "message, function_call, function_call_output, reasoning"
 _ROLES = ("user", "assistant", "system", "developer")
 # The chat request's fields that stand for this API's, as errors name them.
-_FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens"}
+_FIELDS_OF_CHAT = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
+                   "reasoning_effort": "reasoning.effort"}
 _CHAT_NAMES = re.compile(r"(?<![\w.$#/])(" + "|".join(_FIELDS_OF_CHAT) + r")\b")
 _QUOTED = re.compile(r"((?<!\w)'[^'\s]*'(?!\w)|\"[^\"\s]*\")")  # a quoted name, not what lies between apostrophes
 
@@ -104,8 +105,6 @@ class ResponsesRequest(BaseModel):
             if value not in _INCLUDABLE:
                 raise InvalidParameter("include", f"include[{i}]: {value!r} is not one of OpenAI's values "
                                        f"({', '.join(_INCLUDABLE)}, message.output_text.logprobs)")
-        if self.stream_options is not None and not self.stream:
-            raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
         extra = self.model_extra or {}
         for param, asked in (("top_logprobs", self.top_logprobs), ("logprobs", extra.get("logprobs"))):
             if asked:
@@ -121,20 +120,16 @@ class ResponsesRequest(BaseModel):
         `APIError` 404 for a previous response, as none is stored)."""
         self._check_stored()
         self._check_served()
-        effort = (self.reasoning or {}).get("effort")
-        if effort is not None and effort not in REASONING_EFFORTS:
-            raise InvalidParameter("reasoning.effort", f"reasoning.effort is one of {', '.join(REASONING_EFFORTS)}, "
-                                                       f"got {effort!r}")
         _check_metadata(self.metadata or {})
         instructions = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages, origins = _messages(self.input)
         fields = {**(self.model_extra or {}), "model": self.model, "messages": instructions + messages,
                   "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
-                  "top_p": self.top_p, "stream": self.stream, "user": self.user,
+                  "top_p": self.top_p, "stream": self.stream, "stream_options": self.stream_options, "user": self.user,
                   "tools": None if self.tools is None else [_chat_tool(i, t) for i, t in enumerate(self.tools)],
                   "tool_choice": _chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
                   "response_format": _response_format(self.text),
-                  "reasoning_effort": effort}
+                  "reasoning_effort": (self.reasoning or {}).get("effort")}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as err:
