@@ -314,7 +314,8 @@ _LIMITS = {
                                             "which requests ask for with -1, as vLLM's (default: 20)"),
     "max_logprob_entries": ("--max-logprob-entries", int,
                             "most log-probabilities one call may return, n x (logprobs + 1) x new tokens over its "
-                            "prompts (default: 1048576)"),
+                            "prompts; a call that sets no max_tokens stops there rather than being refused "
+                            "(default: 1048576)"),
     "max_chars_per_token": ("--max-chars-per-token", int,
                             "a prompt longer than max_model_len x this many characters is refused before it is "
                             "tokenized (default: 32)"),

@@ -675,6 +675,12 @@ def test_max_logprobs_minus_one_serves_the_whole_vocabularys_as_vllm(smollm2):
             == vocab
         many = httpx.post(f"{live.base}/v1/completions", json={**body, "logprobs": -1, "max_tokens": 3}, timeout=60)
         assert many.status_code == 400 and "--max-logprob-entries" in many.text
+        # A call that sets no max_tokens is not refused: the default gives way, so the answer stops at the bound.
+        unset = httpx.post(f"{live.base}/v1/chat/completions", json={
+            "model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": -1, "ignore_eos": True}, timeout=120)
+        assert unset.status_code == 200, unset.text
+        choice = unset.json()["choices"][0]
+        assert len(choice["logprobs"]["content"]) == 2 and choice["finish_reason"] == "length"  # 3 x vocab // (vocab + 1)
 
 
 def test_non_streaming_client_disconnect_aborts_the_request(server):

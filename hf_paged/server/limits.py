@@ -31,7 +31,7 @@ class ServerLimits:
     max_bad_words: int = 64  # each of at most max_stop_length characters
     max_allowed_token_ids: int = 65536
     max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's max_logprobs; -1: all)
-    max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens of one call
+    max_logprob_entries: int = 1 << 20  # n x prompts x (logprobs + 1) x new tokens (a default max_tokens gives way)
     max_chars_per_token: int = 32  # prompts longer than max_model_len x this are refused before tokenizing
     max_constraint_size: int = 128 << 10  # characters of a structured-output constraint (its grammar compiles first)
     tokenizer_workers: int = 2  # threads that tokenize prompts and render chat templates
@@ -88,6 +88,15 @@ class ServerLimits:
 
     def check_embedding_inputs(self, num_inputs: int, param: str = "input") -> None:
         _at_most(param, num_inputs, self.max_embedding_inputs, "inputs in one call", "--max-embedding-inputs")
+
+    def logprob_room(self, body: GenerationRequest, n: int, prompt_tokens: list[int]) -> int | None:
+        """The most new tokens each prompt may generate for the call's log-probabilities to stay within the limit
+        (None: it asks for no new tokens' log-probabilities)."""
+        _, logprobs = body.logprobs_param()
+        if logprobs is None:
+            return None
+        left = self.max_logprob_entries - body.prompt_logprob_entries(n) * sum(prompt_tokens)
+        return max(0, left // (n * (logprobs + 1) * len(prompt_tokens)))
 
     def check_logprob_entries(self, body: GenerationRequest, n: int, new_tokens: list[int],
                               prompt_tokens: list[int]) -> None:

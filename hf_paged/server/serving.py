@@ -383,8 +383,12 @@ class OpenAIServing:
         context = self.generator.max_model_len
         for ids in token_ids:
             _check_room(body, len(ids), context)
-        new_tokens = [min(params.max_tokens or context, context - len(ids)) for ids in token_ids]
-        self.limits.check_logprob_entries(body, params.n, new_tokens, [len(ids) for ids in token_ids])
+        lengths = [len(ids) for ids in token_ids]
+        room = self.limits.logprob_room(body, params.n, lengths)
+        if room and body.token_limit()[1] is None:  # a default limit gives way: the answer stops sooner ("length")
+            params.max_tokens = min(params.max_tokens or context, room)
+        new_tokens = [min(params.max_tokens or context, context - length) for length in lengths]
+        self.limits.check_logprob_entries(body, params.n, new_tokens, lengths)
         lora = self.check_model(body.model)
         if lora is not None:  # read off the event loop if it was dropped since (--max-cpu-loras)
             try:
