@@ -7,7 +7,6 @@ front of the same replicas, without prefix affinity, for its baseline.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -78,7 +77,8 @@ def adapter(smollm2_path, tmp_path_factory) -> str:
 def base(smollm2_path, adapter):
     """A local Ray with the app deployed; the base URL of Serve's HTTP proxy."""
     root = str(Path(hf_paged.__file__).parent.parent)  # replicas import this checkout's hf_paged
-    env = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="warning")
     try:
         for attempt in range(3):  # another process may take the free port before Serve's proxy binds it
@@ -399,3 +399,42 @@ def test_replicas_serve_a_lora_adapter_by_its_name_as_a_single_server(base, clie
             assert answer.choices[0].text == expected and answer.model == LORA
     # vLLM's lora_requests_info is the time of its last update: over replicas, the latest, not their sum
     assert time.time() - 600 < totals(base)["hf_paged:lora_requests_info"] <= time.time() + 1
+
+
+def test_a_runtime_adapter_update_reaches_every_replica(base, adapter):
+    """vLLM's ``/v1/load_lora_adapter`` loads on every replica and ``/v1/unload_lora_adapter`` drops from every one,
+    so that any replica serves the name; a new adapter that one replica refuses is left on none but that one."""
+    from hf_paged.server.asgi import HTTPRequest
+    from hf_paged.serve_ray.registry import router_of
+
+    engine = serve.get_deployment_handle("Engine", app_name=APP_NAME)
+    engine.metrics.remote().result()  # this process's router, which sends a call to the replica it names
+    replicas = [r.unique_id for r in router_of(APP_NAME).curr_replicas]
+    assert len(replicas) == 2
+
+    def call(replica: str, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+        content = json.dumps(body).encode() if body else b""
+        pieces = list(engine.options(stream=True).remote(HTTPRequest(method, path, b"", [
+            (b"content-type", b"application/json")], content), replica=replica))
+        return pieces[0].status, pieces[0].body + b"".join(pieces[1:])
+
+    def names(replica: str) -> set[str]:
+        return {m["id"] for m in json.loads(call(replica, "GET", "/v1/models")[1])["data"]}
+
+    loaded = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": adapter}, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    assert all("late" in names(replica) for replica in replicas)
+    for prompt in [f"{i} little pigs" for i in range(4)]:
+        answer = httpx.post(f"{base}/v1/completions", json={"model": "late", "prompt": prompt, "max_tokens": 2},
+                            timeout=120)
+        assert answer.status_code == 200 and answer.json()["model"] == "late", answer.text
+    assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=120).status_code == 200
+    assert not any("late" in names(replica) for replica in replicas)
+    # Either replica refusing (its name taken there), whichever the ingress asks first: undone on the other.
+    for taken, other in (replicas, replicas[::-1]):
+        name = f"taken-on-{taken}"
+        assert call(taken, "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": adapter})[0] == 200
+        refused = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": adapter},
+                             timeout=120)
+        assert refused.status_code == 400 and "taken already" in refused.text, refused.text
+        assert name in names(taken) and name not in names(other)

@@ -33,6 +33,8 @@ from .registry import router_of
 logger = logging.getLogger(__name__)
 api = FastAPI(title="hf_paged on Ray Serve")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+# vLLM's runtime adapter updates: each changes what every replica serves.
+_LOAD, _UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
 def _prompt(path: str, body: bytes, content_format: str) -> tuple[Prompt | None, str | None]:
@@ -74,6 +76,11 @@ async def _rest(start: HTTPResponseStart, response):
         if (start.header(b"content-type") or b"").startswith(b"text/event-stream"):
             error = error_body(f"the engine replica serving this request failed: {err!r}", "server_error", code=503)
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+def _lora_name(body: bytes) -> str:
+    """The ``lora_name`` of an adapter update that every replica took (so its body is valid)."""
+    return json.loads(body)["lora_name"]
 
 
 def _is_preflight(request: Request) -> bool:
@@ -118,12 +125,16 @@ class Ingress:
         self.metrics_timeout_s = metrics_timeout_s
         self.last_metrics: dict[str, str] = {}  # every replica's last /metrics text, kept when it goes
 
-    @api.get("/metrics")
-    async def metrics(self) -> Response:
+    async def _router(self):
         router = router_of(self.engine.app_name)
         if router is None:  # the handle makes its router at its first call
             await self.engine.metrics.remote()
             router = router_of(self.engine.app_name)
+        return router
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        router = await self._router()
         texts = {}
         # One at a time: calls made while serving one HTTP request share Serve's request id, and the router
         # hands a chosen replica to the first pending call with that id.
@@ -152,6 +163,8 @@ class Ingress:
         if body is None:
             return Response(status_code=499)  # the client left
         http = HTTPRequest(request.method, path, request.url.query.encode(), request.headers.raw, body)
+        if request.method == "POST" and path in (_LOAD, _UNLOAD):
+            return await self._update_adapters(http)
         prefix = await asyncio.to_thread(self._prefix, path, body)  # tokenizing a long prompt takes a while
         response = self.stream.remote(http, prefix=prefix)
         try:
@@ -163,6 +176,45 @@ class Ingress:
             return Response(start.body, status_code=start.status, headers=_headers(start))
         # The replica's app aborts the request once cancelled: when the client leaves, whenever that is.
         return EventStream(_rest(start, response), response.cancel, status_code=start.status, headers=_headers(start))
+
+    async def _update_adapters(self, http: HTTPRequest) -> Response:
+        """An adapter load or unload, sent to each replica in turn (see `metrics`) so that all serve the same names:
+        the first refusal is the answer, and a new adapter that one replica refused is unloaded from those that took
+        it. (A replica started later, to replace one, serves ``--lora-modules`` only.)"""
+        done, answer = [], None
+        for replica in [r.unique_id for r in (await self._router()).curr_replicas]:
+            try:
+                answer = await self._whole_answer(http, replica)
+            except Exception as err:
+                logger.warning("replica %s failed an adapter update: %r", replica, err)
+                answer = _replica_failed(err)
+            if answer.status_code >= 300:
+                if done and http.path == _LOAD and not json.loads(http.body).get("load_inplace"):
+                    await self._unload(http, _lora_name(http.body), done)
+                return answer
+            done.append(replica)
+        if answer is None:
+            return _replica_failed(RuntimeError("no engine replica is running"))
+        name = _lora_name(http.body)
+        self.adapters = tuple(a for a in self.adapters if a != name) + ((name,) if http.path == _LOAD else ())
+        return answer
+
+    async def _unload(self, http: HTTPRequest, name: str, replicas: list[str]) -> None:
+        """Undo a load on ``replicas``, with the headers (the key) of the request that loaded it."""
+        headers = [(k, v) for k, v in http.headers if k.lower() not in (b"content-length", b"content-type")]
+        undo = HTTPRequest("POST", _UNLOAD, b"", headers + [(b"content-type", b"application/json")],
+                           json.dumps({"lora_name": name}).encode())
+        for replica in replicas:
+            try:
+                await self._whole_answer(undo, replica)
+            except Exception as err:
+                logger.warning("replica %s kept adapter %r that another replica refused: %r", replica, name, err)
+
+    async def _whole_answer(self, http: HTTPRequest, replica: str) -> Response:
+        response = self.stream.remote(http, replica=replica)
+        start: HTTPResponseStart = await response.__anext__()
+        body = start.body if start.complete else start.body + b"".join([piece async for piece in response])
+        return Response(body, status_code=start.status, headers=_headers(start))
 
     def _prefix(self, path: str, body: bytes) -> list[bytes] | None:
         """The hashes the router places the request by (`route_hashes`), None without prefix affinity."""

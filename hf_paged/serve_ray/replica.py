@@ -58,10 +58,10 @@ class EngineReplica:
         self.app.state.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
 
-    async def __call__(self, request: HTTPRequest, prefix: list[bytes] | None = None,
+    async def __call__(self, request: HTTPRequest, prefix: list[bytes] | None = None, replica: str | None = None,
                        ) -> AsyncIterator[HTTPResponseStart | bytes]:
-        """The app's answer in pieces, its header naming this replica; ``prefix`` (the prompt's block hashes) is
-        for the router, not used here."""
+        """The app's answer in pieces, its header naming this replica; ``prefix`` (the prompt's block hashes) and
+        ``replica`` (the one asked for) are for the router."""
         async for piece in call_app(self.app, request):
             if isinstance(piece, HTTPResponseStart):
                 piece.headers.append((REPLICA_HEADER, self.replica.encode()))
