@@ -78,11 +78,6 @@ async def _rest(start: HTTPResponseStart, response):
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
-def _lora_name(body: bytes) -> str:
-    """The ``lora_name`` of an adapter update that every replica took (so its body is valid)."""
-    return json.loads(body)["lora_name"]
-
-
 def _is_preflight(request: Request) -> bool:
     headers = request.headers
     return request.method == "OPTIONS" and "origin" in headers and "access-control-request-method" in headers
@@ -181,7 +176,7 @@ class Ingress:
         """An adapter load or unload, sent to each replica in turn (see `metrics`) so that all serve the same names:
         the first refusal is the answer, and a new adapter that one replica refused is unloaded from those that took
         it. (A replica started later, to replace one, serves ``--lora-modules`` only.)"""
-        done, answer = [], None
+        done, answer, update = [], None, None
         for replica in [r.unique_id for r in (await self._router()).curr_replicas]:
             try:
                 answer = await self._whole_answer(http, replica)
@@ -189,13 +184,14 @@ class Ingress:
                 logger.warning("replica %s failed an adapter update: %r", replica, err)
                 answer = _replica_failed(err)
             if answer.status_code >= 300:
-                if done and http.path == _LOAD and not json.loads(http.body).get("load_inplace"):
-                    await self._unload(http, _lora_name(http.body), done)
+                if update is not None and http.path == _LOAD and not update.get("load_inplace"):
+                    await self._unload(http, update["lora_name"], done)
                 return answer
             done.append(replica)
-        if answer is None:
+            update = update or json.loads(http.body)  # a replica took it, so it is valid
+        if update is None:
             return _replica_failed(RuntimeError("no engine replica is running"))
-        name = _lora_name(http.body)
+        name = update["lora_name"]
         self.adapters = tuple(a for a in self.adapters if a != name) + ((name,) if http.path == _LOAD else ())
         return answer
 

@@ -92,26 +92,29 @@ class ServerLimits:
     def logprob_room(self, body: GenerationRequest, n: int, prompt_tokens: list[int]) -> int | None:
         """The most new tokens each prompt may generate for the call's log-probabilities to stay within the limit
         (None: it asks for no new tokens' log-probabilities)."""
-        _, logprobs = body.logprobs_param()
-        if logprobs is None:
+        per_new_token, per_prompt_token = _logprob_entries_per_token(body, n)
+        if not per_new_token:
             return None
-        left = self.max_logprob_entries - body.prompt_logprob_entries(n) * sum(prompt_tokens)
-        return max(0, left // (n * (logprobs + 1) * len(prompt_tokens)))
+        left = self.max_logprob_entries - per_prompt_token * sum(prompt_tokens)
+        return max(0, left // (per_new_token * len(prompt_tokens)))
 
     def check_logprob_entries(self, body: GenerationRequest, n: int, new_tokens: list[int],
                               prompt_tokens: list[int]) -> None:
         """Bound the log-probabilities one call returns: ``new_tokens`` is the most each prompt can generate; its
         prompt's logprobs come too when they are asked (``echo`` or ``prompt_logprobs``)."""
-        param, logprobs = body.logprobs_param()
-        entries = 0 if logprobs is None else n * (logprobs + 1) * sum(new_tokens)
-        per_prompt_token = body.prompt_logprob_entries(n)
-        if per_prompt_token and logprobs is None:
-            param = "prompt_logprobs"
-        entries += per_prompt_token * sum(prompt_tokens)
+        per_new_token, per_prompt_token = _logprob_entries_per_token(body, n)
+        entries = per_new_token * sum(new_tokens) + per_prompt_token * sum(prompt_tokens)
+        param = body.logprobs_param()[0] if per_new_token else "prompt_logprobs"
         if entries > self.max_logprob_entries:
             _refuse(param, f"n x (logprobs + 1) x tokens (new ones, and the prompt's when its logprobs are asked) "
                            f"over all prompts is {entries} log-probabilities, more than this server returns for one "
                            f"call ({self.max_logprob_entries}, --max-logprob-entries): lower max_tokens, n or {param}")
+
+
+def _logprob_entries_per_token(body: GenerationRequest, n: int) -> tuple[int, int]:
+    """How many log-probabilities one new token and one prompt token of a call return (over its ``n`` answers)."""
+    _, logprobs = body.logprobs_param()
+    return (0 if logprobs is None else n * (logprobs + 1)), body.prompt_logprob_entries(n)
 
 
 def _at_most(param: str, value: int, limit: int, what: str, option: str, asked: object = None) -> None:
