@@ -2,6 +2,10 @@ import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist's workers share the cores: oversubscribed OpenMP threads
+    # made two workers slower than one process (and the ranks and servers that tests start inherit the setting)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 @pytest.fixture(autouse=True, scope="module")
 def _collect_after_each_module():
     """Engines, PEFT models and servers that a test file leaves in reference cycles are freed before the next file
-    starts: their weights and KV caches are gigabytes, and the whole suite runs in one 24 GiB process."""
+    starts: their weights and KV caches are gigabytes, and each test process runs many files in 24 GiB."""
     yield
     import ctypes
     import gc
