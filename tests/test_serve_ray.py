@@ -11,7 +11,7 @@ from pathlib import Path
 
 def test_ray_serve_checks_pass_in_their_own_process():
     checks = Path(__file__).with_name("ray_serve_checks.py")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(checks)],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", str(checks)],
                          capture_output=True, text=True, timeout=1200, cwd=checks.parent.parent)
     print(run.stdout[-4000:], run.stderr[-2000:])
     assert run.returncode == 0, run.stdout[-4000:]
