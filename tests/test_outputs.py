@@ -180,9 +180,10 @@ def test_calls_on_the_engine_thread_run_between_steps_and_fail_when_it_stops(lon
         engine.stop()
         queued = engine.call(lambda: 1)  # restarts the engine, as a submit does
         assert queued.result(10) == 1
-        gate = threading.Event()
-        blocker = engine.call(gate.wait)
+        gate, started = threading.Event(), threading.Event()
+        blocker = engine.call(lambda: (started.set(), gate.wait())[1])
         later = engine.call(lambda: 2)
+        assert started.wait(10)  # stop comes while the call runs, not while it is still queued
         threading.Timer(0.5, gate.set).start()
         engine.stop(timeout=0.1)
         assert blocker.result(10) is True
