@@ -71,11 +71,15 @@ def live_server(app, serve=None):
         sock.close()
 
 
-def wait_until_idle(generator, timeout: float = 20) -> None:
+def wait_until_idle(generator, timeout: float = 20, engine=None) -> None:
+    """Until ``generator`` holds no request and no block; given the server's ``engine`` loop, also until that loop
+    has counted and delivered the last step's outputs (it does so after the step that let the requests go)."""
     deadline = time.monotonic() + timeout
     while generator.stats().num_used_blocks or generator.has_unfinished_requests():
         assert time.monotonic() < deadline, f"still busy: {generator.stats()}"
         time.sleep(0.02)
+    if engine is not None:
+        engine.call(lambda: None).result(timeout)  # runs on the engine thread after that step's metrics and delivery
 
 
 def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:

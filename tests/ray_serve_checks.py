@@ -278,9 +278,10 @@ def stream_and_record(client: openai.OpenAI, prompt: str, record: dict, started:
             extra_body={"ignore_eos": True})
         record["replica"] = raw.headers["x-hf-paged-replica"]
         for chunk in raw.parse():
-            started.set()
             record["text"] += chunk.choices[0].text
             record["finish"] = chunk.choices[0].finish_reason or record["finish"]
+            if record["text"]:  # after it is written: the killer picks the replica of a record with text
+                started.set()
     except openai.APIError as err:
         record["error"] = str(err)
 

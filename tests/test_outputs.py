@@ -2,6 +2,7 @@
 one pending output per request however slowly its client reads."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -64,11 +65,11 @@ def test_a_stream_nobody_reads_holds_one_pending_output(long_generator):
 
     async def submit_and_never_read():
         stream = engine.submit([[5, 6, 7]], params, ["slow-reader"])
-        most_pending = 0
-        while long_generator.has_unfinished_requests():
+        most_pending, deadline = 0, time.monotonic() + 120
+        # until the last delivery, which comes after the generator has let the request go
+        while not any(output.finished for output in stream.undelivered.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             most_pending = max(most_pending, len(stream.undelivered))
-        await asyncio.sleep(0.1)  # the last delivery
         return stream, most_pending
 
     try:
@@ -184,8 +185,8 @@ def test_calls_on_the_engine_thread_run_between_steps_and_fail_when_it_stops(lon
         blocker = engine.call(lambda: (started.set(), gate.wait())[1])
         later = engine.call(lambda: 2)
         assert started.wait(10)  # stop comes while the call runs, not while it is still queued
-        threading.Timer(0.5, gate.set).start()
         engine.stop(timeout=0.1)
+        gate.set()
         assert blocker.result(10) is True
         with pytest.raises(EngineStopping):
             later.result(10)

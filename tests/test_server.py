@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from hf_paged import ContinuousBatchGenerator, SamplingParams, __version__  # noqa: E402
 from hf_paged.server import ServerLimits, create_app  # noqa: E402
-from live_server import live_server  # noqa: E402
+from live_server import live_server, wait_until_idle  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +102,6 @@ def metric(server, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     return 0.0
-
-
-def wait_until_idle(generator, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while generator.stats().num_used_blocks or generator.has_unfinished_requests():
-        assert time.monotonic() < deadline, f"still busy: {generator.stats()}"
-        time.sleep(0.05)
 
 
 def test_health_models_and_open_routes(server, client):
@@ -442,7 +435,7 @@ def test_concurrent_streams_batch_together(server, client):
     generated = metric(server, "hf_paged:request_generation_tokens_sum")
     assert metric(server, "hf_paged:request_generation_tokens_bucket", le="20.0") == metric(
         server, "hf_paged:request_generation_tokens_count") and generated >= 16
-    wait_until_idle(server.generator)
+    wait_until_idle(server.generator, engine=server.app.state.engine)
     assert metric(server, "hf_paged:kv_cache_usage_perc") == 0
     assert metric(server, "hf_paged:num_requests_running") == 0
     assert metric(server, "hf_paged:request_params_n_count") >= 16
@@ -614,7 +607,7 @@ def test_client_disconnect_aborts_the_request(server):
         # Observed as the tokens come, labelled as vLLM's (its dashboards select by model_name).
         assert metric(server, "hf_paged:time_to_first_token_seconds_count", model_name=MODEL) == first_tokens + 1
         assert metric(server, "hf_paged:inter_token_latency_seconds_count", model_name=MODEL) >= gaps + 1
-    wait_until_idle(server.generator, timeout=15)
+    wait_until_idle(server.generator, timeout=15, engine=server.app.state.engine)
     assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
@@ -689,7 +682,7 @@ def test_non_streaming_client_disconnect_aborts_the_request(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=2)
-    wait_until_idle(server.generator, timeout=15)
+    wait_until_idle(server.generator, timeout=15, engine=server.app.state.engine)
     assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
@@ -810,7 +803,7 @@ def test_a_request_failed_mid_decode_is_counted_once_as_an_error(server, monkeyp
     with httpx.stream("POST", f"{server.base}/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         assert "engine failed" in response.read().decode()
-    wait_until_idle(server.generator)
+    wait_until_idle(server.generator, engine=server.app.state.engine)
     assert metric(server, "hf_paged:request_success_total", finished_reason="error") == errors + 1
     assert metric(server, "hf_paged:request_success_total", finished_reason="abort") == aborts  # its abort is that
     assert not metrics._samples and not metrics._last_token_time and not metrics._failed  # nothing kept
@@ -1140,6 +1133,10 @@ def test_cli_server_stops_promptly_with_a_stream_in_flight(smollm2_path):
                     events += [line] if line.startswith("data: ") else []
                     if len(events) == 3:
                         break
+                deadline = time.monotonic() + 60  # the plain call too is in flight when Ctrl+C comes
+                while metric(SimpleNamespace(base=base), "hf_paged:num_requests_running") < 2:
+                    assert time.monotonic() < deadline and not plain.done(), "the plain call never started"
+                    time.sleep(0.05)
                 process.send_signal(signal.SIGINT)
                 stopped = time.monotonic()
                 events += [line for line in lines if line.startswith("data: ")]

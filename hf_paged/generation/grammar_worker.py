@@ -21,7 +21,7 @@ import time
 
 from .sampling_params import InvalidParameter, StructuredOutputsParams
 
-START_TIMEOUT_S = 300.0  # the process imports torch and the backend: seconds on a loaded machine
+START_TIMEOUT_S = 300.0  # the process imports torch and the backend, or reads a tokenizer: seconds when loaded
 _HEADER = struct.Struct("<Q")
 
 
@@ -55,8 +55,10 @@ class CompileProcess:
         with self._lock:
             try:
                 process = self._started()
-                if key not in self._tokenizers:
+                if key not in self._tokenizers:  # taken in before the compile's time starts
                     _write(process.stdin, ("tokenizer", key, info_json))
+                    if _answer(process, START_TIMEOUT_S) != "ready":
+                        raise RuntimeError("the grammar compile process did not take the tokenizer")
                     self._tokenizers.add(key)
                 _write(process.stdin, ("compile", key, spec))
                 answer = _answer(process, timeout)
@@ -141,6 +143,7 @@ def main() -> None:
         kind, key, body = message
         if kind == "tokenizer":
             compilers[key] = grammar_compiler(body)
+            _write(answers, "ready")
             continue
         try:
             _write(answers, (True, compile_grammar(compilers[key], body).serialize_json()))
