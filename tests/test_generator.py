@@ -787,6 +787,7 @@ def test_a_skipped_special_token_keeps_the_next_tokens_space():
         seq.token_ids.append(token)
         detokenizer.step(seq, True)
     assert seq.text == "hello world again"
+    assert [detokenizer.token_text(t) for t in (3, 5)] == ["<x>", " world"]  # a logprob's token keeps its space
 
 
 def test_a_failed_forward_ends_a_tensor_parallel_group(smollm2, chat_prompts, monkeypatch):

@@ -400,11 +400,14 @@ def test_token_bytes_are_the_vocabularys(smollm2):
     backend.decoder = decoders.Metaspace(prepend_scheme="always")
     pieces = TokenText(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>"))
     assert [pieces.bytes(i) for i in (2, 3, 4)] == [b" hello", b"\xc3", b"\xa9"]
+    assert [pieces(i) for i in (1, 2)] == ["<s>", " hello"]  # the text keeps the word's space (decode drops it)
     # Llama 2's, Mistral's and Gemma's decoder: Replace("\u2581", " "), then byte fallback, fuse, strip.
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])
     pieces = TokenText(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>"))
     assert [pieces.bytes(i) for i in (2, 3, 4)] == [b" hello", b"\xc3", b"\xa9"]
+    assert [pieces(i) for i in (1, 2)] == ["<s>", " hello"]
+    assert [text(i) for i in tokenizer(" Hello world", add_special_tokens=False).input_ids] == [" Hello", " world"]
 
 
 def test_concurrent_streams_batch_together(server, client):

@@ -7,13 +7,24 @@ from functools import lru_cache
 from .sequence import Sequence
 
 
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text, as logprobs name it. A SentencePiece word's first piece keeps the space its "\u2581" stands
+    for, which decoding it alone drops (as vLLM restores it)."""
+    text = tokenizer.decode([token_id])
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str) and piece.startswith("\u2581"):
+        missing = (len(piece) - len(piece.lstrip("\u2581"))) - (len(text) - len(text.lstrip(" ")))
+        text = " " * max(missing, 0) + text
+    return text
+
+
 class Detokenizer:
     """Turns each sequence's newest tokens into text, one step at a time."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.special_ids = set(tokenizer.all_special_ids)
-        self.token_text = lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+        self.token_text = lru_cache(maxsize=1 << 16)(lambda token_id: token_text(tokenizer, token_id))
         """One token's text (logprobs name their tokens), cached."""
 
     def step(self, seq: Sequence, skip_special_tokens: bool) -> str:

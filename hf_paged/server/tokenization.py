@@ -20,6 +20,7 @@ from functools import lru_cache
 from jinja2 import TemplateError
 
 from ..generation import InvalidParameter, SamplingParams
+from ..generation.detokenizer import token_text
 from ..generation.inputs import InputProcessor, Prompt
 from .protocol import APIError
 
@@ -154,7 +155,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallba
 
 
 class TokenText:
-    """A token's text (``token_text(id)``) and its bytes (``token_text.bytes(id)``), cached. The bytes are those its
+    """A token's text (``token_text(id)``: `detokenizer.token_text`) and its bytes (``token_text.bytes(id)``), cached. The bytes are those its
     vocabulary entry stands for, so the tokens that split a character (each "\ufffd" as text) join into its bytes,
     as OpenAI's chat logprobs promise; a tokenizer whose vocabulary cannot be read so gives its text's UTF-8."""
 
@@ -173,7 +174,7 @@ class TokenText:
 
     def _decode(self, token_id: int) -> str:
         with self._lock:
-            return self._tokenizer.decode([token_id])
+            return token_text(self._tokenizer, token_id)
 
     def _bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
