@@ -381,6 +381,27 @@ def test_beam_search_answers_the_engines_beams(server, client):
     wait_until_idle(server.generator)
 
 
+def test_completion_logprobs_of_tokens_that_split_a_character(server, client):
+    """The pieces of a character (each "\ufffd" as text) count once in the text offsets, and top_logprobs names the
+    sampled token with its own logprob, though likelier pieces share its name."""
+    prompt = "I love \U0001F600 and caf\u00e9"
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt
+    assert lp.tokens == ["I", " love", " \ufffd", "\ufffd", " and", " caf\u00e9"]
+    assert lp.text_offset == [0, 1, 6, 7, 8, 12]  # the second piece at its character, " and" right after it
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                         temperature=0, stream=True)
+    offsets = [o for c in streamed if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets[:6] == lp.text_offset
+    done = client.completions.create(model=MODEL, prompt="Hello = \u3053\u3093\u306b\u3061\u306f. Thank you =",
+                                     max_tokens=4, temperature=0, logprobs=5)
+    lp, text = done.choices[0].logprobs, done.choices[0].text
+    assert "\ufffd" in lp.tokens
+    assert all(top[token] == logprob for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert all(offset < len(text) for offset in lp.text_offset)
+
+
 def test_token_bytes_are_the_vocabularys(smollm2):
     """Byte-level BPE (SmolLM2) and SentencePiece-style (Metaspace, byte fallback) vocabularies."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

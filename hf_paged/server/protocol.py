@@ -575,18 +575,33 @@ class CompletionFormat:
                  offset: int) -> dict | None:
         if logprobs is None or self.top_k is None:
             return None
-        offsets = []
-        for token in token_ids:
-            offsets.append(offset)
-            offset += len(self.decode(token))
         return {
             "tokens": [self.token(t) for t in token_ids],
             "token_logprobs": [None if top is None else top[t] for t, top in zip(token_ids, logprobs)],
-            # As OpenAI's: the k most likely tokens, plus the sampled one when it is not among them.
-            "top_logprobs": [None if top is None else {self.token(i): lp for i, lp in _ranked_with(top, self.top_k, t)}
-                             for t, top in zip(token_ids, logprobs)],
-            "text_offset": offsets,
+            "top_logprobs": [None if top is None else self._top(top, t) for t, top in zip(token_ids, logprobs)],
+            "text_offset": self.text_offsets(token_ids, offset)[0],
         }
+
+    def _top(self, top: dict[int, float], token: int) -> dict[str, float]:
+        """As OpenAI's: the k most likely tokens by name, then the sampled one when it is not among them. Tokens of one
+        name (pieces of a character, each "\ufffd") share a key: the likelier one's, but the sampled token's own."""
+        named: dict[str, float] = {}
+        for other, logprob in _ranked_with(top, self.top_k, token):
+            named.setdefault(self.token(other), logprob)
+        named[self.token(token)] = top[token]
+        return named
+
+    def text_offsets(self, token_ids: list[int], offset: int) -> tuple[list[int], int]:
+        """Where each token's text starts in the choice's text, from ``offset`` on, and where the text after them
+        starts. Counted in characters from the tokens' bytes, so that a character split over several tokens counts
+        once; a token that starts within a character gets that character's offset."""
+        offsets = []
+        for token in token_ids:
+            data = self.decode.bytes(token)
+            within = bool(data) and data[0] & 0xC0 == 0x80 and offset > 0  # a UTF-8 continuation byte first
+            offsets.append(offset - within)
+            offset += sum(byte & 0xC0 != 0x80 for byte in data)
+        return offsets, offset
 
     def token(self, token_id: int) -> str:
         """A token as logprobs name it: its text, or ``"token_id:<id>"``."""

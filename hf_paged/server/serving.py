@@ -624,7 +624,7 @@ async def _sse(stream: RequestStream, fmt: CompletionFormat, header: dict, n: in
                                             choice.finish_reason, choice.stop_reason):
                     yield event([token_ids.attach(index, sent, output)])
                 if choice.logprobs is not None:
-                    text_offset[index] = offset + sum(len(fmt.decode(t)) for t in choice.token_ids)
+                    text_offset[index] = fmt.text_offsets(choice.token_ids, offset)[1]
         if include_usage:
             yield event([], last=True)
         yield "data: [DONE]\n\n"
