@@ -755,6 +755,7 @@ def test_harmless_and_unknown_fields_are_accepted(server):
                 "metadata": {"anything": "goes"}, "mirostat": 0, "typical_p": 1.0, "repeat_penalty": 1.0,
                 "n_probs": 0, "grammar": ""}  # llama.cpp's fields at their "off"
     assert post(server, "/v1/completions", {**completion, **harmless}).status_code == 200
+    assert_error(post(server, "/v1/completions", {**completion, "best_of": 1, "n": 2}), 400, "best_of", "at least n")
 
 
 def test_logit_bias(server, client):
