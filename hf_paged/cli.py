@@ -498,9 +498,12 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(f"run-batch needs the server extra: pip install 'hf-paged[server]' ({err})")
     from .default_model import DEFAULT_MODEL_NAME
 
+    from . import distributed
+
     limits, options = _batch_settings(parser, args)
     loras = _lora_modules(parser, args)
-    lines = _batch_lines(parser, args.input_file)
+    # Read by rank 0 alone: tensor-parallel ranks share its stdin, and whichever read a pipe first took its lines.
+    lines = _batch_lines(parser, args.input_file) if distributed.rank() == 0 else []
     generator = load_generator(parser, args)
     if not generator.is_driver:  # a tensor-parallel rank other than 0: rank 0 runs the batch
         generator.run_worker()

@@ -138,6 +138,21 @@ def test_command_line_starts_its_own_ranks(text_model):
     assert done.stdout.rstrip("\n") == _one_process_text(text_model)
 
 
+def test_run_batch_reads_its_standard_input_once_under_tensor_parallelism(text_model):
+    """Every rank inherited the command's stdin and read it: the lines went to whichever rank read first (rank 0 could
+    get none of them, and answered nothing with exit code 0). Rank 0 reads it alone now."""
+    requests = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                 "body": {"prompt": f"{PROMPT} {'word ' * 300}{i}", "max_tokens": 1}} for i in range(60)]
+    batch = "".join(json.dumps(request) + "\n" for request in requests)
+    assert len(batch) > 1 << 16  # more than a pipe holds at once
+    command = [sys.executable, "-m", "hf_paged.cli", "run-batch", text_model, "-tp", "2", "-i", "-", "-o", "-"]
+    done = subprocess.run(command, env=_env(), input=batch, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["custom_id"] for r in records] == [r["custom_id"] for r in requests]
+    assert all(r["response"]["status_code"] == 200 for r in records)
+
+
 def test_ctrl_c_during_generate_stops_every_rank_as_one_process_would(text_model):
     """Ctrl+C landed on rank 0 inside a step's collectives, and its clean-up started another: the ranks mismatched
     (a gloo size error, or a wait until the timeout) and the command failed. Now the step ends first: exit code 130."""
