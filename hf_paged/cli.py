@@ -444,14 +444,10 @@ def _add_chat(commands, parents: list[argparse.ArgumentParser]) -> None:
 
 def run_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged chat``: a conversation on the terminal (`terminal.converse`)."""
-    from . import SamplingParams
     from .terminal import chat_params, converse
 
     given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
-    try:  # the options' own errors, before the model loads
-        SamplingParams(**{name: value for name, value in given.items() if value is not None})
-    except ValueError as err:
-        parser.error(str(err))
+    _sampling_params(parser, **{name: value for name, value in given.items() if value is not None})  # before loading
     generator = load_generator(parser, args)
     if generator.tokenizer.chat_template is None:
         parser.error(f"{args.model or 'the model'} has no chat template (--chat-template gives one; hf-paged "
@@ -888,16 +884,24 @@ def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
 def _generate_params(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """``generate``'s prompt and sampling options (a bad value exits with code 2)."""
-    from . import RequestOutputKind, SamplingParams
+    from . import RequestOutputKind
 
     if args.model is None and os.path.isdir(args.prompt):  # `generate MODEL` alone: argparse read it as the prompt
         parser.error(f"a prompt is required: {args.prompt} is a model directory (hf-paged generate MODEL PROMPT)")
 
+    return _sampling_params(parser, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed, output_kind=RequestOutputKind.DELTA)
+
+
+def _sampling_params(parser: argparse.ArgumentParser, **given):
+    """`SamplingParams` of the sampling flags' values; a bad one exits with code 2, naming its flag."""
+    from . import SamplingParams
+    from .generation import InvalidParameter
+
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              seed=args.seed, output_kind=RequestOutputKind.DELTA)
-    except ValueError as err:
-        parser.error(str(err))
+        return SamplingParams(**given)
+    except InvalidParameter as err:
+        parser.error(f"--{err.param.replace('_', '-')}: {str(err).removeprefix('SamplingParams.')}")
 
 
 def _stream_one(generator: ContinuousBatchGenerator, args: argparse.Namespace, params,

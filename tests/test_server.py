@@ -855,6 +855,11 @@ def test_cli_rejects_a_bad_model_and_size_cleanly(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "hi", "--kv-cache-memory", "lots"])
     assert exit_info.value.code == 2 and "is not a size" in capsys.readouterr().err
+    for argv, flag in ((["generate", "hi", "--max-tokens", "0"], "--max-tokens"), (["chat", "--top-p", "2"], "--top-p"),
+                       (["generate", "hi", "--temperature", "-1"], "--temperature")):  # named as typed
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and f"error: {flag}: " in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_cli():
