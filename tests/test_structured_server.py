@@ -329,6 +329,21 @@ def test_auto_reads_hermes_calls_out_of_free_text(client, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_calls_cut_short_or_written_wrong_do_not_finish_as_tool_calls(client, stream):
+    """A call cut by a stop string, or whose arguments are no JSON, is answered as written but finishes "stop": a
+    client that sees "tool_calls" runs the calls (they used to finish so)."""
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'
+    for written, stop in ((HERMES_CALL, ["Paris"]), (broken, None)):
+        reply = chat(client, tools=[WEATHER], temperature=0, max_tokens=60, stream=stream, stop=stop,
+                     extra_body={"structured_outputs": {"choice": [written]}})
+        content, calls, finish = reply_calls(reply, stream)
+        assert [c["name"] for c in calls] == ["get_weather"] and finish == "stop", (written, calls)
+    whole = chat(client, tools=[WEATHER], temperature=0, max_tokens=60, stream=stream,
+                 extra_body={"structured_outputs": {"choice": [HERMES_CALL]}})
+    assert reply_calls(whole, stream)[2] == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("written", [
     "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
     "\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n</function>\n</tool_call>",

@@ -11,6 +11,7 @@ OpenAI's own fields, the requests accept vLLM's extensions ``top_k``, ``min_p``,
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -714,9 +715,9 @@ class ChatFormat(CompletionFormat):
 
 class ToolChatFormat(ChatFormat):
     """Chat choices whose text may hold tool calls: those are answered as ``message.tool_calls`` (streamed as
-    ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"``. With ``one_call``
-    (``parallel_tool_calls: false``) only the first call is answered, as vLLM keeps it where no constraint held the
-    model to one."""
+    ``delta.tool_calls``, see `tool_calls.ToolCallStream`) with ``finish_reason="tool_calls"`` (see `_finish`). With
+    ``one_call`` (``parallel_tool_calls: false``) only the first call is answered, as vLLM keeps it where no
+    constraint held the model to one."""
 
     def __init__(self, decode: TokenText, top_k: int | None, parser: ToolCallParser,
                  reasoning: ReasoningParser | None = None, include_reasoning: bool = True, one_call: bool = False):
@@ -724,6 +725,7 @@ class ToolChatFormat(ChatFormat):
         self.parser = parser
         self.one_call = one_call
         self.streams = {}
+        self.arguments: dict[int, dict[int, str]] = {}  # per choice, each streamed call's arguments so far
 
     def choice(self, index: int, output: CompletionOutput) -> dict:
         choice = super().choice(index, output)
@@ -731,7 +733,7 @@ class ToolChatFormat(ChatFormat):
         calls = calls[:1] if self.one_call else calls
         if calls:
             choice["message"].update(content=content, tool_calls=[call.to_dict() for call in calls])
-            choice["finish_reason"] = self._finish(output.finish_reason)
+            choice["finish_reason"] = self._finish(output.finish_reason, [call.arguments for call in calls])
         return choice
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], logprobs: list[dict[int, float]] | None,
@@ -744,13 +746,27 @@ class ToolChatFormat(ChatFormat):
             rest, last, called = stream.finish()
             content, calls = content + rest, calls + last
         calls = [call for call in calls if call["index"] == 0] if self.one_call else calls
-        return self.chunk(index, reasoning, content, self.logprobs(token_ids, logprobs, text_offset),
-                          self._finish(finish_reason) if called else finish_reason, stop_reason, calls)
+        arguments = self.arguments.setdefault(index, {})  # each call's, as sent
+        for call in calls:
+            arguments[call["index"]] = arguments.get(call["index"], "") + call["function"].get("arguments", "")
+        finish_reason = self._finish(finish_reason, arguments.values()) if called else finish_reason
+        return self.chunk(index, reasoning, content, self.logprobs(token_ids, logprobs, text_offset), finish_reason,
+                          stop_reason, calls)
 
-    def _finish(self, finish_reason: str | None) -> str | None:
+    def _finish(self, finish_reason: str | None, arguments) -> str | None:
         """As OpenAI's and vLLM's: "tool_calls" for calls of ``tool_choice`` auto or required; a call of a named
-        function ends as it ended ("stop")."""
-        return "tool_calls" if finish_reason == "stop" and not self.parser.named else finish_reason
+        function ends as it ended ("stop"), and so do calls whose ``arguments`` are not whole JSON (cut by a stop
+        string, say, or written wrong): a client that sees "tool_calls" runs them."""
+        whole = all(map(_is_json, arguments))
+        return "tool_calls" if finish_reason == "stop" and not self.parser.named and whole else finish_reason
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _reasoning_fields(reasoning: str | None) -> dict:
