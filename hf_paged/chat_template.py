@@ -38,16 +38,22 @@ def content_format(asked: str, chat_template) -> str:
 def template_content(content, content_format: str = "string"):
     """A message's content (a string or OpenAI's list of parts) as the template takes it: its text parts joined
     into one string (``"string"``), or as a list of text parts (``"openai"``, for templates that loop over them);
-    ``ValueError`` for a part that is not text."""
+    an assistant's ``refusal`` part is its text, as in vLLM. ``ValueError`` names a part of any other type."""
     if isinstance(content, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-            raise ValueError("only text content parts are supported")
-        texts = [part.get("text") or "" for part in content]
+        texts = [_part_text(index, part) for index, part in enumerate(content)]
     elif isinstance(content, str):
         texts = [content]
     else:
         return content
     return [{"type": "text", "text": text} for text in texts] if content_format == "openai" else "\n".join(texts)
+
+
+def _part_text(index: int, part) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in ("text", "refusal"):
+        raise ValueError(f"content part {index} is {'of type ' + repr(kind) if kind else 'no typed object'}: only "
+                         "text content parts are supported (and refusal)")
+    return part.get(kind) or ""
 
 
 def template_messages(messages: list[dict], content_format: str = "string") -> list[dict]:

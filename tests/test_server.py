@@ -141,6 +141,24 @@ def test_greedy_chat_and_completion_match_the_generator(server, client):
     assert done.usage.completion_tokens == len(server.prompt_ref.token_ids)
 
 
+def test_content_parts_are_text_or_an_assistants_refusal(server):
+    """As vLLM reads them: a refusal part is its text; a part of another type is a 400 naming it."""
+    def prompt_of(messages) -> list[int]:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1, "return_token_ids": True}
+        answer = post(server, "/v1/chat/completions", body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["prompt_token_ids"]
+
+    question = {"role": "user", "content": "Why?"}
+    refused = [question, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot say."}]}, question]
+    said = [question, {"role": "assistant", "content": "I cannot say."}, question]
+    assert prompt_of(refused) == prompt_of(said)
+    image = {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                         {"type": "image_url", "image_url": {"url": "data:,"}}]}
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": [image]}), 400, None,
+                 "content part 1 is of type 'image_url'")
+
+
 def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(server, client):
     prompt = "Here is a long and particular prompt, long enough to fill two blocks of the cache at the least. " * 2
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
