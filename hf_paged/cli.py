@@ -492,9 +492,8 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         from .server import create_app
     except ImportError as err:
         parser.error(f"run-batch needs the server extra: pip install 'hf-paged[server]' ({err})")
-    from .default_model import DEFAULT_MODEL_NAME
-
     from . import distributed
+    from .default_model import DEFAULT_MODEL_NAME
 
     limits, options = _batch_settings(parser, args)
     loras = _lora_modules(parser, args)

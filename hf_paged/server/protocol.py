@@ -286,7 +286,7 @@ class GenerationRequest(BaseModel):
         best_of, n = extra.get("best_of"), self.n or 1
         if isinstance(best_of, int) and best_of < n:
             return "best_of", f"best_of ({best_of}) must be at least n ({n})"
-        if best_of not in (None, 1, self.n):
+        if best_of not in (None, n):
             return "best_of", "best_of is not supported by this server"
         for name, (ours, harmless) in _OTHER_NAMES.items():
             if name in extra and not harmless(extra[name]):

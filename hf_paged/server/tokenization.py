@@ -155,9 +155,10 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallba
 
 
 class TokenText:
-    """A token's text (``token_text(id)``: `detokenizer.token_text`) and its bytes (``token_text.bytes(id)``), cached. The bytes are those its
-    vocabulary entry stands for, so the tokens that split a character (each "\ufffd" as text) join into its bytes,
-    as OpenAI's chat logprobs promise; a tokenizer whose vocabulary cannot be read so gives its text's UTF-8."""
+    """A token's text (``token_text(id)``, as `detokenizer.token_text` gives it) and its bytes
+    (``token_text.bytes(id)``), cached. The bytes are those its vocabulary entry stands for, so the tokens that split
+    a character (each "\ufffd" as text) join into its bytes, as OpenAI's chat logprobs promise; a tokenizer whose
+    vocabulary cannot be read so gives its text's UTF-8."""
 
     def __init__(self, tokenizer):
         self._tokenizer, self._lock = tokenizer, threading.Lock()  # built on the event loop and on worker threads
