@@ -70,6 +70,9 @@ def converse(generator: ContinuousBatchGenerator, params: SamplingParams, system
         if command == "/help" or not command:
             print(HELP if command else "", end="\n" if command else "", file=sys.stderr)
             continue
+        if command.startswith("/") and " " not in command:  # a mistyped command, not words for the model
+            print(f"(no command {command}) {HELP}", file=sys.stderr)
+            continue
         turn = messages + [{"role": "user", "content": line}]
         reply = _reply(generator, turn, params)
         if reply is not None:
@@ -79,13 +82,15 @@ def converse(generator: ContinuousBatchGenerator, params: SamplingParams, system
 def _reply(generator: ContinuousBatchGenerator, messages: list[dict], params: SamplingParams) -> str | None:
     """Stream the reply to ``messages`` to stdout; its text (as far as it went if Ctrl+C stopped it), or None if the
     engine refused the turn. SIGTERM stops the reply and then the chat (``SystemExit``, 128 + its number)."""
-    parts = []
+    parts, tokens, finish = [], 0, None
     with interrupts_deferred() as interrupted, contextlib.closing(generator.stream(messages, params)) as outputs:
         for output in outputs:  # the stream's close aborts a reply that Ctrl+C stopped
             if output.error is not None:
                 print(f"hf-paged: error: {output.error} (/clear starts the conversation over)", file=sys.stderr)
                 return None
             parts.append("".join(o.text for o in output.outputs))
+            tokens += sum(len(o.token_ids) for o in output.outputs)
+            finish = output.outputs[0].finish_reason if output.outputs else finish
             sys.stdout.write(parts[-1])
             sys.stdout.flush()
             if interrupted.is_set():
@@ -93,4 +98,7 @@ def _reply(generator: ContinuousBatchGenerator, messages: list[dict], params: Sa
     sys.stdout.write("\n")
     if interrupted.signal == signal.SIGTERM:
         raise SystemExit(128 + signal.SIGTERM)
+    if finish == "length":  # said, or the next turn's refusal would be the first sign of a full context
+        print(f"(the reply was cut at --max-tokens {tokens})" if tokens == params.max_tokens else
+              "(the reply was cut where the context ends: /clear starts the conversation over)", file=sys.stderr)
     return "".join(parts)

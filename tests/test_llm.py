@@ -184,6 +184,26 @@ def test_chat_on_the_terminal_keeps_the_conversation(smollm2_path, monkeypatch, 
     assert "hf-paged: error: the prompt is" in err and "(/clear starts the conversation over)" in err
 
 
+def test_the_chat_says_where_a_reply_was_cut_and_sends_no_mistyped_command(smollm2_path, monkeypatch, capsys):
+    """A reply cut at --max-tokens, or where the context ends (after which the next turn fails), says so; a one-word
+    line starting with "/" that is no command is not sent to the model."""
+    import io
+
+    from hf_paged.cli import main
+
+    def chat(lines: list[str], *options: str):
+        monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+        assert main(["chat", smollm2_path, "--temperature", "0", "--num-blocks", "64", "--max-model-len", "128",
+                     *options]) == 0
+        return capsys.readouterr()
+
+    out, err = chat(["/exti", "Tell me a story about a dragon."], "--max-tokens", "5")
+    assert "(no command /exti)" in err and err.count("(the reply was cut at --max-tokens 5)") == 1  # one reply
+    _, err = chat(["Tell me a long story about a dragon.", "And then?"])
+    assert "(the reply was cut where the context ends: /clear starts the conversation over)" in err
+    assert "hf-paged: error: the prompt is" in err
+
+
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_path, monkeypatch):
     import io
     import signal
