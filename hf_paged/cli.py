@@ -509,7 +509,11 @@ def run_batch_file(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                              options=options, lora_modules=loras)
         except ValueError as err:  # an adapter that does not fit the model
             parser.error(f"--lora-modules: {err}")
-        records = asyncio.run(run_batch(app, lines, limits.max_concurrent_requests))
+        try:
+            records = asyncio.run(run_batch(app, lines, limits.max_concurrent_requests))
+        except KeyboardInterrupt:  # as vLLM's, the answers are written once all are in
+            print("hf-paged run-batch: interrupted: no answers written", file=sys.stderr)
+            raise
     finally:
         generator.stop_workers()
     if not _write_answers(args.output_file, "".join(map(output_line, records))):

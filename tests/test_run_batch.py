@@ -196,3 +196,30 @@ def test_run_batch_fails_when_the_engine_dies(smollm2_path, tmp_path, capsys, mo
     assert main(["run-batch", smollm2_path, "-i", str(given), "-o", str(answers), "--num-blocks", "64"]) == 1
     assert "the engine stopped after an unrecoverable error" in capsys.readouterr().err
     assert json.loads(answers.read_text())["response"]["status_code"] >= 500
+
+
+def test_ctrl_c_during_run_batch_says_that_nothing_was_written(smollm2_path, tmp_path, capsys, monkeypatch):
+    import signal
+
+    import hf_paged.cli
+
+    load = hf_paged.cli.load_generator
+
+    def loaded(*args):
+        generator = load(*args)
+        step = generator.step
+
+        def interrupted():
+            generator.step = step
+            signal.raise_signal(signal.SIGINT)  # Ctrl+C while the batch runs
+            return step()
+
+        generator.step = interrupted
+        return generator
+
+    monkeypatch.setattr(hf_paged.cli, "load_generator", loaded)
+    given, answers = tmp_path / "requests.jsonl", tmp_path / "answers.jsonl"
+    given.write_text(line("a", "/v1/completions", {"prompt": "Hello", **GREEDY}) + "\n")
+    assert main(["run-batch", smollm2_path, "-i", str(given), "-o", str(answers), "--num-blocks", "64"]) == 130
+    assert "hf-paged run-batch: interrupted: no answers written" in capsys.readouterr().err
+    assert not answers.exists()
