@@ -40,10 +40,11 @@ def test_what_the_engine_refuses_raises_before_anything_runs_as_in_vllm(llm):
              (["Hello", [vocab + 1]], greedy, "vocabulary"),
              (["Hello", "Hi"], [greedy, greedy.replace(structured_outputs=StructuredOutputsParams(regex="[a-"))],
               "structured_outputs.regex is invalid")]
-    for prompts, params, words in cases:
-        with pytest.raises(ValueError, match=words):
+    for prompts, params, words in cases:  # of several prompts, the one refused is named
+        with pytest.raises(ValueError, match=f"^prompt 1: .*{words}") as refused:
             llm.generate(prompts, params, use_tqdm=False)
-    with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
+    assert refused.value.param == "structured_outputs"
+    with pytest.raises(ValueError, match="^SamplingParams.structured_outputs.regex is invalid"):
         llm.chat([{"role": "user", "content": "Hi"}], cases[2][1][1], use_tqdm=False)
     [alone] = llm.generate(["Hello"], greedy, use_tqdm=False)  # the withdrawn ones never ran, nor run now
     assert len(alone.outputs[0].token_ids) == 4 and not llm.generator.has_unfinished_requests()

@@ -72,6 +72,12 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
                           else threshold)
 
 
+def _naming_prompt(err: ValueError, index: int) -> ValueError:
+    """``err`` as raised for the batch's prompt ``index`` (a new error: a constraint's is shared by its cache)."""
+    message = f"prompt {index}: {err}"
+    return InvalidParameter(err.param, message) if isinstance(err, InvalidParameter) else ValueError(message)
+
+
 class ContinuousBatchGenerator:
     """Serves many requests at once over one model: requests join the running batch at every step and leave when done.
 
@@ -399,21 +405,23 @@ class ContinuousBatchGenerator:
     # ------------------------------------------------------------------------------------- batch interfaces
     def _submit(self, prompts, sampling_params, lora_request=None,
                 priority=None, strict: bool = False) -> list[tuple[str | None, RequestOutput | None]]:
-        """Add every prompt; one refused (a ``ValueError``) gets a failed output, or with ``strict`` is raised, as
-        any other error is, once the prompts added before it are withdrawn (``strict`` waits for each constraint's
+        """Add every prompt; one refused (a ``ValueError``) gets a failed output, or with ``strict`` is raised
+        (naming the prompt's index when there are several), as any other error is, once the prompts added before it are withdrawn (``strict`` waits for each constraint's
         compile, so that an invalid one is raised too)."""
         prompts, params_each = one_params_per_prompt(prompts, sampling_params)
         loras = per_prompt(lora_request, prompts, "LoRA requests")
         priorities = per_prompt(0 if priority is None else priority, prompts, "priorities")
         submitted = []
         try:
-            for prompt, params, lora, level in zip(prompts, params_each, loras, priorities):
+            for index, (prompt, params, lora, level) in enumerate(zip(prompts, params_each, loras, priorities)):
                 try:
                     submitted.append((self.add_request(prompt, params, lora_request=lora, priority=level), None))
                     compiled = self.compile_constraint(getattr(params, "structured_outputs", None)) if strict else None
                     if compiled is not None:
                         compiled.result()  # the request's own compile: an invalid constraint raises here
                 except ValueError as err:
+                    if strict and len(prompts) > 1:
+                        raise _naming_prompt(err, index) from err
                     if strict:
                         raise
                     failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [],
