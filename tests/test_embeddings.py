@@ -404,3 +404,30 @@ def test_score_and_rerank_want_the_api_key(smollm2):
         for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"):
             assert client.post(path, json=body).status_code == 401, path
             assert client.post(path, json=body, headers={"Authorization": "Bearer secret"}).status_code == 200, path
+
+
+def test_pooling_answers_name_the_model_asked_for_and_count_in_metrics_as_vllms(smollm2):
+    """As vLLM's: an answer names the served name it was asked by (an empty name is the served model), and each input
+    embedded is a finished request in /metrics, its tokens prompt tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from starlette.testclient import TestClient
+
+    _, tokenizer = smollm2
+    app = create_app(ContinuousBatchGenerator(*smollm2, num_blocks=16), [MODEL, "alias"])
+    calls = [("/v1/embeddings", {"input": TEXTS[:2]}), ("/score", {"text_1": TEXTS[0], "text_2": TEXTS[1]}),
+             ("/rerank", {"query": TEXTS[0], "documents": TEXTS[1:3]})]
+    with TestClient(app) as client:
+        for path, body in calls:
+            for asked, named in (("alias", "alias"), ("", MODEL), (MODEL, MODEL)):
+                answer = client.post(path, json={**body, "model": asked})
+                assert answer.status_code == 200 and answer.json()["model"] == named, (path, asked, answer.text)
+        template = client.post("/v1/embeddings", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                        "chat_template": "{{ messages }}"})
+        assert template.status_code == 400 and template.json()["error"]["param"] == "chat_template"
+        samples = {(sample.name, sample.labels.get("finished_reason")): sample.value
+                   for family in text_string_to_metric_families(client.get("/metrics").text)
+                   for sample in family.samples}
+    tokens = [len(tokenizer(text).input_ids) for text in TEXTS]
+    assert samples[("hf_paged:request_success_total", "stop")] == 3 * (2 + 2 + 3)  # three names, seven inputs each
+    assert samples[("hf_paged:prompt_tokens_total", None)] == 3 * (3 * (tokens[0] + tokens[1]) + tokens[2])
+    assert samples[("hf_paged:request_prompt_tokens_count", None)] == 3 * (2 + 2 + 3)

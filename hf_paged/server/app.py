@@ -253,7 +253,7 @@ async def stored_response(response_id: str) -> Response:
 
 @routes.post("/tokenize")
 async def tokenize(body: dict[str, Any], request: Request) -> dict:
-    model = ChatCompletionRequest if "messages" in body else TokenizeRequest
+    model = ChatCompletionRequest if body.get("messages") is not None else TokenizeRequest
     try:
         parsed = model.model_validate(body)
     except ValidationError as err:

@@ -29,6 +29,9 @@ def _truncation(keep: int | None) -> int | None:
     return keep
 
 
+# Fields of vLLM's chat embedding request that this server's chat endpoint refuses too (`ChatCompletionRequest`).
+_RENDERING_FIELDS = ("chat_template", "documents")
+
 # vLLM's: each input's last N tokens (-1: all that the context holds), as `SamplingParams` checks it.
 TruncatePromptTokens = Annotated[int | None, Field(ge=-1), AfterValidator(_truncation)]
 
@@ -62,9 +65,11 @@ class EmbeddingRequest(BaseModel):
         return self
 
     def chat(self) -> ChatCompletionRequest:
-        """The conversation as a chat request, which renders it as a chat completion's prompt is rendered."""
+        """The conversation as a chat request, which renders it as a chat completion's prompt is rendered (and
+        refuses the template options a chat completion refuses)."""
+        rendering = {name: value for name, value in (self.model_extra or {}).items() if name in _RENDERING_FIELDS}
         return ChatCompletionRequest(
-            messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+            **rendering, messages=self.messages, add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message, chat_template_kwargs=self.chat_template_kwargs,
             add_special_tokens=self.add_special_tokens, truncate_prompt_tokens=self.truncate_prompt_tokens)
 

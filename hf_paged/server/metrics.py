@@ -175,6 +175,13 @@ class ServerMetrics:
             if output.finished:
                 self._observe_finished(output)
 
+    def observe_pooled(self, prompt_lengths: list[int]) -> None:
+        """Inputs embedded (each a request that finished, as in vLLM, whose pooling requests run in its engine)."""
+        self.counters["prompt_tokens"].inc(sum(prompt_lengths))
+        self.request_success.labels(model_name=self.model_name, finished_reason="stop").inc(len(prompt_lengths))
+        for length in prompt_lengths:
+            self.prompt_tokens.observe(length)
+
     def observe_failed(self, request_ids: list[str]) -> None:
         """Requests the engine failed as a whole (a failed step), then aborted: their final output, an abort, counts
         as an error."""

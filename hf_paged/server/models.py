@@ -99,8 +99,9 @@ class ServedModels:
         self.generator.remove_lora(lora.lora_int_id)
 
     def lora(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names (None: the base model); a 404 for a name not served."""
-        if model is None or model in self.base_names:
+        """The adapter a request's ``model`` names (None or empty: the base model, as vLLM's); a 404 for a name not
+        served."""
+        if not model or model in self.base_names:
             return None
         lora = self._loras.get(model)
         if lora is None:

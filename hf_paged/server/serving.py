@@ -151,10 +151,9 @@ class OpenAIServing:
         vectors = await self.embedded(token_ids, body.dimensions, request, body.normalize)
         if vectors is None:
             return Response(status_code=499)
-        tokens = sum(map(len, token_ids))
+        tokens, name = sum(map(len, token_ids)), self.models.name(body.model)
         # Thousands of vectors take seconds to write as JSON: off the event loop every stream shares.
-        return await asyncio.to_thread(lambda: JSONResponse(embedding_response(vectors, body, self.served_model_name,
-                                                                               tokens)))
+        return await asyncio.to_thread(lambda: JSONResponse(embedding_response(vectors, body, name, tokens)))
 
     async def score(self, body: ScoreRequest, request: Request) -> Response:
         """vLLM's ``/score`` (`scores`): the cosine similarity of each pair's embeddings."""
@@ -163,7 +162,7 @@ class OpenAIServing:
                                            request)
         if scores is None:
             return Response(status_code=499)
-        return JSONResponse(score_response(scores, self.served_model_name, tokens))
+        return JSONResponse(score_response(scores, self.models.name(body.model), tokens))
 
     async def rerank(self, body: RerankRequest, request: Request) -> Response:
         """vLLM's ``/rerank`` (`scores`): the documents by their embeddings' cosine similarity to the query's."""
@@ -172,7 +171,7 @@ class OpenAIServing:
                                            body.truncate_prompt_tokens, request)
         if scores is None:
             return Response(status_code=499)
-        return JSONResponse(rerank_response(scores, body.documents, body.top_n, self.served_model_name, tokens))
+        return JSONResponse(rerank_response(scores, body.documents, body.top_n, self.models.name(body.model), tokens))
 
     def check_pooling(self, model: str | None) -> None:
         """A 400 where this server embeds nothing for a request naming ``model``."""
@@ -221,6 +220,8 @@ class OpenAIServing:
         if broken is not None:
             raise APIError(500, f"the embedding of input {broken} is not finite: the model's hidden states "
                                 f"overflowed in {self.generator.model.dtype}", "server_error", code=500)
+        if self.engine.metrics is not None:
+            self.engine.metrics.observe_pooled([len(ids) for ids in token_ids])
         return vectors
 
     async def embedding_inputs(self, inputs: str | list, param: str, keep: int | None,
@@ -241,14 +242,18 @@ class OpenAIServing:
         return await self._embedding_input(await self.rendered_chat(chat), "messages", "messages",
                                            chat.truncate_prompt_tokens, chat.add_special_tokens)
 
-    async def rendered_chat(self, chat: ChatCompletionRequest) -> list:
+    async def rendered_chat(self, chat: ChatCompletionRequest, measured: bool = True) -> list:
         """The prompt a chat request's messages make (with its tools and template options), as `chat_prompt`
-        renders it: token ids, or the messages where the engine renders them itself."""
+        renders it: token ids, or the messages where the engine renders them itself (``measured``: see
+        `PromptEncoder.encode`). A field the chat endpoint refuses (``chat_template``) is refused here too."""
+        unsupported = chat.unsupported_field()
+        if unsupported is not None:
+            raise APIError(400, unsupported[1], param=unsupported[0])
         try:
             messages = [message.to_template_dict(self.content_format) for message in chat.messages]
         except ValueError as err:
             raise _bad_request(err, "messages") from err
-        return (await self.chat_prompt(chat, messages, None))[0]
+        return (await self.chat_prompt(chat, messages, None, measured))[0]
 
     async def _embedding_input(self, text: str | list[int], param: str, where: str, keep: int | None,
                                add_special_tokens: bool) -> list[int]:
@@ -286,14 +291,14 @@ class OpenAIServing:
 
     async def tokenize(self, body: TokenizeRequest | ChatCompletionRequest) -> dict:
         """vLLM's ``/tokenize``: the token ids the server would run for a completion's prompt or a chat's messages
-        (with its template options and tools), their count, the context, and with ``return_token_strs`` each token
-        as the tokenizer spells it."""
+        (with its template options and tools), their count, the context (a prompt longer than it is counted too), and
+        with ``return_token_strs`` each token as the tokenizer spells it."""
         self.check_model(body.model)
         if isinstance(body, ChatCompletionRequest):
-            prompt, param = await self.rendered_chat(body), "messages"
+            prompt, param = await self.rendered_chat(body, measured=False), "messages"
         else:
             prompt, param = body.prompt, "prompt"
-        token_ids = await self.encoder.encode(prompt, param, None, body.add_special_tokens)
+        token_ids = await self.encoder.encode(prompt, param, None, body.add_special_tokens, measured=False)
         spelled = None
         if getattr(body, "return_token_strs", False) is True:
             spelled = await asyncio.get_running_loop().run_in_executor(
@@ -336,8 +341,8 @@ class OpenAIServing:
                 err.__traceback__ = None
                 raise _bad_request(constraint.error(ValueError(str(err))), constraint.param) from None
 
-    async def chat_prompt(self, body: ChatCompletionRequest, messages: list[dict],
-                          top_k: int | None) -> tuple[list, ChatFormat]:
+    async def chat_prompt(self, body: ChatCompletionRequest, messages: list[dict], top_k: int | None,
+                          measured: bool = True) -> tuple[list, ChatFormat]:
         """The prompt to submit and the answer's format; tools, earlier tool calls and template options go through
         `render_prompt`, on a tokenizing thread with its own tokenizer, as every prompt is."""
         try:
@@ -347,7 +352,7 @@ class OpenAIServing:
         except ValueError as err:
             raise _bad_request(err, "messages") from err
         extra = len(str(body.tools or "")) + len(str(options))
-        if body.truncate_prompt_tokens is None:  # a prompt to truncate is measured once tokenized
+        if body.truncate_prompt_tokens is None and measured:  # a prompt to truncate is measured once tokenized
             self.encoder.check(messages, "messages", extra_chars=extra)
         check_text(body.tools or [], "tools")
         check_text(options, "chat_template_kwargs")

@@ -51,24 +51,26 @@ class PromptEncoder:
         return processor
 
     async def encode(self, prompt: Prompt, param: str, keep: int | None = None,
-                     add_special_tokens: bool | None = None, pooling: bool = False) -> list[int]:
+                     add_special_tokens: bool | None = None, pooling: bool = False, measured: bool = True) -> list[int]:
         """The prompt's token ids, its last ``keep`` only if given (``truncate_prompt_tokens``), with the tokenizer's
         special tokens as `tokenize_prompt` adds them; raises a 400 naming ``param`` for a prompt that is too long or
-        cannot render (one to embed, ``pooling``, may fill the context). A prompt to truncate is not measured before
-        it is tokenized (the body's size bounds it)."""
+        cannot render (one to embed, ``pooling``, may fill the context). A prompt to truncate, or one not
+        ``measured`` against the context (``/tokenize``'s, which counts a prompt's tokens whatever its length), is not
+        measured before it is tokenized (the body's size bounds it)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             try:
                 prompt = self.inputs.truncated(prompt, keep, pooling)
             except InvalidParameter as err:
                 raise APIError(400, str(err), param=err.param) from None
-            self._check_tokens(len(prompt), param, pooling)
+            if measured:
+                self._check_tokens(len(prompt), param, pooling)
             return prompt
-        if keep is None:
+        if keep is None and measured:
             self.check(prompt, param)
         else:
             check_text(prompt, param)
         return await asyncio.get_running_loop().run_in_executor(self.start(), self._encode, prompt, param, keep,
-                                                                add_special_tokens, pooling)
+                                                                add_special_tokens, pooling, measured)
 
     def check(self, prompt: str | list[dict], param: str, extra_chars: int = 0) -> None:
         """Refuse (a 400) a prompt of more characters than the context could hold (each chat message counts as
@@ -86,7 +88,7 @@ class PromptEncoder:
                                 f"(max_model_len) of {self.max_model_len} tokens", param=param)
 
     def _encode(self, prompt: str | list[dict], param: str, keep: int | None, add_special_tokens: bool | None,
-                pooling: bool) -> list[int]:
+                pooling: bool, measured: bool) -> list[int]:
         try:
             _, token_ids = self.processor().tokenize(prompt, keep, add_special_tokens, pooling)
         except TemplateError as err:
@@ -95,7 +97,8 @@ class PromptEncoder:
             raise APIError(400, str(err), param=err.param) from err
         except (TypeError, ValueError) as err:
             raise APIError(400, str(err), param=param) from err
-        self._check_tokens(len(token_ids), param, pooling)
+        if measured:
+            self._check_tokens(len(token_ids), param, pooling)
         return token_ids
 
     async def tokenize_bad_words(self, params: SamplingParams) -> None:
