@@ -79,10 +79,16 @@ def _read_json(directory: Path, name: str):
 
 
 def check_dimensions(model, dimensions: int | None) -> None:
-    """``dimensions`` (OpenAI's: the embedding's first N values) must be 1 to the model's hidden size."""
+    """``dimensions`` (OpenAI's: the embedding's first N values) must be 1 to the model's hidden size, and one of
+    the model's ``matryoshka_dimensions`` where its config names those it was trained for (as vLLM checks; a model
+    naming none is cut anywhere)."""
     width = model.config.get_text_config().hidden_size
     if dimensions is not None and not 1 <= dimensions <= width:
         raise ValueError(f"dimensions must be 1 to the model's {width}, got {dimensions}")
+    trained = getattr(model.config, "matryoshka_dimensions", None)
+    if dimensions is not None and trained and dimensions not in trained:
+        raise ValueError(f"dimensions must be one of the model's matryoshka_dimensions {sorted(trained)} (the "
+                         f"embedding's lengths it was trained to be cut to), got {dimensions}")
 
 
 def padded_batches(lengths: list[int], batch_tokens: int = BATCH_TOKENS) -> list[list[int]]:

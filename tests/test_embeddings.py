@@ -118,6 +118,13 @@ def test_llm_embed_as_vllms(smollm2_path, smollm2, reference):
     outputs = llm.embed([TEXTS[1], {"prompt_token_ids": one.prompt_token_ids}], dimensions=32)
     assert [len(o.outputs.embedding) for o in outputs] == [32, 32]
     assert outputs[0].outputs.embedding == outputs[1].outputs.embedding
+    llm.generator.model.config.matryoshka_dimensions = [16, 64]  # as a Matryoshka model's config names them
+    try:
+        assert len(llm.embed(TEXTS[1], dimensions=16)[0].outputs.embedding) == 16
+        with pytest.raises(ValueError, match=r"one of the model's matryoshka_dimensions \[16, 64\].*got 32"):
+            llm.embed(TEXTS[1], dimensions=32)
+    finally:
+        del llm.generator.model.config.matryoshka_dimensions
     for prompts, options, words in (([""], {}, "empty"), ([[10 ** 7]], {}, "outside the model's vocabulary"),
                                     (["x"], {"dimensions": 0}, "dimensions must be 1 to"),
                                     (["x"], {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be >= 1")):
