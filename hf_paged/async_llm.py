@@ -20,6 +20,9 @@ from .generation.inputs import Prompt, prompt_cache_salt, tokenize_prompt
 from .local_ranks import start_engine
 from .lora import LoRARequest
 
+# How long `generate` waits for a request given up to release the id it reuses (one engine step, as a rule).
+RELEASE_TIMEOUT_S = 30.0
+
 
 class AsyncLLM:
     """Serves requests from asyncio code, as vLLM's ``AsyncLLM``: each `generate` call is one request, batched with
@@ -94,6 +97,8 @@ class AsyncLLM:
         tokenized = {"prompt": text, "prompt_token_ids": token_ids}
         if prompt_cache_salt(prompt) is not None:
             tokenized["cache_salt"] = prompt["cache_salt"]
+        if request_id is not None:  # reused once the request that had it ends, as vLLM's: aborted, it ends now
+            await self.engine.id_released(request_id, RELEASE_TIMEOUT_S)
         stream = self.engine.submit([tokenized], deltas,
                                     [request_id or uuid.uuid4().hex], lora_request, priority)
         so_far: RequestOutput | None = None

@@ -327,6 +327,18 @@ class EngineLoop:
             self._unroute(request_ids)
         self._wake.set()
 
+    async def id_released(self, request_id: str, timeout: float) -> None:
+        """Wait until a request given up (`abandon`) no longer holds ``request_id``: the engine hands out its abort
+        at the next step. One in flight keeps its id (`submit` refuses it), as does one still held after
+        ``timeout`` seconds."""
+        with self._lock:
+            routed = request_id in self._routes
+        if not routed:
+            self.start()  # a stopped engine hands out nothing
+            released = asyncio.wrap_future(self.generator.released(request_id))
+            await asyncio.wait([released], timeout=timeout)
+            released.cancel()
+
     def _route(self, request_id: str, stream: RequestStream, seats: int) -> None:
         self._routes[request_id] = stream
         self._seats[request_id] = seats

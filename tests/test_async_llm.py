@@ -72,6 +72,49 @@ def test_leaving_early_or_abort_ends_a_request_and_frees_its_blocks(engine, chat
     assert engine.is_running and not engine.errored
 
 
+def test_a_request_id_is_free_again_as_soon_as_its_request_is_given_up_as_in_vllm(engine, chat_prompts):
+    """vLLM forgets a request once it is aborted or its generator closed: its id may be reused at once (here the
+    new call waits for the engine's next step to hand out the abort)."""
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=3)
+
+    async def started(request_id):
+        task = asyncio.create_task(_collect(engine, chat_prompts[0], long, request_id))
+        while request_id not in engine.generator.requests:
+            await asyncio.sleep(0.01)
+        return task
+
+    async def main():
+        reused = []
+        outputs = engine.generate(chat_prompts[0], long, request_id="again")
+        async for _ in outputs:
+            break
+        await outputs.aclose()  # aborted (after a bare break, once the event loop closes it)
+        reused.append(await _collect(engine, chat_prompts[1], short, "again"))
+        task = await started("again")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        reused.append(await _collect(engine, chat_prompts[1], short, "again"))
+        task = await started("again")
+        await engine.abort("again")
+        await task
+        reused.append(await _collect(engine, chat_prompts[1], short, "again"))
+        task = await started("again")
+        with pytest.raises(ValueError, match="already in use"):  # while it runs, the id is its own
+            await _collect(engine, chat_prompts[1], short, "again")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        reused.append(await _collect(engine, chat_prompts[1], short, "again"))
+        return reused
+
+    for outputs in asyncio.run(main()):
+        assert outputs[-1].finished and outputs[-1].request_id == "again"
+        assert len(outputs[-1].outputs[0].token_ids) == 3
+    assert engine.generator.kv_manager.pool.num_used_blocks == 0
+
+
 def test_an_abort_of_an_unknown_id_leaves_the_engine_idle(engine):
     async def main():
         await engine.abort(["finished-long-ago", "never-seen"])

@@ -76,3 +76,16 @@ def test_dropped_requests_lose_their_held_and_later_outputs_and_free_their_ids()
     router.reserve("a")
     assert texts(router.route([b.stepped("2", finished=True)], only=None)) == {}  # nobody reads "b" any more
     router.reserve("b")
+
+
+def test_released_is_done_once_the_last_output_is_handed_out_or_dropped():
+    router, a = OutputRouter(), FakeRequest("a")
+    assert router.released("a").done()  # not in use
+    router.reserve("a")
+    given_up, waiting = router.released("a"), router.released("a")
+    given_up.cancel()  # its waiter left: the release goes on without it
+    assert router.drop({"a"}) == {"a"} and not waiting.done()  # its abort is still to come
+    router.route([a.stepped("x")], only=None)
+    assert not waiting.done()
+    assert router.route([a.stepped("y", finished=True)], only=None) == [] and waiting.done()
+    router.reserve("a")  # free again
