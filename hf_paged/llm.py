@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 
 from .chat_template import CONTENT_FORMATS, TEMPLATE_PARAMETERS, content_format, render_prompt, template_messages
 from .generation import RequestOutput, SamplingParams
@@ -70,7 +71,7 @@ class LLM:
         return self.generator.inputs.sampling_params(None)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 use_tqdm: bool | Callable = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """`ContinuousBatchGenerator.run`: strings, token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``;
         None takes the sampling settings of the model's generation config. ``lora_request`` (with
@@ -97,7 +98,7 @@ class LLM:
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool | Callable = True,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,

@@ -46,7 +46,16 @@ def test_what_the_engine_refuses_raises_before_anything_runs_as_in_vllm(llm):
     assert refused.value.param == "structured_outputs"
     with pytest.raises(ValueError, match="^SamplingParams.structured_outputs.regex is invalid"):
         llm.chat([{"role": "user", "content": "Hi"}], cases[2][1][1], use_tqdm=False)
-    [alone] = llm.generate(["Hello"], greedy, use_tqdm=False)  # the withdrawn ones never ran, nor run now
+    bars = []
+
+    def bar(**options):  # vLLM's use_tqdm may be a tqdm-like class
+        from tqdm import tqdm
+
+        bars.append(tqdm(**options))
+        return bars[-1]
+
+    [alone] = llm.generate(["Hello"], greedy, use_tqdm=bar)  # the withdrawn ones never ran, nor run now
+    assert [(b.total, b.n, b.desc) for b in bars] == [(1, 1, "Generating")]
     assert len(alone.outputs[0].token_ids) == 4 and not llm.generator.has_unfinished_requests()
     assert llm.generator.kv_manager.pool.num_used_blocks == 0
     assert llm.generator.stats().generation_tokens == generated + 4

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future
 
 import torch
@@ -445,7 +445,7 @@ class ContinuousBatchGenerator:
         yield from self._until_finished({rid for rid, _ in submitted if rid is not None}, finished_only=False,
                                         first=[failed for _, failed in submitted if failed is not None])
 
-    def run(self, prompts, sampling_params=None, use_tqdm: bool = True, lora_request=None,
+    def run(self, prompts, sampling_params=None, use_tqdm: bool | Callable = True, lora_request=None,
             priority=None, strict: bool = False) -> list[RequestOutput]:
         """Generate for all ``prompts`` together; outputs come back complete, in input order.
 
@@ -462,7 +462,8 @@ class ContinuousBatchGenerator:
             sampling_params = self.inputs.final_only(sampling_params)
         submitted = self._submit(prompts, sampling_params, lora_request, priority, strict)
         results = {rid: None for rid, _ in submitted if rid is not None}
-        with tqdm(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:
+        progress = use_tqdm if callable(use_tqdm) else tqdm  # vLLM's: a tqdm-like class may be given instead
+        with progress(total=len(submitted), desc="Generating", disable=not use_tqdm) as bar:
             bar.update(len(submitted) - len(results))
             for output in self._until_finished(set(results), finished_only=True):
                 results[output.request_id] = output
