@@ -840,6 +840,8 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.load_format == "dummy":
         parser.error("--load-format dummy is not taken by serve-ray (serve takes it)")
     _check_vllm_flags(parser, args)
+    if args.address is None:  # the local cluster's HTTP proxy will listen there (a running one is told --port)
+        _listening_socket(parser, args.host, args.port).close()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())
     try:
@@ -851,7 +853,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                            args.dtype, api_key(parser, args), EngineConfig.from_cli_args(args),
                            serving_options(parser, args), args.device, server_limits(parser, args),
                            tuple(allowed_origins(parser, args)), args.trust_remote_code,
-                           tuple(_lora_modules(parser, args)))
+                           tuple(_lora_modules(parser, args)), args.log_level)
         config = ServeRayConfig(spec, args.num_replicas, args.min_replicas, args.max_replicas,
                                 args.target_ongoing_requests, replica_cpus=args.replica_cpus, replica_gpus=gpus,
                                 prefix_affinity=not args.no_prefix_routing)

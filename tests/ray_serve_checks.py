@@ -147,6 +147,32 @@ def test_a_replica_is_chosen_for_a_prefix_that_is_most_of_the_prompt_while_it_is
     assert affinity_replica(table, [], {"a": 0, "b": 0}, 8) is None  # a prompt of less than a block
 
 
+def test_a_full_replica_takes_control_calls_only_and_a_full_app_holds_model_calls_back():
+    """Each replica takes max_ongoing_requests model calls from the router; a probe or a listing (``control``) goes
+    to any replica, in the slots kept for such calls, so /health answers however busy the replicas are."""
+    import asyncio
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from hf_paged.serve_ray.router import PrefixAffinityRouter
+
+    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
+    router._deployment_id = SimpleNamespace(app_name="routing-check")
+    router.initialize_state(max_ongoing_requests=2)
+    replica_id = namedtuple("ReplicaID", "unique_id")
+    a, b = (SimpleNamespace(replica_id=replica_id(name)) for name in "ab")
+
+    def chosen(**kwargs) -> list[list[str]]:
+        call = SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
+        return [[r.replica_id.unique_id for r in rank] for rank in asyncio.run(router.choose_replicas([a, b], call))]
+
+    router.in_flight[a.replica_id] = 2
+    assert chosen(prefix=None) == [["b"]]
+    router.in_flight[b.replica_id] = 2
+    assert chosen(prefix=None) == []  # held back in the router, which retries
+    assert sorted(chosen(control=True)[0]) == ["a", "b"] and chosen(replica="a") == [["a"]]
+
+
 def test_a_lora_adapters_requests_are_routed_apart_from_the_base_models(smollm2_path):
     """An adapter's blocks are cached apart from the base model's: the router keys its requests' prefixes apart too,
     by the adapter named (``--lora-modules``); the base model's keys are the engine's own."""
@@ -171,6 +197,39 @@ def test_a_lora_adapters_requests_are_routed_apart_from_the_base_models(smollm2_
     chat_base = route_hashes("/v1/chat/completions", chat.replace(LORA.encode(), b"smollm2"), tokenizer, "string", 16)
     assert not set(route_hashes("/v1/chat/completions", chat, tokenizer, "string", 16, (LORA,))) & set(chat_base)
     assert hashes(LORA, prompt=12) is None  # malformed: the replica answers it
+
+
+def test_a_huge_prompt_is_placed_by_its_first_characters_without_tokenizing_it_whole(smollm2_path):
+    from transformers import AutoTokenizer
+
+    from hf_paged.serve_ray.ingress import ROUTE_CHARS, route_hashes
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    text = "word " * ROUTE_CHARS  # 5 x ROUTE_CHARS characters
+    body = json.dumps({"prompt": text}).encode()
+    cut = prefix_hashes(tokenizer(text[:ROUTE_CHARS]).input_ids, 16)
+    assert route_hashes("/v1/completions", body, tokenizer, "string", 16) == cut and len(cut) > 100
+    chat = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+    assert route_hashes("/v1/chat/completions", chat, tokenizer, "string", 16) == route_hashes(
+        "/v1/chat/completions", chat.replace(text.encode(), text[:ROUTE_CHARS].encode()), tokenizer, "string", 16)
+
+
+def test_a_replica_writes_hf_pageds_records_at_the_log_level_serve_ray_was_given(capfd):
+    """Requests' records (``--enable-log-requests``) reach the replica's log as serve's reach its terminal."""
+    import logging
+
+    spec = ReplicaSpec("unused", DEFAULT_MODEL_NAME, log_level="info")
+    logger = logging.getLogger("hf_paged")
+    try:
+        spec.configure_logging()
+        spec.configure_logging()  # a replica restarted in the same worker process: still once
+        logging.getLogger("hf_paged.server.serving").info("request r queued")
+        logging.getLogger("hf_paged.server.serving").debug("below the level")
+        written = capfd.readouterr().err
+    finally:
+        logger.handlers = [h for h in logger.handlers if type(h).__name__ != "_ReplicaLog"]
+        logger.propagate, logger.level = True, logging.NOTSET
+    assert written.count("INFO hf_paged.server.serving: request r queued") == 1 and "below" not in written
 
 
 @pytest.mark.parametrize("prefix", ["hf_paged", "vllm"])
@@ -198,6 +257,10 @@ def test_rates_are_averaged_over_replicas_and_a_dead_engine_fails_the_health_che
     assert f'{prefix}:spec_decode_num_accepted_tokens_total{{replica="all"}} 100.0' in merged
     assert f'{prefix}:spec_decode_acceptance_rate{{replica="all"}} ' + str(100 / 150) in merged
     assert f'{prefix}:num_requests_running{{replica="all"}} 2.0' in merged and 'replica="d"' not in merged
+    info = '# TYPE hf_paged:cache_config_info gauge\nhf_paged:cache_config_info{block_size="16"} 1.0\n'
+    merged = merged_metrics({"a": info, "b": info}, None, num_replicas=3).decode()
+    assert 'hf_paged:cache_config_info{block_size="16",replica="all"} 1.0' in merged  # the same 1, not a sum
+    assert "hf_paged:router_replicas 3.0" in merged  # those routed to, answering or not
     replica = lambda healthy: SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(  # noqa: E731
         engine=SimpleNamespace(healthy=healthy))))
     EngineReplica.func_or_class.check_health(replica(True))
@@ -210,6 +273,7 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, adapter,
     from hf_paged.cli import main
 
     deployed = []
+    free = ["--port", str(free_port())]  # the local cluster's proxy port is checked first
     monkeypatch.setattr(hf_paged.serve_ray, "serve_forever", lambda *args: deployed.append(args))
     main(["serve-ray", smollm2_path, "--min-replicas", "2", "--max-replicas", "4", "--num-blocks", "64",
           "--no-prefix-routing", "--address", "auto", "--port", "9000", "--api-key", "k", "--max-n", "3",
@@ -223,19 +287,28 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, adapter,
         "min_replicas": 2, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 32}
     assert config.scaling()["graceful_shutdown_timeout_s"] == 300  # a replica scaled down finishes its streams
     with pytest.raises(SystemExit):
-        main(["serve-ray", smollm2_path, "--num-replicas", "5", "--min-replicas", "1", "--max-replicas", "4"])
+        main(["serve-ray", smollm2_path, *free, "--num-replicas", "5", "--min-replicas", "1", "--max-replicas", "4"])
     assert "num_replicas (5) must lie between" in capsys.readouterr().err
     for option, value, message in [("--replica-cpus", "-1", "replica_cpus must be >= 0, got -1.0"),
                                    ("--target-ongoing-requests", "0", "target_ongoing_requests must be >= 1, got 0")]:
         with pytest.raises(SystemExit) as exit_info:  # refused before Ray starts (a traceback from Ray before)
-            main(["serve-ray", smollm2_path, "--min-replicas", "1", "--max-replicas", "2", option, value])
+            main(["serve-ray", smollm2_path, *free, "--min-replicas", "1", "--max-replicas", "2", option, value])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not deployed[1:]
-    main(["serve-ray", smollm2_path, "--enable-lora", "--lora-modules", f"{LORA}={adapter}"])
+    main(["serve-ray", smollm2_path, *free, "--enable-lora", "--lora-modules", f"{LORA}={adapter}", "--log-level",
+          "debug"])
     assert deployed[1][0].replica.lora_modules == ((LORA, adapter, None),)
+    assert (deployed[0][0].replica.log_level, deployed[1][0].replica.log_level) == ("info", "debug")
     with pytest.raises(SystemExit) as exit_info:  # read before Ray starts, not by every replica
-        main(["serve-ray", smollm2_path, "--enable-lora", "--lora-modules", f"{LORA}={adapter}/missing"])
+        main(["serve-ray", smollm2_path, *free, "--enable-lora", "--lora-modules", f"{LORA}={adapter}/missing"])
     assert exit_info.value.code == 2 and "no adapter_config.json" in capsys.readouterr().err
+    with socket.socket() as taken:  # a port in use is named before Ray starts, as serve names it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve-ray", smollm2_path, "--port", str(taken.getsockname()[1])])
+    assert exit_info.value.code == 2 and "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    assert len(deployed) == 2
 
 
 def test_the_ingress_refuses_an_oversized_body_before_reading_it(base):
@@ -439,3 +512,32 @@ def test_a_runtime_adapter_update_reaches_every_replica(base, adapter):
                              timeout=120)
         assert refused.status_code == 400 and "taken already" in refused.text, refused.text
         assert name in names(taken) and name not in names(other)
+
+
+def test_probes_and_listings_are_answered_while_every_replica_is_full(base, smollm2_path):
+    """A replica full of model calls (max_ongoing_requests) still answers /health, /v1/models and /metrics (Serve
+    held them behind the streams before), and the model call beyond the limit waits in the router, then runs."""
+    busy = config(smollm2_path)
+    busy.num_replicas, busy.max_ongoing_requests, busy.replica_cpus = 1, 1, 0
+    serve.run(build_app(busy), name="busy", route_prefix="/busy")
+    try:
+        url = f"{base}/busy"
+        long = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=300) for _ in range(2)]
+            deadline = time.monotonic() + 60
+            while totals(url).get("hf_paged:num_requests_running", 0) < 1:
+                assert time.monotonic() < deadline, "the first stream never ran"
+                time.sleep(0.2)
+            for path in ("/health", "/v1/models", "/metrics"):
+                started = time.monotonic()
+                assert httpx.get(f"{url}{path}", timeout=20).status_code == 200, path
+                assert time.monotonic() - started < 10, path
+            assert not streams[1].done()  # the second call waits for the slot the first holds
+            answers = [stream.result() for stream in streams]
+        assert all(a.status_code == 200 and a.json()["usage"]["completion_tokens"] == 400 for a in answers)
+        assert "hf_paged:router_replicas 1.0" in httpx.get(f"{url}/metrics", timeout=30).text
+        traced = httpx.get(f"{url}/v1/models", headers={"X-Request-Id": "trace-1"}, timeout=30)
+        assert traced.headers.get_list("x-request-id") == ["trace-1"]  # Serve's proxy's, not twice
+    finally:
+        serve.delete("busy")

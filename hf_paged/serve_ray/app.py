@@ -15,7 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from .ingress import Ingress
 from .replica import EngineReplica, ReplicaSpec
-from .router import PrefixAffinityRouter
+from .router import CONTROL_SLOTS, PrefixAffinityRouter
 
 logger = logging.getLogger(__name__)
 APP_NAME = "hf_paged"
@@ -75,10 +75,12 @@ def build_app(config: ServeRayConfig):
     """The bound application: ``serve.run(build_app(config), name=APP_NAME, route_prefix="/")``."""
     router = RequestRouterConfig(
         request_router_class=PrefixAffinityRouter,
-        request_router_kwargs={"max_imbalance": config.max_imbalance},
+        request_router_kwargs={"max_imbalance": config.max_imbalance,
+                               "max_ongoing_requests": config.max_ongoing_requests},
     )
     engine = EngineReplica.options(
-        **config.scaling(), max_ongoing_requests=config.max_ongoing_requests, request_router_config=router,
+        **config.scaling(), max_ongoing_requests=config.max_ongoing_requests + CONTROL_SLOTS,
+        request_router_config=router,
         ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
     ).bind(config.replica)
     return ingress(engine, config)
@@ -86,7 +88,7 @@ def build_app(config: ServeRayConfig):
 
 def ingress(engine, config: ServeRayConfig):
     """The bound ingress in front of ``engine`` (a bound deployment, or a handle to one in another app)."""
-    capacity = config.max_ongoing_requests * (config.max_replicas or config.num_replicas) + 16  # never the limit
+    capacity = (config.max_ongoing_requests + CONTROL_SLOTS) * (config.max_replicas or config.num_replicas) + 16
     return Ingress.options(max_ongoing_requests=capacity, ray_actor_options={"num_cpus": 0}).bind(
         engine, config.replica.model, config.replica.engine.block_size, config.prefix_affinity,
         api_key=config.replica.api_key, limits=config.replica.limits, cors=bool(config.replica.allowed_origins),

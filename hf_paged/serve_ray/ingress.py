@@ -33,6 +33,8 @@ from .registry import router_of
 logger = logging.getLogger(__name__)
 api = FastAPI(title="hf_paged on Ray Serve")
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+# Characters of a prompt (of each chat message) hashed for routing: some thousands of tokens.
+ROUTE_CHARS = 1 << 15
 # vLLM's runtime adapter updates: each changes what every replica serves.
 _LOAD, _UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
@@ -50,16 +52,27 @@ def _prompt(path: str, body: bytes, content_format: str) -> tuple[Prompt | None,
     return None, None
 
 
+def _cut(prompt: Prompt) -> Prompt:
+    """The prompt's text, or each message's, cut to `ROUTE_CHARS` characters: its first blocks place it as well."""
+    if isinstance(prompt, str):
+        return prompt[:ROUTE_CHARS]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return [{**m, "content": m["content"][:ROUTE_CHARS]} if isinstance(m.get("content"), str) else m
+                for m in prompt]
+    return prompt
+
+
 def route_hashes(path: str, body: bytes, tokenizer, content_format: str, block_size: int,
                  adapters: Collection[str] = ()) -> list[bytes] | None:
-    """The block hashes the router places a request by: its prompt's (`prefix_hashes`), salted by the LoRA adapter
-    it names among ``adapters`` (an adapter's blocks are cached apart from the base model's and other adapters'); None
-    when the request has no prompt, or a malformed one (the replica answers that with its 400)."""
+    """The block hashes the router places a request by: its prompt's (`prefix_hashes`; of its first `ROUTE_CHARS`
+    characters, so that a huge prompt, which its replica may well refuse, is not tokenized whole here), salted by
+    the LoRA adapter it names among ``adapters`` (an adapter's blocks are cached apart from the base model's and other
+    adapters'); None when the request has no prompt, or a malformed one (the replica answers that with its 400)."""
     try:
         prompt, model = _prompt(path, body, content_format)
         if prompt is None:
             return None
-        token_ids = tokenize_prompt(tokenizer, prompt)[1]
+        token_ids = tokenize_prompt(tokenizer, _cut(prompt))[1]
         return prefix_hashes(token_ids, block_size, salt=b"lora:" + model.encode() if model in adapters else None)
     except Exception:
         return None
@@ -83,8 +96,15 @@ def _is_preflight(request: Request) -> bool:
     return request.method == "OPTIONS" and "origin" in headers and "access-control-request-method" in headers
 
 
+def _is_control(method: str, path: str) -> bool:
+    """Whether a call runs no model (a probe, a listing, a tokenization): the router never holds it back."""
+    return method in ("GET", "HEAD") or path in ("/tokenize", "/detokenize")
+
+
 def _headers(start: HTTPResponseStart) -> dict[str, str]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers if k.lower() != b"content-length"}
+    """The replica's answer's headers, but its ``X-Request-Id``: Serve's proxy adds its own to every answer."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
+            if k.lower() not in (b"content-length", b"x-request-id")}
 
 
 def _replica_failed(err: Exception) -> JSONResponse:
@@ -123,7 +143,7 @@ class Ingress:
     async def _router(self):
         router = router_of(self.engine.app_name)
         if router is None:  # the handle makes its router at its first call
-            await self.engine.metrics.remote()
+            await self.engine.metrics.remote(control=True)
             router = router_of(self.engine.app_name)
         return router
 
@@ -143,7 +163,8 @@ class Ingress:
                 logger.warning("replica %s did not report its metrics: %r", replica, err)
         self.last_metrics.update(texts)
         gone = {replica: text for replica, text in self.last_metrics.items() if replica not in texts}
-        return Response(merged_metrics(texts, router.stats, gone), media_type=CONTENT_TYPE_LATEST)
+        merged = merged_metrics(texts, router.stats, gone, len(router.curr_replicas))
+        return Response(merged, media_type=CONTENT_TYPE_LATEST)
 
     @api.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, path: str, request: Request) -> Response:
@@ -161,7 +182,7 @@ class Ingress:
         if request.method == "POST" and path in (_LOAD, _UNLOAD):
             return await self._update_adapters(http)
         prefix = await asyncio.to_thread(self._prefix, path, body)  # tokenizing a long prompt takes a while
-        response = self.stream.remote(http, prefix=prefix)
+        response = self.stream.remote(http, prefix=prefix, control=_is_control(request.method, path))
         try:
             start: HTTPResponseStart = await response.__anext__()
         except Exception as err:

@@ -24,14 +24,15 @@ RATIOS = {
 }
 
 
-# Gauges whose value is a time (the series' labels carry the news): their total is the latest.
-LATEST = {"lora_requests_info"}
+# Gauges whose total is the replicas' largest value: a time (the series' labels carry the news), or an info gauge's 1.
+LATEST = {"lora_requests_info", "cache_config_info"}
 
 
 def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None,
-                   gone: dict[str, str] | None = None) -> bytes:
+                   gone: dict[str, str] | None = None, num_replicas: int | None = None) -> bytes:
     """Prometheus text of the replicas' metrics (``{replica id: its /metrics text}``) and the router's; the counters
-    of the replicas ``gone`` (their last texts) count in the totals only."""
+    of the replicas ``gone`` (their last texts) count in the totals only. ``num_replicas``: how many the router
+    may send requests to (by default, those that answered)."""
     families: dict[str, Metric] = {}
     totals: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
     answers = [(replica, text, True) for replica, text in sorted(replica_texts.items())]
@@ -61,7 +62,8 @@ def merged_metrics(replica_texts: dict[str, str], stats: RoutingStats | None,
                 value = sum(values) / len(values) if name.endswith("_perc") else sum(values)
             families[name].add_sample(sample_name, {"replica": TOTAL, **dict(labels)}, value)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Fixed([*families.values(), *_router_families(stats, len(replica_texts))]))
+    replicas = len(replica_texts) if num_replicas is None else num_replicas
+    registry.register(_Fixed([*families.values(), *_router_families(stats, replicas)]))
     return generate_latest(registry)
 
 

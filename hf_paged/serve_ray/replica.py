@@ -6,6 +6,7 @@ replica answers exactly as ``hf-paged serve`` does, API key check, errors and me
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -18,6 +19,11 @@ from ..server.options import ServingOptions
 from ..server.asgi import HTTPRequest, HTTPResponseStart, call_app
 
 REPLICA_HEADER = b"x-hf-paged-replica"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve's
+
+
+class _ReplicaLog(logging.StreamHandler):
+    """The handler `ReplicaSpec.configure_logging` adds."""
 
 
 @dataclass
@@ -35,6 +41,18 @@ class ReplicaSpec:
     allowed_origins: tuple[str, ...] = ("*",)  # CORS, as `create_app`'s
     trust_remote_code: bool = False  # `loading.load_model`'s
     lora_modules: tuple[tuple[str, str, str | None], ...] = ()  # `create_app`'s: (name, path, base model name)
+    log_level: str = "info"  # of hf_paged's log records (requests' with --enable-log-requests), as serve's
+
+    def configure_logging(self) -> None:
+        """hf_paged's records of this process at ``log_level``, written to stderr (which Ray keeps in the replica's
+        log and shows the driver), as ``serve`` writes them; once, however often called."""
+        logger = logging.getLogger("hf_paged")
+        logger.setLevel(self.log_level.upper())
+        if not any(isinstance(handler, _ReplicaLog) for handler in logger.handlers):
+            handler = _ReplicaLog()
+            handler.setFormatter(logging.Formatter(LOG_FORMAT))
+            logger.addHandler(handler)
+            logger.propagate = False  # not twice, where Ray's handlers take the root's records
 
     def load(self):
         """The replica's generator (call on the replica)."""
@@ -51,6 +69,7 @@ class EngineReplica:
     def __init__(self, spec: ReplicaSpec):
         from ..server import create_app
 
+        spec.configure_logging()
         self.generator = spec.load()
         self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key, limits=spec.limits,
                               allowed_origins=list(spec.allowed_origins), options=spec.options,
@@ -59,9 +78,9 @@ class EngineReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     async def __call__(self, request: HTTPRequest, prefix: list[bytes] | None = None, replica: str | None = None,
-                       ) -> AsyncIterator[HTTPResponseStart | bytes]:
-        """The app's answer in pieces, its header naming this replica; ``prefix`` (the prompt's block hashes) and
-        ``replica`` (the one asked for) are for the router."""
+                       control: bool = False) -> AsyncIterator[HTTPResponseStart | bytes]:
+        """The app's answer in pieces, its header naming this replica; ``prefix`` (the prompt's block hashes),
+        ``replica`` (the one asked for) and ``control`` (a call that runs no model) are for the router."""
         async for piece in call_app(self.app, request):
             if isinstance(piece, HTTPResponseStart):
                 piece.headers.append((REPLICA_HEADER, self.replica.encode()))
@@ -73,8 +92,9 @@ class EngineReplica:
         if not self.app.state.engine.healthy:
             raise RuntimeError("the engine stopped after an unrecoverable error")
 
-    async def metrics(self, replica: str | None = None) -> tuple[str, str]:
-        """``(replica id, Prometheus text of this replica's server)``; ``replica`` picks the replica (router)."""
+    async def metrics(self, replica: str | None = None, control: bool = False) -> tuple[str, str]:
+        """``(replica id, Prometheus text of this replica's server)``; ``replica`` picks the replica, ``control``
+        lets it through however busy (router)."""
         return self.replica, generate_latest(self.app.state.metrics.registry).decode()
 
     def __del__(self):

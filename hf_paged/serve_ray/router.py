@@ -4,7 +4,9 @@ A request carries its prompt's block hashes (``prefix=`` keyword, computed by th
 that was last sent the longest prefix of them, when that prefix is more than half the prompt and that replica has at
 most ``max_imbalance`` requests in flight from this router beyond the least busy one's (`affinity_replica`);
 otherwise to the less loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only
-(the ingress reads each replica's metrics that way).
+(the ingress reads each replica's metrics that way). A replica takes at most ``max_ongoing_requests`` model calls
+from this router; a call marked ``control=True`` (a health probe, a listing: the deployment keeps `CONTROL_SLOTS`
+more for them) may go to any replica, so that it is answered however busy the replicas are.
 
 The router lives in the ingress's process; `registry.router_of(app_name)` finds it there, for its statistics.
 """
@@ -31,11 +33,17 @@ class RoutingStats:
     matched_blocks: int = 0  # of those, blocks the chosen replica was sent before: the predicted prefix hits
 
 
+# Calls each replica takes beyond max_ongoing_requests, kept for control calls.
+CONTROL_SLOTS = 16
+
+
 class PrefixAffinityRouter(RequestRouter):
     """Prefix-cache affinity with power-of-two-choices fallback (see the module docstring)."""
 
-    def initialize_state(self, max_imbalance: int = 8, table_capacity: int = 1 << 17):
+    def initialize_state(self, max_imbalance: int = 8, table_capacity: int = 1 << 17,
+                         max_ongoing_requests: int | None = None):
         self.max_imbalance = max_imbalance
+        self.max_ongoing_requests = max_ongoing_requests
         self.table = AffinityTable(table_capacity)
         self.stats = RoutingStats()
         self.in_flight: Counter[ReplicaID] = Counter()
@@ -52,6 +60,11 @@ class PrefixAffinityRouter(RequestRouter):
         target = kwargs.get("replica")
         if target is not None:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+        if not kwargs.get("control") and self.max_ongoing_requests is not None:
+            candidate_replicas = [r for r in candidate_replicas
+                                  if self.in_flight[r.replica_id] < self.max_ongoing_requests]
+            if not candidate_replicas:  # every one is full: the call waits (backing off) in this router
+                return []
         balanced = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         by_id = {r.replica_id: r for r in candidate_replicas}
         in_flight = {replica: self.in_flight[replica] for replica in by_id}
