@@ -37,9 +37,10 @@ class AsyncLLM:
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
                  trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
-                 tensor_parallel_size: int = 1, quantization: str | None = None, **engine_options):
+                 tensor_parallel_size: int = 1, quantization: str | None = None, revision: str | None = None,
+                 download_dir: str | os.PathLike | None = None, load_format: str = "auto", **engine_options):
         generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
-                                        tensor_parallel_size, quantization)
+                                        tensor_parallel_size, quantization, revision, download_dir, load_format)
         self._serve(generator)
         if ranks is not None:  # the engine thread's heartbeats stop before the ranks do
             self._ranks = weakref.finalize(self, _stop_ranks, self.engine, ranks)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .generation.config import EngineConfig, parse_memory  # noqa: F401  (parse_memory: part of the CLI's API)
 from .generation.sampling_params import InvalidParameter
-from .loading import DTYPES
+from .loading import DTYPES, LOAD_FORMATS
 from .quantization import QUANTIZATIONS, check_quantization
 
 if TYPE_CHECKING:
@@ -243,7 +243,7 @@ def _add_vllm_flags(vllm: argparse._ArgumentGroup) -> None:
     vllm.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
                       help="the checkpoint's own quantization is always used (GPTQ and AWQ through gptqmodel): this "
                            "only checks that the model is quantized so")
-    vllm.add_argument("--load-format", choices=("auto", "safetensors", "pt", "dummy"), default="auto",
+    vllm.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                       help="weights load as Transformers loads them: safetensors, else PyTorch files (or a GGUF "
                            "file given as the model); dummy: random weights built from the model's config, none read "
                            "(to measure speed and memory; the answers are nonsense)")

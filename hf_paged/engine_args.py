@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .generation.config import EngineConfig
 from .quantization import QUANTIZATIONS
+from .loading import LOAD_FORMATS
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,14 @@ class EngineArgs(EngineConfig):
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    revision: str | None = None  # of a hub id's cached copy
+    download_dir: str | os.PathLike | None = None  # the cache holding it
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"EngineArgs.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         size = self.tensor_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"EngineArgs.tensor_parallel_size must be a positive integer, got {size!r}")

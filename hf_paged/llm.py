@@ -35,7 +35,8 @@ class LLM:
     (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
     ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; ``trust_remote_code`` and ``tokenizer`` are
     `loading.load_model`'s; ``quantization`` (vLLM's: "gptq", "awq", ...) must name the checkpoint's own
-    quantization, which loads whether it is given or not; vLLM's ``runner``, ``task`` and ``convert`` are taken (an
+    quantization, which loads whether it is given or not; ``revision`` and ``download_dir`` pick a hub id's copy in
+    the local cache, and ``load_format="dummy"`` builds random weights from the config, as vLLM's; vLLM's ``runner``, ``task`` and ``convert`` are taken (an
     LLM both generates and embeds), and its ``pooler_config`` (``{"pooling_type": "MEAN", "normalize": False}``)
     decides `embed`'s pooling over the model directory's; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
     ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded.
@@ -46,7 +47,8 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "auto", device: str = "auto",
                  trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
-                 tensor_parallel_size: int = 1, quantization: str | None = None, runner: str = "auto",
+                 tensor_parallel_size: int = 1, quantization: str | None = None, revision: str | None = None,
+                 download_dir: str | os.PathLike | None = None, load_format: str = "auto", runner: str = "auto",
                  task: str = "auto", convert: str = "auto", pooler_config: dict | None = None, **engine_options):
         for name, value, allowed in (("runner", runner, ("auto", "generate", "pooling")),
                                      ("task", task, ("auto", "generate", "embed")),
@@ -55,7 +57,7 @@ class LLM:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         self._pooling = None if pooler_config is None else PoolingConfig.from_vllm(pooler_config)
         self.generator, ranks = start_engine(model, dtype, device, trust_remote_code, tokenizer, engine_options,
-                                             tensor_parallel_size, quantization)
+                                             tensor_parallel_size, quantization, revision, download_dir, load_format)
         self._ranks = None if ranks is None else weakref.finalize(self, ranks.stop)
 
     def shutdown(self) -> None:

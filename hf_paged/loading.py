@@ -21,6 +21,10 @@ def resolve_device(device: str) -> str:
     return device
 
 
+# vLLM's load formats: every one but dummy reads the weights as Transformers reads them.
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
 def load_model(
     name_or_path: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
     quant_backend: str | None = None, tensor_parallel_size: int = 1, trust_remote_code: bool = False,

@@ -35,34 +35,44 @@ def _rank_env(rank: int, size: int, port: int) -> dict[str, str]:
 
 
 def start_engine(model, dtype: str, device: str, trust_remote_code: bool, tokenizer, engine_options: dict,
-                 tensor_parallel_size: int = 1, quantization: str | None = None):
-    """``(generator, ranks)``: the engine `LLM` and `AsyncLLM` serve (see `loading.load_model` for the model's
-    arguments, `EngineConfig` for ``engine_options``, `quantization.check_quantization` for ``quantization``), and
-    with ``tensor_parallel_size > 1`` the `LocalRanks` it runs on (None on one process)."""
+                 tensor_parallel_size: int = 1, quantization: str | None = None, revision: str | None = None,
+                 download_dir: str | os.PathLike | None = None, load_format: str = "auto"):
+    """``(generator, ranks)``: the engine `LLM` and `AsyncLLM` serve (see `default_model.resolve_model` for the model
+    and its ``revision`` and ``download_dir``, `loading.load_model` for the other arguments of the model,
+    `EngineConfig` for ``engine_options``, `quantization.check_quantization` for ``quantization``), and with
+    ``tensor_parallel_size > 1`` the `LocalRanks` it runs on (None on one process)."""
+    from .default_model import resolve_model
+    from .loading import LOAD_FORMATS
+
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    path = resolve_model(model, revision, download_dir)
     if quantization is not None:
-        from .default_model import resolve_model
         from .quantization import check_quantization
 
-        check_quantization(resolve_model(model), quantization)
-    load = functools.partial(_load_engine, None if model is None else os.fspath(model), dtype, device,
-                             trust_remote_code, tokenizer, engine_options)
+        check_quantization(path, quantization)
+    load = functools.partial(_load_engine, path, dtype, device, trust_remote_code, tokenizer, engine_options,
+                             load_format)
     if tensor_parallel_size == 1:
         return load(1), None
-    _check(model, tensor_parallel_size, trust_remote_code, engine_options)
+    if load_format == "dummy":
+        raise ValueError("random weights (load_format dummy) are built on one process, not tensor parallel")
+    _check(path, tensor_parallel_size, trust_remote_code, engine_options)
     ranks = LocalRanks(tensor_parallel_size, load)
     return ranks.generator, ranks
 
 
 def _load_engine(model, dtype: str, device: str, trust_remote_code: bool, tokenizer, engine_options: dict,
-                 tensor_parallel_size: int):
+                 load_format: str, tensor_parallel_size: int):
     """One rank's engine (every rank runs this)."""
     from .generation import ContinuousBatchGenerator
     from .loading import load_model, resolve_device
 
     hf_model, hf_tokenizer = load_model(model, dtype, resolve_device(device), trust_remote_code=trust_remote_code,
-                                        tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size)
+                                        tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+                                        load_format=load_format)
     return ContinuousBatchGenerator(hf_model, hf_tokenizer, **engine_options)
 
 

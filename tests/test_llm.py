@@ -259,3 +259,42 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2_path, monkeypatch):
     assert ended.value.code == 128 + signal.SIGTERM and written.getvalue().strip() == stopped  # no second turn
     llm.generator.step()  # takes the reply's abort in
     assert llm.generator.stats().num_running == 0
+
+
+def test_a_cached_hub_copy_and_random_weights_load_as_vllms_llm_takes_them(smollm2_path, smollm2, tmp_path):
+    """vLLM's ``revision`` and ``download_dir`` pick a hub id's copy in a local cache (nothing is downloaded), and
+    ``load_format="dummy"`` builds the model from its config with random weights; as for ``hf-paged serve``."""
+    import dataclasses
+    from pathlib import Path
+
+    import torch
+
+    from hf_paged import AsyncEngineArgs, AsyncLLM, EngineArgs
+
+    repo = tmp_path / "models--acme--tiny-chat"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "v1").write_text("1" * 40)
+    snapshot = repo / "snapshots" / ("1" * 40)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "model.safetensors"):
+        if (Path(smollm2_path) / name).exists():
+            (snapshot / name).symlink_to(Path(smollm2_path) / name)
+    real = smollm2[0].model.embed_tokens.weight
+    cached = LLM("acme/tiny-chat", revision="v1", download_dir=tmp_path, dtype="float32", num_blocks=16)
+    assert cached.generator.model.name_or_path == str(snapshot)
+    assert torch.equal(cached.generator.model.model.embed_tokens.weight, real)
+    args = EngineArgs(model="acme/tiny-chat", revision="v1", download_dir=tmp_path, dtype="float32",
+                      load_format="dummy", num_blocks=16)
+    dummy = LLM(**dataclasses.asdict(args))
+    assert not torch.equal(dummy.generator.model.model.embed_tokens.weight, real)
+    assert len(dummy.generate(["Hi"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**dataclasses.asdict(args)))
+    engine.shutdown()
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        EngineArgs(load_format="gguf-ish")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        LLM(load_format="gguf-ish")
+    with pytest.raises(ValueError, match="at revision v2"):
+        LLM("acme/tiny-chat", revision="v2", download_dir=tmp_path)

@@ -60,7 +60,7 @@ def engine_failing_beside_rank_0(path: str, tensor_parallel_size: int):
 
     if os.environ["RANK"] != "0":
         raise MemoryError("no room for this shard")
-    return _load_engine(path, "auto", "cpu", False, None, {"num_blocks": 64}, tensor_parallel_size)
+    return _load_engine(path, "auto", "cpu", False, None, {"num_blocks": 64}, "auto", tensor_parallel_size)
 
 
 def _fail_in_a_new_process():
