@@ -477,7 +477,8 @@ def test_replicas_serve_a_lora_adapter_by_its_name_as_a_single_server(base, clie
 
 def test_a_runtime_adapter_update_reaches_every_replica(base, adapter):
     """vLLM's ``/v1/load_lora_adapter`` loads on every replica and ``/v1/unload_lora_adapter`` drops from every one,
-    so that any replica serves the name; a new adapter that one replica refuses is left on none but that one."""
+    so that any replica serves the name, one started later too; a new adapter that one replica refuses is left on
+    none but that one."""
     from hf_paged.server.asgi import HTTPRequest
     from hf_paged.serve_ray.registry import router_of
 
@@ -502,6 +503,14 @@ def test_a_runtime_adapter_update_reaches_every_replica(base, adapter):
         answer = httpx.post(f"{base}/v1/completions", json={"model": "late", "prompt": prompt, "max_tokens": 2},
                             timeout=120)
         assert answer.status_code == 200 and answer.json()["model"] == "late", answer.text
+    # A replica Serve starts to replace one loads it too.
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#Engine#{replicas[0]}", namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + 180
+    while len(now := [r.unique_id for r in router_of(APP_NAME).curr_replicas if r.unique_id != replicas[0]]) < 2:
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(1)
+    replicas = now
+    assert all("late" in names(replica) for replica in replicas)
     assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "late"}, timeout=120).status_code == 200
     assert not any("late" in names(replica) for replica in replicas)
     # Either replica refusing (its name taken there), whichever the ingress asks first: undone on the other.

@@ -29,6 +29,7 @@ from .affinity import prefix_hashes
 from ..server.asgi import HTTPRequest, HTTPResponseStart
 from .metrics import merged_metrics
 from .registry import router_of
+from .runtime_adapters import RUNTIME_UPDATES
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="hf_paged on Ray Serve")
@@ -36,7 +37,7 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 # Characters of a prompt (of each chat message) hashed for routing: some thousands of tokens.
 ROUTE_CHARS = 1 << 15
 # vLLM's runtime adapter updates: each changes what every replica serves.
-_LOAD, _UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+_LOAD, _UNLOAD = RUNTIME_UPDATES
 
 
 def _prompt(path: str, body: bytes, content_format: str) -> tuple[Prompt | None, str | None]:
@@ -196,7 +197,7 @@ class Ingress:
     async def _update_adapters(self, http: HTTPRequest) -> Response:
         """An adapter load or unload, sent to each replica in turn (see `metrics`) so that all serve the same names:
         the first refusal is the answer, and a new adapter that one replica refused is unloaded from those that took
-        it. (A replica started later, to replace one, serves ``--lora-modules`` only.)"""
+        it. A replica Serve starts later loads what was loaded so (`runtime_adapters`)."""
         done, answer, update = [], None, None
         for replica in [r.unique_id for r in (await self._router()).curr_replicas]:
             try:

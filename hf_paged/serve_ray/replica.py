@@ -6,7 +6,9 @@ replica answers exactly as ``hf-paged serve`` does, API key check, errors and me
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,6 +19,7 @@ from ..generation import EngineConfig
 from ..server.limits import ServerLimits
 from ..server.options import ServingOptions
 from ..server.asgi import HTTPRequest, HTTPResponseStart, call_app
+from .runtime_adapters import RUNTIME_UPDATES, load_recorded, record_update
 
 REPLICA_HEADER = b"x-hf-paged-replica"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve's
@@ -42,6 +45,8 @@ class ReplicaSpec:
     trust_remote_code: bool = False  # `loading.load_model`'s
     lora_modules: tuple[tuple[str, str, str | None], ...] = ()  # `create_app`'s: (name, path, base model name)
     log_level: str = "info"  # of hf_paged's log records (requests' with --enable-log-requests), as serve's
+    # Where the adapters loaded at run time are recorded (`runtime_adapters`): one key per deployment.
+    runtime_adapters_key: str = field(default_factory=lambda: f"hf_paged/runtime_adapters/{uuid.uuid4().hex}")
 
     def configure_logging(self) -> None:
         """hf_paged's records of this process at ``log_level``, written to stderr (which Ray keeps in the replica's
@@ -74,6 +79,8 @@ class EngineReplica:
         self.app = create_app(self.generator, spec.served_model_name, api_key=spec.api_key, limits=spec.limits,
                               allowed_origins=list(spec.allowed_origins), options=spec.options,
                               lora_modules=spec.lora_modules)
+        self.runtime_adapters_key = spec.runtime_adapters_key
+        load_recorded(spec.runtime_adapters_key, self.app.state.serving.models)
         self.app.state.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
 
@@ -84,6 +91,8 @@ class EngineReplica:
         async for piece in call_app(self.app, request):
             if isinstance(piece, HTTPResponseStart):
                 piece.headers.append((REPLICA_HEADER, self.replica.encode()))
+                if piece.status == 200 and request.method == "POST" and request.path in RUNTIME_UPDATES:
+                    await asyncio.to_thread(record_update, self.runtime_adapters_key, request.path, request.body)
             yield piece
 
     def check_health(self) -> None:
