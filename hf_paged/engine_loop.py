@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -167,6 +167,7 @@ class EngineLoop:
         self.on_fatal: list[Callable[[], None]] = []
         self._routes: dict[str, RequestStream] = {}
         self._seats: dict[str, int] = {}  # sequences each routed request will be (its n)
+        self._aborting: set[str] = set()  # routed requests asked to abort (`abort`): their ids are soon free
         self._num_seqs = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -317,7 +318,11 @@ class EngineLoop:
 
     def abort(self, request_ids: str | list[str]) -> None:
         """Abort these requests in the generator; their streams still get their last output (``"abort"``)."""
+        single = isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Iterable)
+        request_ids = [request_ids] if single else list(request_ids)
         self.generator.abort_request(request_ids)
+        with self._lock:
+            self._aborting.update(rid for rid in request_ids if rid in self._routes)
         self._wake.set()  # an idle engine takes the aborts in at once
 
     def abandon(self, request_ids: list[str]) -> None:
@@ -328,16 +333,20 @@ class EngineLoop:
         self._wake.set()
 
     async def id_released(self, request_id: str, timeout: float) -> None:
-        """Wait until a request given up (`abandon`) no longer holds ``request_id``: the engine hands out its abort
-        at the next step. One in flight keeps its id (`submit` refuses it), as does one still held after
-        ``timeout`` seconds."""
-        with self._lock:
-            routed = request_id in self._routes
-        if not routed:
-            self.start()  # a stopped engine hands out nothing
-            released = asyncio.wrap_future(self.generator.released(request_id))
-            await asyncio.wait([released], timeout=timeout)
-            released.cancel()
+        """Wait (``timeout`` seconds at most) until a request given up (`abandon`) or aborted (`abort`) no longer
+        holds ``request_id``: the engine hands out its end at the next step. One in flight keeps its id (`submit`
+        refuses it)."""
+        if self.fatal is not None:
+            raise EngineDead("the engine has stopped after an unrecoverable error")
+        self.start()  # a stopped engine hands out nothing
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            with self._lock:
+                routed, ending = request_id in self._routes, request_id in self._aborting
+            if (routed and not ending) or not (routed or self.generator.request_id_in_use(request_id)):
+                return
+            await asyncio.sleep(0.01)
 
     def _route(self, request_id: str, stream: RequestStream, seats: int) -> None:
         self._routes[request_id] = stream
@@ -347,6 +356,7 @@ class EngineLoop:
     def _drop_route(self, request_id: str) -> RequestStream | None:
         """Forget a request's route (hold the lock); returns its stream, or None if it had none."""
         self._num_seqs -= self._seats.pop(request_id, 0)
+        self._aborting.discard(request_id)
         return self._routes.pop(request_id, None)
 
     def _unroute(self, request_ids: list[str]) -> None:

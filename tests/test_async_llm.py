@@ -97,9 +97,9 @@ def test_a_request_id_is_free_again_as_soon_as_its_request_is_given_up_as_in_vll
             await task
         reused.append(await _collect(engine, chat_prompts[1], short, "again"))
         task = await started("again")
-        await engine.abort("again")
-        await task
+        await engine.abort("again")  # its generator may not have seen the end yet
         reused.append(await _collect(engine, chat_prompts[1], short, "again"))
+        assert (await task)[-1].outputs[0].finish_reason == "abort"
         task = await started("again")
         with pytest.raises(ValueError, match="already in use"):  # while it runs, the id is its own
             await _collect(engine, chat_prompts[1], short, "again")
@@ -109,8 +109,16 @@ def test_a_request_id_is_free_again_as_soon_as_its_request_is_given_up_as_in_vll
         reused.append(await _collect(engine, chat_prompts[1], short, "again"))
         return reused
 
+    from hf_paged.engine_loop import EngineDead, EngineLoop
+
+    dead = EngineLoop(engine.generator)  # one stopped for good is not started again to wait for an id
+    dead.fatal = RuntimeError("a failure")
+    with pytest.raises(EngineDead):
+        asyncio.run(dead.id_released("again", 1.0))
+    assert dead._thread is None
     for outputs in asyncio.run(main()):
         assert outputs[-1].finished and outputs[-1].request_id == "again"
+        assert outputs[-1].outputs[0].finish_reason == "length"
         assert len(outputs[-1].outputs[0].token_ids) == 3
     assert engine.generator.kv_manager.pool.num_used_blocks == 0
 

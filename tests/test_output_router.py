@@ -78,14 +78,12 @@ def test_dropped_requests_lose_their_held_and_later_outputs_and_free_their_ids()
     router.reserve("b")
 
 
-def test_released_is_done_once_the_last_output_is_handed_out_or_dropped():
+def test_an_id_is_in_use_until_the_last_output_is_handed_out_or_dropped():
     router, a = OutputRouter(), FakeRequest("a")
-    assert router.released("a").done()  # not in use
+    assert not router.in_use("a")
     router.reserve("a")
-    given_up, waiting = router.released("a"), router.released("a")
-    given_up.cancel()  # its waiter left: the release goes on without it
-    assert router.drop({"a"}) == {"a"} and not waiting.done()  # its abort is still to come
+    assert router.drop({"a"}) == {"a"} and router.in_use("a")  # its abort is still to come
     router.route([a.stepped("x")], only=None)
-    assert not waiting.done()
-    assert router.route([a.stepped("y", finished=True)], only=None) == [] and waiting.done()
+    assert router.in_use("a")
+    assert router.route([a.stepped("y", finished=True)], only=None) == [] and not router.in_use("a")
     router.reserve("a")  # free again

@@ -266,10 +266,9 @@ class ContinuousBatchGenerator:
         for rid in request_ids:
             self._inbox.put(("abort", rid))
 
-    def released(self, request_id: str) -> Future:
-        """A future done once ``request_id`` may be used again: at once, unless a request holds it (until its last
-        output, an abort's too, is handed out)."""
-        return self._router.released(request_id)
+    def request_id_in_use(self, request_id: str) -> bool:
+        """Whether a request holds ``request_id`` (until its last output, an abort's too, is handed out)."""
+        return self._router.in_use(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has requests to run or outputs still to hand back."""

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future
 
 from .outputs import RequestOutput, RequestOutputKind
 from .sequence import Request
 
 
 class OutputRouter:
-    """Routes outputs by request id; every method but `reserve` is called under the generator's stepping lock."""
+    """Routes outputs by request id; every method but `reserve` and `in_use` is called under the generator's stepping
+    lock."""
 
     def __init__(self):
         self._live: set[str] = set()  # ids queued, running, or with an output not handed out; guarded by _lock
@@ -24,7 +24,6 @@ class OutputRouter:
         self._held: dict[str, RequestOutput] = {}  # outputs seen by one caller's step that belong to another
         self._unread: set[str] = set()  # requests whose outputs nobody reads any more: dropped
         self._claimed: set[str] = set()  # requests a `run` or `stream` waits for: `step` leaves their outputs
-        self._waiters: dict[str, list[Future]] = {}  # `released`'s futures, by id; guarded by _lock
 
     def reserve(self, request_id: str) -> None:
         with self._lock:
@@ -32,15 +31,9 @@ class OutputRouter:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._live.add(request_id)
 
-    def released(self, request_id: str) -> Future:
-        """A future done once ``request_id`` is no longer in use (at once if it is not)."""
-        future: Future = Future()
+    def in_use(self, request_id: str) -> bool:
         with self._lock:
-            if request_id in self._live:
-                self._waiters.setdefault(request_id, []).append(future)
-                return future
-        future.set_result(None)
-        return future
+            return request_id in self._live
 
     def claim(self, request_ids: set[str]) -> None:
         self._claimed |= request_ids
@@ -99,7 +92,3 @@ class OutputRouter:
     def _release(self, request_ids: set[str]) -> None:
         with self._lock:
             self._live -= request_ids
-            waiters = [future for rid in request_ids for future in self._waiters.pop(rid, ())]
-        for future in waiters:
-            if future.set_running_or_notify_cancel():  # False: its waiter gave up
-                future.set_result(None)
