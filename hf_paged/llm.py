@@ -30,16 +30,16 @@ def _beam_sequence(output: RequestOutput, beam, params: BeamSearchParams, decode
 
 
 class LLM:
-    """Loads ``model`` (a local directory, a .gguf file, a hub id whose copy is in the local Hugging Face cache;
-    None: the embedded default) with paged attention and serves it with a `ContinuousBatchGenerator`
-    (``self.generator``). ``dtype`` is "auto" (the checkpoint's) or a dtype name,
-    ``device`` "auto" (the GPU when there is one), "cpu" or "cuda"; ``trust_remote_code`` and ``tokenizer`` are
-    `loading.load_model`'s; ``quantization`` (vLLM's: "gptq", "awq", ...) must name the checkpoint's own
-    quantization, which loads whether it is given or not; ``revision`` and ``download_dir`` pick a hub id's copy in
-    the local cache, and ``load_format="dummy"`` builds random weights from the config, as vLLM's; vLLM's ``runner``, ``task`` and ``convert`` are taken (an
-    LLM both generates and embeds), and its ``pooler_config`` (``{"pooling_type": "MEAN", "normalize": False}``)
-    decides `embed`'s pooling over the model directory's; other keyword arguments are `EngineConfig` fields (``max_num_seqs``,
-    ``kv_cache_memory``, ``speculative_config``, ...). Nothing is downloaded.
+    """Loads ``model`` (a local directory, a .gguf file, a hub id whose copy is in the local Hugging Face cache; None:
+    the embedded default) with paged attention and serves it with a `ContinuousBatchGenerator` (``self.generator``).
+    ``dtype`` is "auto" (the checkpoint's) or a dtype name, ``device`` "auto" (the GPU when there is one), "cpu" or
+    "cuda"; ``trust_remote_code`` and ``tokenizer`` are `loading.load_model`'s; ``quantization`` (vLLM's: "gptq", "awq",
+    ...) must name the checkpoint's own quantization, which loads whether it is given or not; ``revision`` and
+    ``download_dir`` pick a hub id's copy in the local cache, and ``load_format="dummy"`` builds random weights from the
+    config, as vLLM's; vLLM's ``runner``, ``task`` and ``convert`` are taken (an LLM both generates and embeds), and its
+    ``pooler_config`` (``{"pooling_type": "MEAN", "normalize": False}``) decides `embed`'s pooling over the model
+    directory's; other keyword arguments are `EngineConfig` fields (``max_num_seqs``, ``kv_cache_memory``,
+    ``speculative_config``, ...). Nothing is downloaded.
 
     ``tensor_parallel_size=N`` shards the model over N ranks: this process is rank 0, and the others are local
     processes started here (`local_ranks.LocalRanks`; as with vLLM, a script doing this needs an

@@ -72,9 +72,10 @@ def _with_step_budget(config: EngineConfig, native: NativeDecoder | None) -> Eng
                           else threshold)
 
 
-def _naming_prompt(err: ValueError, index: int) -> ValueError:
-    """``err`` as raised for the batch's prompt ``index`` (a new error: a constraint's is shared by its cache)."""
-    message = f"prompt {index}: {err}"
+def _naming_prompt(err: ValueError, index: int | None) -> ValueError:
+    """``err`` as raised for the batch's prompt ``index`` (None: the only one), as a new `InvalidParameter` or
+    `ValueError` (``err`` is its cause): a constraint's error is shared by the compile cache."""
+    message = str(err) if index is None else f"prompt {index}: {err}"
     return InvalidParameter(err.param, message) if isinstance(err, InvalidParameter) else ValueError(message)
 
 
@@ -410,8 +411,8 @@ class ContinuousBatchGenerator:
     def _submit(self, prompts, sampling_params, lora_request=None,
                 priority=None, strict: bool = False) -> list[tuple[str | None, RequestOutput | None]]:
         """Add every prompt; one refused (a ``ValueError``) gets a failed output, or with ``strict`` is raised
-        (naming the prompt's index when there are several), as any other error is, once the prompts added before it are withdrawn (``strict`` waits for each constraint's
-        compile, so that an invalid one is raised too)."""
+        (naming the prompt's index when there are several), as any other error is, once the prompts added before it
+        are withdrawn (``strict`` waits for each constraint's compile, so that an invalid one is raised too)."""
         prompts, params_each = one_params_per_prompt(prompts, sampling_params)
         loras = per_prompt(lora_request, prompts, "LoRA requests")
         priorities = per_prompt(0 if priority is None else priority, prompts, "priorities")
@@ -424,10 +425,8 @@ class ContinuousBatchGenerator:
                     if compiled is not None:
                         compiled.result()  # the request's own compile: an invalid constraint raises here
                 except ValueError as err:
-                    if strict and len(prompts) > 1:
-                        raise _naming_prompt(err, index) from err
                     if strict:
-                        raise
+                        raise _naming_prompt(err, index if len(prompts) > 1 else None) from err
                     failed = RequestOutput(uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, [], [],
                                            True, RequestMetrics(time.monotonic()), error=str(err),
                                            error_param=getattr(err, "param", None))

@@ -59,7 +59,6 @@ class OpenAIServing:
         self.options = options
         self.reasoning = generator.config.reasoning_parser is not None  # chat replies' reasoning answered apart
         self.models = ServedModels(served_model_names, generator)
-        self.served_model_name = self.models.base_name
         # What a request leaves out of its sampling settings.
         self.sampling_defaults = options.sampling_defaults(getattr(generator.model, "generation_config", None))
         if self.sampling_defaults:
@@ -242,10 +241,10 @@ class OpenAIServing:
         return await self._embedding_input(await self.rendered_chat(chat), "messages", "messages",
                                            chat.truncate_prompt_tokens, chat.add_special_tokens)
 
-    async def rendered_chat(self, chat: ChatCompletionRequest, measured: bool = True) -> list:
+    async def rendered_chat(self, chat: ChatCompletionRequest) -> list:
         """The prompt a chat request's messages make (with its tools and template options), as `chat_prompt`
-        renders it: token ids, or the messages where the engine renders them itself (``measured``: see
-        `PromptEncoder.encode`). A field the chat endpoint refuses (``chat_template``) is refused here too."""
+        renders it: token ids, or the messages where the engine renders them itself. A field the chat endpoint
+        refuses (``chat_template``) is refused here too."""
         unsupported = chat.unsupported_field()
         if unsupported is not None:
             raise APIError(400, unsupported[1], param=unsupported[0])
@@ -253,7 +252,7 @@ class OpenAIServing:
             messages = [message.to_template_dict(self.content_format) for message in chat.messages]
         except ValueError as err:
             raise _bad_request(err, "messages") from err
-        return (await self.chat_prompt(chat, messages, None, measured))[0]
+        return (await self.chat_prompt(chat, messages, None))[0]
 
     async def _embedding_input(self, text: str | list[int], param: str, where: str, keep: int | None,
                                add_special_tokens: bool) -> list[int]:
@@ -291,11 +290,12 @@ class OpenAIServing:
 
     async def tokenize(self, body: TokenizeRequest | ChatCompletionRequest) -> dict:
         """vLLM's ``/tokenize``: the token ids the server would run for a completion's prompt or a chat's messages
-        (with its template options and tools), their count, the context (a prompt longer than it is counted too), and
-        with ``return_token_strs`` each token as the tokenizer spells it."""
+        (with its template options and tools), their count (of a prompt longer than the context too, up to the
+        characters it could hold), the context, and with ``return_token_strs`` each token as the tokenizer spells
+        it."""
         self.check_model(body.model)
         if isinstance(body, ChatCompletionRequest):
-            prompt, param = await self.rendered_chat(body, measured=False), "messages"
+            prompt, param = await self.rendered_chat(body), "messages"
         else:
             prompt, param = body.prompt, "prompt"
         token_ids = await self.encoder.encode(prompt, param, None, body.add_special_tokens, measured=False)
@@ -341,8 +341,8 @@ class OpenAIServing:
                 err.__traceback__ = None
                 raise _bad_request(constraint.error(ValueError(str(err))), constraint.param) from None
 
-    async def chat_prompt(self, body: ChatCompletionRequest, messages: list[dict], top_k: int | None,
-                          measured: bool = True) -> tuple[list, ChatFormat]:
+    async def chat_prompt(self, body: ChatCompletionRequest, messages: list[dict],
+                          top_k: int | None) -> tuple[list, ChatFormat]:
         """The prompt to submit and the answer's format; tools, earlier tool calls and template options go through
         `render_prompt`, on a tokenizing thread with its own tokenizer, as every prompt is."""
         try:
@@ -352,7 +352,7 @@ class OpenAIServing:
         except ValueError as err:
             raise _bad_request(err, "messages") from err
         extra = len(str(body.tools or "")) + len(str(options))
-        if body.truncate_prompt_tokens is None and measured:  # a prompt to truncate is measured once tokenized
+        if body.truncate_prompt_tokens is None:  # a prompt to truncate is measured once tokenized
             self.encoder.check(messages, "messages", extra_chars=extra)
         check_text(body.tools or [], "tools")
         check_text(options, "chat_template_kwargs")

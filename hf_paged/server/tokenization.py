@@ -54,9 +54,9 @@ class PromptEncoder:
                      add_special_tokens: bool | None = None, pooling: bool = False, measured: bool = True) -> list[int]:
         """The prompt's token ids, its last ``keep`` only if given (``truncate_prompt_tokens``), with the tokenizer's
         special tokens as `tokenize_prompt` adds them; raises a 400 naming ``param`` for a prompt that is too long or
-        cannot render (one to embed, ``pooling``, may fill the context). A prompt to truncate, or one not
-        ``measured`` against the context (``/tokenize``'s, which counts a prompt's tokens whatever its length), is not
-        measured before it is tokenized (the body's size bounds it)."""
+        cannot render (one to embed, ``pooling``, may fill the context; one not ``measured``, ``/tokenize``'s, is
+        counted past it, up to the characters it could hold). A prompt to truncate is not measured before it is
+        tokenized (the body's size bounds it)."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             try:
                 prompt = self.inputs.truncated(prompt, keep, pooling)
@@ -65,7 +65,7 @@ class PromptEncoder:
             if measured:
                 self._check_tokens(len(prompt), param, pooling)
             return prompt
-        if keep is None and measured:
+        if keep is None:
             self.check(prompt, param)
         else:
             check_text(prompt, param)
