@@ -821,6 +821,19 @@ def _stop_signals_raise():
             signal.signal(sig, handler)
 
 
+def _starts_a_ray_cluster(address: str | None) -> bool:
+    """Whether serve-ray starts a Ray cluster of its own: no ``--address``, ``$RAY_ADDRESS`` or local cluster (one
+    ``ray start`` began) to join, whose Serve may be listening on the port already."""
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        return False
+    try:
+        from ray._private.utils import read_ray_address
+
+        return read_ray_address() is None
+    except Exception:  # noqa: BLE001 - another Ray: the port is not checked here (Serve names it, later)
+        return False
+
+
 def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``hf-paged serve-ray``: deploy on Ray Serve and serve until interrupted."""
     try:
@@ -840,7 +853,7 @@ def run_serve_ray(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.load_format == "dummy":
         parser.error("--load-format dummy is not taken by serve-ray (serve takes it)")
     _check_vllm_flags(parser, args)
-    if args.address is None:  # the local cluster's HTTP proxy will listen there (a running one is told --port)
+    if _starts_a_ray_cluster(args.address):  # whose HTTP proxy will listen there
         _listening_socket(parser, args.host, args.port).close()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     gpus = args.replica_gpus if args.replica_gpus is not None else float(torch.cuda.is_available())

@@ -209,9 +209,18 @@ def test_a_huge_prompt_is_placed_by_its_first_characters_without_tokenizing_it_w
     body = json.dumps({"prompt": text}).encode()
     cut = prefix_hashes(tokenizer(text[:ROUTE_CHARS]).input_ids, 16)
     assert route_hashes("/v1/completions", body, tokenizer, "string", 16) == cut and len(cut) > 100
-    chat = json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
-    assert route_hashes("/v1/chat/completions", chat, tokenizer, "string", 16) == route_hashes(
-        "/v1/chat/completions", chat.replace(text.encode(), text[:ROUTE_CHARS].encode()), tokenizer, "string", 16)
+    def chat(*messages) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": m} for m in messages]}).encode()
+
+    def chat_hashes(body: bytes, content_format: str = "string") -> list[bytes]:
+        return route_hashes("/v1/chat/completions", body, tokenizer, content_format, 16)
+
+    assert chat_hashes(chat(text)) == chat_hashes(chat(text[:ROUTE_CHARS]))
+    many = [f"message {i}: " + "x" * 3000 for i in range(100)]  # each under the limit, ten times it together
+    kept = ROUTE_CHARS // 3011 + 1
+    assert chat_hashes(chat(*many)) == chat_hashes(chat(*many[:kept - 1], many[kept - 1][:ROUTE_CHARS % 3011]))
+    parts = [[{"type": "text", "text": m}] for m in many]
+    assert chat_hashes(chat(*parts), "openai") == chat_hashes(chat(*many), "openai")
 
 
 def test_a_replica_writes_hf_pageds_records_at_the_log_level_serve_ray_was_given(capfd):
@@ -302,13 +311,20 @@ def test_cli_serve_ray_builds_its_config_from_the_options(smollm2_path, adapter,
     with pytest.raises(SystemExit) as exit_info:  # read before Ray starts, not by every replica
         main(["serve-ray", smollm2_path, *free, "--enable-lora", "--lora-modules", f"{LORA}={adapter}/missing"])
     assert exit_info.value.code == 2 and "no adapter_config.json" in capsys.readouterr().err
+    import ray._private.utils
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as taken:  # a port in use is named before Ray starts, as serve names it
         taken.bind(("127.0.0.1", 0))
         taken.listen()
+        monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda *_: None)  # no local cluster to join
         with pytest.raises(SystemExit) as exit_info:
             main(["serve-ray", smollm2_path, "--port", str(taken.getsockname()[1])])
-    assert exit_info.value.code == 2 and "cannot listen on 127.0.0.1:" in capsys.readouterr().err
-    assert len(deployed) == 2
+        assert exit_info.value.code == 2 and "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+        # A running local cluster is joined: its Serve may be the one listening there.
+        monkeypatch.setattr(ray._private.utils, "read_ray_address", lambda *_: "127.0.0.1:6379")
+        main(["serve-ray", smollm2_path, "--port", str(taken.getsockname()[1])])
+    assert len(deployed) == 3
 
 
 def test_the_ingress_refuses_an_oversized_body_before_reading_it(base):
@@ -531,20 +547,21 @@ def test_probes_and_listings_are_answered_while_every_replica_is_full(base, smol
     serve.run(build_app(busy), name="busy", route_prefix="/busy")
     try:
         url = f"{base}/busy"
-        long = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
-        with ThreadPoolExecutor(2) as pool:
-            streams = [pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=300) for _ in range(2)]
+        long = {"prompt": "Count to a thousand:", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:  # more waiting than Serve's router has routing tasks (2 per replica)
+            calls = [pool.submit(httpx.post, f"{url}/v1/completions", json=long, timeout=300) for _ in range(4)]
             deadline = time.monotonic() + 60
             while totals(url).get("hf_paged:num_requests_running", 0) < 1:
-                assert time.monotonic() < deadline, "the first stream never ran"
+                assert time.monotonic() < deadline, "the first call never ran"
                 time.sleep(0.2)
             for path in ("/health", "/v1/models", "/metrics"):
                 started = time.monotonic()
                 assert httpx.get(f"{url}{path}", timeout=20).status_code == 200, path
                 assert time.monotonic() - started < 10, path
-            assert not streams[1].done()  # the second call waits for the slot the first holds
-            answers = [stream.result() for stream in streams]
-        assert all(a.status_code == 200 and a.json()["usage"]["completion_tokens"] == 400 for a in answers)
+            counts = totals(url)  # the others wait for the slot, not in the replica
+            assert (counts["hf_paged:num_requests_running"], counts["hf_paged:num_requests_waiting"]) == (1, 0)
+            answers = [call.result() for call in calls]
+        assert all(a.status_code == 200 and a.json()["usage"]["completion_tokens"] == 150 for a in answers)
         assert "hf_paged:router_replicas 1.0" in httpx.get(f"{url}/metrics", timeout=30).text
         traced = httpx.get(f"{url}/v1/models", headers={"X-Request-Id": "trace-1"}, timeout=30)
         assert traced.headers.get_list("x-request-id") == ["trace-1"]  # Serve's proxy's, not twice

@@ -94,7 +94,8 @@ def ingress(engine, config: ServeRayConfig):
         api_key=config.replica.api_key, limits=config.replica.limits, cors=bool(config.replica.allowed_origins),
         trust_remote_code=config.replica.trust_remote_code,
         content_format=config.replica.options.chat_template_content_format,
-        adapters=tuple(name for name, _, _ in config.replica.lora_modules))
+        adapters=tuple(name for name, _, _ in config.replica.lora_modules),
+        max_ongoing_requests=config.max_ongoing_requests)
 
 
 def serve_forever(config: ServeRayConfig, address: str | None, host: str, port: int) -> None:

@@ -7,10 +7,11 @@ hop: the ingress is light (a tokenizer, no model) and the router runs in its pro
 
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -54,13 +55,36 @@ def _prompt(path: str, body: bytes, content_format: str) -> tuple[Prompt | None,
 
 
 def _cut(prompt: Prompt) -> Prompt:
-    """The prompt's text, or each message's, cut to `ROUTE_CHARS` characters: its first blocks place it as well."""
+    """The prompt's first `ROUTE_CHARS` characters of text (its messages', in order: those past them dropped, the one
+    they end in cut): its first blocks place it as well as all of them."""
     if isinstance(prompt, str):
         return prompt[:ROUTE_CHARS]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        return [{**m, "content": m["content"][:ROUTE_CHARS]} if isinstance(m.get("content"), str) else m
-                for m in prompt]
-    return prompt
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+        return prompt
+    kept, left = [], ROUTE_CHARS
+    for message in prompt:
+        if left <= 0:
+            break
+        content, left = _cut_content(message.get("content"), left)
+        kept.append({**message, "content": content})
+    return kept
+
+
+def _cut_content(content, left: int) -> tuple[object, int]:
+    """A message's content (a text, or OpenAI's parts) cut to ``left`` characters of text, and what is left."""
+    if isinstance(content, str):
+        return content[:left], left - len(content)
+    if not isinstance(content, list):
+        return content, left
+    parts = []
+    for part in content:
+        text = part.get("text") if isinstance(part, dict) else None
+        if isinstance(text, str):
+            parts.append({**part, "text": text[:max(left, 0)]})
+            left -= len(text)
+        else:
+            parts.append(part)
+    return parts, left
 
 
 def route_hashes(path: str, body: bytes, tokenizer, content_format: str, block_size: int,
@@ -98,8 +122,35 @@ def _is_preflight(request: Request) -> bool:
 
 
 def _is_control(method: str, path: str) -> bool:
-    """Whether a call runs no model (a probe, a listing, a tokenization): the router never holds it back."""
-    return method in ("GET", "HEAD") or path in ("/tokenize", "/detokenize")
+    """Whether a call runs nothing (a probe, a listing, a preflight): it is never held back."""
+    return method in ("GET", "HEAD", "OPTIONS")
+
+
+class ModelCallGate:
+    """The calls in flight from this ingress that are not control calls: at most ``per_replica`` times the replicas
+    there are; the others wait here (rather than in Serve's router, whose few routing tasks, one per call it waits
+    to place, must stay free for control calls)."""
+
+    def __init__(self, per_replica: int):
+        self.per_replica, self.running = per_replica, 0
+        self._freed = asyncio.Event()
+
+    async def acquire(self, replicas: Callable[[], int]) -> Callable[[], None]:
+        """Wait for room (``replicas()``: how many there are now); returns the call's release (idempotent)."""
+        while self.running >= self.per_replica * max(1, replicas()):
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):  # replicas may have been added meanwhile
+                await asyncio.wait_for(self._freed.wait(), 1.0)
+        self.running += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released, self.running = True, self.running - 1
+                self._freed.set()
+
+        return release
 
 
 def _headers(start: HTTPResponseStart) -> dict[str, str]:
@@ -123,7 +174,7 @@ class Ingress:
     def __init__(self, engine: DeploymentHandle, tokenizer_path: str, block_size: int, prefix_affinity: bool = True,
                  metrics_timeout_s: float = 5.0, api_key: str | tuple[str, ...] | None = None,
                  limits: ServerLimits | None = None, cors: bool = False, trust_remote_code: bool = False,
-                 content_format: str = "auto", adapters: tuple[str, ...] = ()):
+                 content_format: str = "auto", adapters: tuple[str, ...] = (), max_ongoing_requests: int = 256):
         from transformers import AutoTokenizer
 
         # Its checks only: the replicas' apps count the calls. With ``cors``, preflights pass without the key (the
@@ -140,6 +191,7 @@ class Ingress:
         self.adapters = adapters  # the LoRA adapters' names (``--lora-modules``)
         self.metrics_timeout_s = metrics_timeout_s
         self.last_metrics: dict[str, str] = {}  # every replica's last /metrics text, kept when it goes
+        self.model_calls = ModelCallGate(max_ongoing_requests)
 
     async def _router(self):
         router = router_of(self.engine.app_name)
@@ -183,16 +235,24 @@ class Ingress:
         if request.method == "POST" and path in (_LOAD, _UNLOAD):
             return await self._update_adapters(http)
         prefix = await asyncio.to_thread(self._prefix, path, body)  # tokenizing a long prompt takes a while
-        response = self.stream.remote(http, prefix=prefix, control=_is_control(request.method, path))
+        control = _is_control(request.method, path)
+        router = await self._router()
+        release = (lambda: None) if control else await self.model_calls.acquire(lambda: len(router.curr_replicas))
         try:
+            response = self.stream.remote(http, prefix=prefix, control=control)
             start: HTTPResponseStart = await response.__anext__()
-        except Exception as err:
+        except BaseException as err:
+            release()
+            if not isinstance(err, Exception):  # cancelled: the client left
+                raise
             logger.warning("an engine replica failed before it answered: %r", err)
             return _replica_failed(err)
         if start.complete:
+            release()
             return Response(start.body, status_code=start.status, headers=_headers(start))
         # The replica's app aborts the request once cancelled: when the client leaves, whenever that is.
-        return EventStream(_rest(start, response), response.cancel, status_code=start.status, headers=_headers(start))
+        return EventStream(_rest(start, response), lambda: (response.cancel(), release()), status_code=start.status,
+                           headers=_headers(start))
 
     async def _update_adapters(self, http: HTTPRequest) -> Response:
         """An adapter load or unload, sent to each replica in turn (see `metrics`) so that all serve the same names:

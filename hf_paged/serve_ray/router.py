@@ -4,9 +4,10 @@ A request carries its prompt's block hashes (``prefix=`` keyword, computed by th
 that was last sent the longest prefix of them, when that prefix is more than half the prompt and that replica has at
 most ``max_imbalance`` requests in flight from this router beyond the least busy one's (`affinity_replica`);
 otherwise to the less loaded of two random replicas. A call with a ``replica=`` keyword goes to that replica only
-(the ingress reads each replica's metrics that way). A replica takes at most ``max_ongoing_requests`` model calls
-from this router; a call marked ``control=True`` (a health probe, a listing: the deployment keeps `CONTROL_SLOTS`
-more for them) may go to any replica, so that it is answered however busy the replicas are.
+(the ingress reads each replica's metrics that way). A replica is sent at most ``max_ongoing_requests`` calls by
+this router (the ingress holds back the calls beyond that many per replica, `ingress.ModelCallGate`); a call marked
+``control=True`` (a health probe, a listing: the deployment keeps `CONTROL_SLOTS` more for them) may go to any
+replica, so that it is answered however busy the replicas are.
 
 The router lives in the ingress's process; `registry.router_of(app_name)` finds it there, for its statistics.
 """
@@ -47,7 +48,9 @@ class PrefixAffinityRouter(RequestRouter):
         self.table = AffinityTable(table_capacity)
         self.stats = RoutingStats()
         self.in_flight: Counter[ReplicaID] = Counter()
-        self._routed: dict[str, ReplicaID] = {}
+        # Calls routed and not completed, by Serve's request id (the calls made while serving one HTTP request share
+        # it: the ingress's calls for /metrics or an adapter update, one per replica).
+        self._routed: dict[str, Counter[ReplicaID]] = {}
         registry.ROUTERS[self.app_name] = self
 
     async def choose_replicas(
@@ -73,7 +76,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.in_flight[replica_id] += 1
-        self._routed[pending_request.metadata.internal_request_id] = replica_id
+        self._routed.setdefault(pending_request.metadata.internal_request_id, Counter())[replica_id] += 1
         hashes = pending_request.kwargs.get("prefix")
         if hashes is None:
             return
@@ -85,8 +88,12 @@ class PrefixAffinityRouter(RequestRouter):
         self.table.record(hashes, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._routed.pop(internal_request_id, None) is not None:
+        routed = self._routed.get(internal_request_id)
+        if routed and routed[replica_id] > 0:
+            routed[replica_id] -= 1
             self.in_flight[replica_id] -= 1
+            if not +routed:
+                del self._routed[internal_request_id]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
